@@ -1,0 +1,40 @@
+# Two entry points: `make demo` and `make test`. Both create .venv at the repo root if missing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+NPROC  := $(shell nproc 2>/dev/null || echo 2)
+
+# TVM's runtime uses one thread unless told otherwise (see shared/TVM_NOTES.md).
+export TVM_NUM_THREADS ?= $(NPROC)
+
+.PHONY: demo test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# Stamp files: reinstall when pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@ $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/tvm-fusion demo
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check tvm_fusion tests scripts tutorials
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check tvm_fusion tests scripts tutorials
+	$(VENV)/bin/ruff format --check tvm_fusion tests scripts tutorials
+
+bench: $(VENV)/.installed-test
+	$(VENV)/bin/tvm-fusion bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

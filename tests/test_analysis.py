@@ -1,0 +1,62 @@
+"""Kernel counting at every stage, fusion report, DOT output."""
+
+import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from tvm_fusion import analysis, engine, models
+
+
+@I.ir_module
+class TwoOps:
+    @R.function
+    def main(x: R.Tensor((4, 8), "float32")):
+        with R.dataflow():
+            a = R.exp(x)
+            b = R.reshape(a, (8, 4))
+            c = R.sum(b, axis=[1])
+            R.output(c)
+        return c
+
+
+def test_count_before_lowering():
+    # exp and sum become kernels; the reshape is a view
+    assert analysis.kernel_count(TwoOps) == 2
+    assert analysis.view_count(TwoOps) == 1
+
+
+def test_count_after_each_pipeline(target):
+    for pipeline in ("stock", "tvm_fusion"):
+        lowered = engine.compile_module(TwoOps, target, pipeline).lowered
+        kernels = analysis.kernels(lowered)
+        assert 1 <= len(kernels) <= 2
+        assert all(not k.name.startswith("shape_func") for k in kernels)
+
+
+def test_host_shape_funcs_are_not_kernels(target):
+    inst = models.build("dynamic_reshape", "small")
+    lowered = engine.compile_module(inst.mod, target, "stock").lowered
+    has_shape_func = any(gv.name_hint.startswith("shape_func") for gv in lowered.get_global_vars())
+    assert has_shape_func
+    names = [k.name for k in analysis.kernels(lowered)]
+    assert names and not any(n.startswith("shape_func") for n in names)
+
+
+def test_fusion_report_lists_groups(target):
+    inst = models.build("lstm_cell", "small")
+    report = analysis.fusion_report(inst.mod, target, name="lstm_cell")
+    assert report.stock_kernels == len(report.stock) >= 2
+    text = report.to_text()
+    assert "stock groups" in text and "tvm_fusion groups" in text
+    assert any("matmul" in k.label() for k in report.stock)
+    data = report.to_dict()
+    assert data["kernels"]["stock"] == report.stock_kernels
+
+
+def test_dot(target):
+    inst = models.build("gate_2890", "small")
+    grouped = analysis.grouped(inst.mod, target, ours=True)
+    dot = analysis.to_dot(grouped, "g")
+    assert dot.startswith('digraph "g"') and dot.rstrip().endswith("}")
+    assert dot.count("->") >= 2
+    assert isinstance(grouped, tvm.IRModule)

@@ -1,0 +1,180 @@
+"""tvm-fusion CLI: commands work; bad input is one line on stderr and exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from tvm_fusion.cli import main
+
+
+def _model(tmp_path):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])
+    w = onnx.numpy_helper.from_array(np.eye(8, dtype="float32"), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["y"])],
+        "g",
+        [x],
+        [y],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    path = tmp_path / "mlp.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def _error_line(capsys):
+    err = capsys.readouterr().err.strip()
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("tvm-fusion: error: ")
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compile", "/no/such/model.onnx", "-o", "x.so"], "model file not found"),
+        (["explain", "/no/such/model.onnx"], "model file not found"),
+        (["explain", "not_a_workload"], "neither an ONNX file nor a workload"),
+        (["bench", "--workloads", "resnet"], "unknown workload"),
+        (["bench", "--engines", "tensorrt"], "unknown engine"),
+        (["demo", "--workloads", "nope"], "unknown workload"),
+        (["explain", "gate_2890", "--target", "vulkan9"], "unknown target"),
+        (["explain", "gate_2890", "--target", "cuda:sm_xx"], "unknown CUDA architecture"),
+        (["explain", "gate_2890", "--target", '{"kind": "nonsense"}'], "unknown target"),
+        (["explain", "gate_2890", "--disable", "fuse_everything"], "unknown pass"),
+        (["compile", "gate_2890", "-o", "/x.so", "--tuning-db", "/no/db"], "tuning database"),
+    ],
+)
+def test_bad_input_one_line_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in _error_line(capsys)
+
+
+def test_corrupt_model(tmp_path, capsys):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00\x01\x02 definitely not onnx" * 20)
+    assert main(["compile", str(bad), "-o", str(tmp_path / "o.so")]) == 2
+    assert "bad.onnx" in _error_line(capsys)
+
+
+def test_bad_shape_option(tmp_path, capsys):
+    path = _model(tmp_path)
+    assert main(["explain", str(path), "--shape", "x=1,9"]) == 2
+    assert "dim 1 is 8" in _error_line(capsys)
+    assert main(["explain", str(path), "--shape", "x"]) == 2
+    assert "NAME=D1,D2" in _error_line(capsys)
+
+
+def test_output_dir_missing(tmp_path, capsys):
+    path = _model(tmp_path)
+    assert main(["compile", str(path), "-o", str(tmp_path / "nope" / "o.so")]) == 2
+    assert "output directory" in _error_line(capsys)
+
+
+def test_process_level_no_traceback(tmp_path):
+    """As a user runs it: a separate process, exit code 2, one line, no traceback."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tvm_fusion.cli",
+            "compile",
+            str(tmp_path / "missing.onnx"),
+            "-o",
+            "x.so",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"tvm-fusion: error: model file not found: {tmp_path / 'missing.onnx'}"
+    ]
+
+
+def test_compile_onnx_to_so_and_run(tmp_path, capsys):
+    import tvm
+    from tvm import relax
+
+    path = _model(tmp_path)
+    out = tmp_path / "mlp.so"
+    assert main(["compile", str(path), "-o", str(out)]) == 0
+    assert out.exists() and "wrote" in capsys.readouterr().out
+    ex = tvm.runtime.load_module(str(out))
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype("float32")
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), np.maximum(x, 0))
+
+
+def test_explain_workload_and_dot(tmp_path, capsys):
+    dot = tmp_path / "g.dot"
+    assert main(["explain", "lstm_cell", "--dot", str(dot)]) == 0
+    out = capsys.readouterr().out
+    assert "fusion report: lstm_cell" in out and "kernels: stock" in out
+    text = dot.read_text()
+    assert text.startswith('digraph "lstm_cell"') and "->" in text
+
+
+def test_explain_json(capsys):
+    assert main(["explain", "take_arange", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["kernels"]) == {"stock", "tvm_fusion"}
+
+
+def test_demo_small(capsys):
+    assert (
+        main(
+            [
+                "demo",
+                "--size",
+                "small",
+                "--workloads",
+                "gate_2890,mha_transpose",
+                "--repeat",
+                "3",
+                "--budget",
+                "0.1",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "| gate_2890 |" in out and "agree" in out and "DIFFER" not in out
+
+
+def test_bench_small_writes_results(tmp_path, capsys):
+    out_file = tmp_path / "r.json"
+    argv = [
+        "bench",
+        "--size",
+        "small",
+        "--workloads",
+        "take_arange",
+        "--engines",
+        "tvm-stock,tvm-fusion,onnxruntime",
+        "--repeat",
+        "3",
+        "--budget",
+        "0.1",
+        "--output",
+        str(out_file),
+    ]
+    assert main(argv) == 0
+    data = json.loads(out_file.read_text())
+    row = data["results"][0]
+    assert row["workload"] == "take_arange"
+    assert set(row["engines"]) == {"tvm-stock", "tvm-fusion", "onnxruntime"}
+    assert all(e["ok"] for e in row["engines"].values())
+    assert row["ratios"]["tvm-fusion/tvm-stock"] > 0
+    assert out_file.with_suffix(".md").read_text().count("take_arange") == 1

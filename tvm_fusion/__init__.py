@@ -1,0 +1,47 @@
+"""tvm-fusion: graph-level fusion passes for Apache TVM's Relax IR.
+
+Importing this package registers the Relax pipeline ``"tvm_fusion"``::
+
+    import tvm, tvm_fusion
+    ex = tvm.compile(mod, tvm_fusion.host_target(), relax_pipeline="tvm_fusion")
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+# TVM's thread pool starts with one thread on small machines unless told otherwise.
+_os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0))))
+
+from . import _compat, analysis  # noqa: E402
+from .errors import ModelError, TvmFusionError, UsageError  # noqa: E402
+from .frontend import load_onnx  # noqa: E402
+from .pipeline import (  # noqa: E402
+    build_pipeline,
+    fusion_passes,
+    post_fusion_passes,
+    stock_pipeline,
+)
+from .pipeline import (
+    register as _register_pipeline,
+)
+from .target import host_target, parse_target  # noqa: E402
+
+_compat.apply()
+_register_pipeline()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelError",
+    "TvmFusionError",
+    "UsageError",
+    "analysis",
+    "build_pipeline",
+    "fusion_passes",
+    "host_target",
+    "load_onnx",
+    "parse_target",
+    "post_fusion_passes",
+    "stock_pipeline",
+]

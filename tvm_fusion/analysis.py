@@ -1,0 +1,312 @@
+"""What a compiled (or partly compiled) module does: kernels, fused groups, rewrites, DOT.
+
+``kernel_count(mod)`` works at every stage of the pipeline: before fusion it counts ops that will
+become kernels, after FuseOps it counts fused groups, after FuseTIR and VM lowering it counts
+PrimFunc and extern calls. Views (``R.reshape`` lowered to ``vm.builtin.reshape``), shape
+arithmetic and allocations are not kernels.
+
+``fusion_report(mod, target)`` lowers ``mod`` with stock TVM and with the ``tvm_fusion`` pipeline
+to the grouped stage (after FuseOps and our Phase 3) and lists the groups side by side with the
+rewrites each of our passes made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+
+import tvm
+from tvm import relax, tirx
+
+from .tir_util import block_names
+
+# Relax ops that never launch a kernel: views, shape computations, tuples, allocations.
+_NON_KERNEL_OPS = {
+    "relax.reshape",
+    "relax.shape_of",
+    "relax.tensor_to_shape",
+    "relax.shape_to_tensor",
+    "relax.match_cast",
+    "relax.null_value",
+    "relax.hint_on_device",
+    "relax.to_vdevice",
+    "relax.call_pure_packed",
+    "relax.call_packed",
+    "relax.call_builtin_with_ctx",
+    "relax.builtin.alloc_tensor",
+    "relax.memory.alloc_storage",
+    "relax.memory.alloc_tensor",
+    "relax.memory.kill_storage",
+    "relax.memory.kill_tensor",
+    "relax.vm.alloc_storage",
+    "relax.vm.alloc_tensor",
+    "relax.vm.kill_object",
+    "relax.print",
+    "relax.assert_op",
+    "relax.grad.no_grad",
+    "relax.grad.start_checkpoint",
+    "relax.grad.end_checkpoint",
+    "relax.ensure_zero_offset",
+    "relax.memory.view",
+}
+_KERNEL_CALL_OPS = {"relax.call_tir", "relax.call_tir_inplace", "relax.call_dps_packed"}
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One kernel launch site in a host-side Relax function."""
+
+    name: str
+    ops: list[str]
+    func: str  # the Relax function that launches it
+
+    def label(self) -> str:
+        return f"{self.name}[{', '.join(self.ops)}]" if self.ops else self.name
+
+
+def _host_functions(mod: tvm.IRModule) -> Iterable[tuple[str, relax.Function]]:
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function) and not func.attrs.get("Primitive", False):
+            yield gv.name_hint, func
+
+
+def _callee_ops(mod: tvm.IRModule, callee) -> list[str]:
+    """Op names inside a fused group (a Primitive Relax function) or a PrimFunc."""
+    if isinstance(callee, relax.GlobalVar) and callee in mod.get_global_vars():
+        func = mod[callee]
+    else:
+        return []
+    ops: list[str] = []
+    if isinstance(func, relax.Function):
+
+        def visit(expr):
+            if isinstance(expr, relax.Call):
+                if isinstance(expr.op, tvm.ir.Op):
+                    if expr.op.name in _KERNEL_CALL_OPS:
+                        target = expr.args[0]
+                        ops.append(getattr(target, "name_hint", str(target)))
+                    else:
+                        ops.append(expr.op.name.removeprefix("relax."))
+
+        relax.analysis.post_order_visit(func.body, visit)
+    elif isinstance(func, tirx.PrimFunc):
+        ops = block_names(func)
+    return ops
+
+
+def kernels(mod: tvm.IRModule) -> list[Kernel]:
+    """Kernel launch sites in the host-side Relax functions of ``mod``, in program order."""
+    found: list[Kernel] = []
+    for fname, func in _host_functions(mod):
+
+        def visit(expr, fname=fname):
+            if not isinstance(expr, relax.Call):
+                return
+            op = expr.op
+            if isinstance(op, tvm.ir.Op):
+                if op.name in _KERNEL_CALL_OPS:
+                    callee = expr.args[0]
+                    name = getattr(callee, "name_hint", None) or getattr(
+                        callee, "global_symbol", str(callee)
+                    )
+                    found.append(Kernel(name, _callee_ops(mod, callee), fname))
+                elif op.name not in _NON_KERNEL_OPS and not op.name.startswith(
+                    ("relax.memory.", "relax.vm.", "relax.builtin.")
+                ):
+                    # an unlowered Relax op: one kernel once legalised
+                    found.append(Kernel(op.name.removeprefix("relax."), [], fname))
+            elif isinstance(op, relax.GlobalVar) and op in mod.get_global_vars():
+                callee = mod[op]
+                is_group = isinstance(callee, relax.Function) and callee.attrs.get(
+                    "Primitive", False
+                )
+                is_kernel = isinstance(callee, tirx.PrimFunc) and not callee.attrs.get(
+                    "tirx.is_host_func", False
+                )  # VMShapeLower's shape_func runs on the host: not a kernel
+                if is_kernel or is_group:
+                    found.append(Kernel(op.name_hint, _callee_ops(mod, op), fname))
+            elif isinstance(op, relax.ExternFunc):
+                if not op.global_symbol.startswith("vm.builtin."):
+                    found.append(Kernel(op.global_symbol, [], fname))
+
+        relax.analysis.post_order_visit(func.body, visit)
+    return found
+
+
+def kernel_count(mod: tvm.IRModule) -> int:
+    """Number of kernel launch sites in ``mod`` (see module docstring for what counts)."""
+    return len(kernels(mod))
+
+
+def view_count(mod: tvm.IRModule) -> int:
+    """Number of zero-copy views (``R.reshape``/``vm.builtin.reshape``) in host functions."""
+    count = 0
+    for _, func in _host_functions(mod):
+
+        def visit(expr):
+            nonlocal count
+            if isinstance(expr, relax.Call):
+                op = expr.op
+                if isinstance(op, tvm.ir.Op) and op.name == "relax.reshape":
+                    count += 1
+                elif isinstance(op, relax.ExternFunc) and op.global_symbol == "vm.builtin.reshape":
+                    count += 1
+                elif (
+                    isinstance(op, tvm.ir.Op)
+                    and op.name == "relax.call_builtin_with_ctx"
+                    and isinstance(expr.args[0], relax.ExternFunc)
+                    and expr.args[0].global_symbol == "vm.builtin.reshape"
+                ):
+                    count += 1
+
+        relax.analysis.post_order_visit(func.body, visit)
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
+# Fusion report
+
+
+@dataclasses.dataclass
+class FusionReport:
+    name: str
+    target: str
+    stock: list[Kernel]
+    ours: list[Kernel]
+    rewrites: dict[str, int]
+    stock_views: int = 0
+    ours_views: int = 0
+
+    @property
+    def stock_kernels(self) -> int:
+        return len(self.stock)
+
+    @property
+    def ours_kernels(self) -> int:
+        return len(self.ours)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "target": self.target,
+            "kernels": {"stock": self.stock_kernels, "tvm_fusion": self.ours_kernels},
+            "views": {"stock": self.stock_views, "tvm_fusion": self.ours_views},
+            "rewrites": dict(self.rewrites),
+            "groups": {
+                "stock": [k.label() for k in self.stock],
+                "tvm_fusion": [k.label() for k in self.ours],
+            },
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_text(self) -> str:
+        lines = [
+            f"fusion report: {self.name} on {self.target}",
+            f"  kernels: stock {self.stock_kernels}, tvm_fusion {self.ours_kernels}"
+            f"  (zero-copy views: stock {self.stock_views}, tvm_fusion {self.ours_views})",
+            "  rewrites: "
+            + (
+                ", ".join(f"{k} x{v}" for k, v in sorted(self.rewrites.items()))
+                if self.rewrites
+                else "none"
+            ),
+            "  stock groups:",
+            *[f"    {i}. {k.label()}" for i, k in enumerate(self.stock, 1)],
+            "  tvm_fusion groups:",
+            *[f"    {i}. {k.label()}" for i, k in enumerate(self.ours, 1)],
+        ]
+        return "\n".join(lines)
+
+
+def grouped(mod: tvm.IRModule, target, ours: bool, **flags) -> tvm.IRModule:
+    """Lower ``mod`` to the grouped stage: Phases 0-2 (and our 1 and 3 when ``ours``)."""
+    from . import pipeline
+    from .target import parse_target
+
+    tgt = parse_target(target)
+    with tgt:
+        passes = [*pipeline._backend(tgt).library_dispatch_passes(tgt)]
+        if ours:
+            passes += pipeline.fusion_passes(tgt, **flags)
+        passes += pipeline.lowering_passes()
+        if ours:
+            passes += pipeline.post_fusion_passes(tgt, **flags)
+        return tvm.transform.Sequential(passes)(mod)
+
+
+def fusion_report(mod: tvm.IRModule, target=None, name: str = "model", **flags) -> FusionReport:
+    """Groups of stock TVM and of ``tvm_fusion`` side by side, with our rewrite counts."""
+    from .target import parse_target
+    from .transform import collect_rewrites
+
+    tgt = parse_target(target)
+    stock_mod = grouped(mod, tgt, ours=False)
+    with collect_rewrites() as counts:
+        ours_mod = grouped(mod, tgt, ours=True, **flags)
+    return FusionReport(
+        name=name,
+        target=str(tgt.kind.name),
+        stock=kernels(stock_mod),
+        ours=kernels(ours_mod),
+        rewrites=dict(counts),
+        stock_views=view_count(stock_mod),
+        ours_views=view_count(ours_mod),
+    )
+
+
+def to_dot(mod: tvm.IRModule, title: str = "tvm_fusion") -> str:
+    """The dataflow of ``main`` as Graphviz DOT: kernels as boxes, views as dashed nodes."""
+    func = mod["main"]
+    lines = [f'digraph "{title}" {{', "  rankdir=TB;", '  node [fontname="monospace"];']
+    names: dict[relax.Var, str] = {}
+
+    def node_id(var: relax.Var) -> str:
+        if var not in names:
+            names[var] = f"n{len(names)}"
+        return names[var]
+
+    for param in func.params:
+        lines.append(f'  {node_id(param)} [label="{param.name}", shape=ellipse];')
+
+    def used_vars(expr) -> list[relax.Var]:
+        seen: list[relax.Var] = []
+
+        def visit(e):
+            if isinstance(e, relax.Var) and e in names and e not in seen:
+                seen.append(e)
+
+        relax.analysis.post_order_visit(expr, visit)
+        return seen
+
+    def binding_label(value) -> tuple[str, str]:
+        if isinstance(value, relax.Call):
+            op = value.op
+            if isinstance(op, tvm.ir.Op):
+                if op.name in _KERNEL_CALL_OPS:
+                    callee = value.args[0]
+                    name = getattr(callee, "name_hint", str(callee))
+                    ops = _callee_ops(mod, callee)
+                    return f"{name}\\n{' '.join(ops[:6])}", "box"
+                if op.name == "relax.reshape":
+                    return "reshape (view)", "box, style=dashed"
+                return op.name.removeprefix("relax."), "box"
+            if isinstance(op, relax.GlobalVar):
+                ops = _callee_ops(mod, op)
+                return f"{op.name_hint}\\n{' '.join(ops[:6])}", "box, style=bold"
+        if isinstance(value, relax.TupleGetItem):
+            return f"[{value.index}]", "point"
+        return type(value).__name__, "plaintext"
+
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            label, shape = binding_label(binding.value)
+            nid = node_id(binding.var)
+            lines.append(f'  {nid} [label="{label}", shape={shape}];')
+            for src in used_vars(binding.value):
+                if src is not binding.var:
+                    lines.append(f"  {names[src]} -> {nid};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"

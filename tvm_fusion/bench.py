@@ -1,0 +1,263 @@
+"""The benchmark harness behind ``tvm-fusion bench`` and ``scripts/bench.py``.
+
+Every engine runs in this one process on the same inputs: ``tvm-stock`` (stock TVM's fusing
+pipeline, ``relax.get_default_pipeline``), ``tvm-fusion`` (ours), ``onnxruntime`` (the workload's
+ONNX model) and ``torch`` (when installed). Each is warmed up, then timed; the median and the
+minimum are kept, each engine's outputs are checked against the workload's NumPy reference, and
+the ratios are computed from medians taken in the same run. Results go to a JSON file and a
+markdown table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import platform
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from . import engine, models
+from .analysis import kernel_count
+from .errors import UsageError
+from .target import parse_target
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("tvm-stock", "tvm-fusion", "onnxruntime", "torch")
+
+
+def _have(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def parse_engines(spec: str | Sequence[str] | None) -> list[str]:
+    names = (
+        list(ENGINES)
+        if spec is None
+        else (
+            [s.strip() for s in spec.split(",") if s.strip()]
+            if isinstance(spec, str)
+            else list(spec)
+        )
+    )
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown:
+        raise UsageError(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}")
+    return names
+
+
+@dataclasses.dataclass
+class EngineResult:
+    engine: str
+    median_ms: float | None = None
+    min_ms: float | None = None
+    runs: int = 0
+    max_abs_err: float | None = None
+    ok: bool | None = None
+    kernels: int | None = None
+    compile_s: float | None = None
+    skipped: str | None = None  # why the engine did not run
+
+
+@dataclasses.dataclass
+class WorkloadResult:
+    workload: str
+    size: str
+    expect: str
+    engines: dict[str, EngineResult]
+
+    def ratio(self, num: str, den: str) -> float | None:
+        a, b = self.engines.get(num), self.engines.get(den)
+        if not a or not b or a.median_ms is None or b.median_ms is None or not b.median_ms:
+            return None
+        return a.median_ms / b.median_ms
+
+
+def run_engine(
+    name: str,
+    inst: models.Instance,
+    target,
+    repeat: int,
+    budget_s: float,
+    tvm_options: dict | None = None,
+) -> EngineResult:
+    """Prepare one engine for one workload instance, check its outputs, time it."""
+    result = EngineResult(name)
+    threads = engine.threads_for(target)
+    reference = inst.reference(*inst.input_list())
+    run: Callable
+    if name in ("tvm-stock", "tvm-fusion"):
+        pipeline = "stock" if name == "tvm-stock" else "tvm_fusion"
+        opts = {} if pipeline == "stock" else dict(tvm_options or {})
+        compiled = engine.compile_module(inst.mod, target, pipeline, **opts)
+        result.kernels = kernel_count(compiled.lowered)
+        result.compile_s = round(compiled.compile_s, 3)
+        runner = engine.TvmRunner(compiled, inst.input_list())
+        outputs = runner.outputs()
+        run = runner
+    elif name == "onnxruntime":
+        if not _have("onnxruntime"):
+            result.skipped = "onnxruntime is not installed (pip install tvm-fusion[bench])"
+            return result
+        if inst.onnx_model is None:
+            result.skipped = "no ONNX model for this workload"
+            return result
+        run = engine.onnxruntime_runner(inst.onnx_model, inst.inputs, threads)
+        outputs = [np.asarray(o) for o in run()]
+    elif name == "torch":
+        if not _have("torch"):
+            result.skipped = "torch is not installed"
+            return result
+        if inst.torch_fn is None:
+            result.skipped = "no torch function for this workload"
+            return result
+        run = engine.torch_runner(inst.torch_fn, inst.input_list(), threads)
+        outputs = run()
+    else:  # pragma: no cover - parse_engines guards this
+        raise UsageError(f"unknown engine {name}")
+    result.max_abs_err = engine.max_error(outputs, reference)
+    result.ok = engine.allclose(outputs, reference, inst.rtol, inst.atol)
+    if not result.ok:
+        logger.warning(
+            "%s on %s differs from the reference (max abs err %.3g)",
+            name,
+            inst.name,
+            result.max_abs_err,
+        )
+    timing = engine.time_runs(run, repeat=repeat, budget_s=budget_s)
+    result.median_ms = timing["median_ms"]
+    result.min_ms = timing["min_ms"]
+    result.runs = timing["runs"]
+    return result
+
+
+def run_bench(
+    workloads: Sequence[str] | None = None,
+    engines: Sequence[str] | None = None,
+    size: str = "seed",
+    target=None,
+    repeat: int = 10,
+    budget_s: float = 10.0,
+    tvm_options: dict | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[WorkloadResult]:
+    names = list(workloads) if workloads else models.names()
+    for n in names:
+        models.get(n)  # unknown names fail before any work
+    engine_names = parse_engines(engines)
+    tgt = parse_target(target)
+    results = []
+    for wname in names:
+        inst = models.build(wname, size)
+        per_engine = {}
+        for ename in engine_names:
+            if progress:
+                progress(f"{wname}: {ename}")
+            per_engine[ename] = run_engine(ename, inst, tgt, repeat, budget_s, tvm_options)
+        results.append(WorkloadResult(wname, size, inst.expect, per_engine))
+    return results
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "-" if value is None else (f"{value:.3f}" if value < 10 else f"{value:.1f}")
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def markdown_table(results: Sequence[WorkloadResult], engines: Sequence[str]) -> str:
+    """One row per workload: kernels, median ms per engine, ratios of ours to the others."""
+    others = [e for e in engines if e != "tvm-fusion"]
+    header = ["workload", "kernels stock/ours"]
+    header += [f"{e} ms" for e in engines]
+    if "tvm-fusion" in engines:
+        header += [f"ours/{e}" for e in others]
+    header.append("outputs")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for res in results:
+        stock = res.engines.get("tvm-stock")
+        ours = res.engines.get("tvm-fusion")
+        kernels = f"{stock.kernels if stock else '-'}/{ours.kernels if ours else '-'}"
+        row = [res.workload, kernels]
+        row += [
+            _fmt_ms(res.engines[e].median_ms)
+            if e in res.engines and not res.engines[e].skipped
+            else "skip"
+            for e in engines
+        ]
+        if "tvm-fusion" in engines:
+            row += [_fmt_ratio(res.ratio("tvm-fusion", e)) for e in others]
+        bad = [e for e, r in res.engines.items() if r.ok is False]
+        row.append("ok" if not bad else "MISMATCH: " + ",".join(bad))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def machine_info(target) -> dict:
+    import tvm
+
+    info = {
+        "platform": platform.platform(),
+        "processor": _cpu_name(),
+        "python": platform.python_version(),
+        "tvm": tvm.__version__,
+        "target": str(parse_target(target)),
+        "threads": engine.threads_for(parse_target(target)),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    for module in ("onnxruntime", "torch"):
+        if _have(module):
+            info[module] = __import__(module).__version__
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def write_results(
+    results: Sequence[WorkloadResult], engines, target, path: str | Path, extra: dict | None = None
+) -> Path:
+    """Write ``results`` as JSON to ``path`` and the markdown table beside it (``.md``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "machine": machine_info(target),
+        **(extra or {}),
+        "engines": list(engines),
+        "results": [
+            {
+                "workload": r.workload,
+                "size": r.size,
+                "expect": r.expect,
+                "engines": {k: dataclasses.asdict(v) for k, v in r.engines.items()},
+                "ratios": {
+                    f"tvm-fusion/{e}": r.ratio("tvm-fusion", e)
+                    for e in engines
+                    if e != "tvm-fusion"
+                },
+            }
+            for r in results
+        ],
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.with_suffix(".md").write_text(
+        f"# Benchmark ({payload['machine']['processor']}, {payload['machine']['threads']} "
+        f"threads, {payload['machine']['date']})\n\nMedian ms per run.\n\n"
+        + markdown_table(results, engines)
+        + "\n"
+    )
+    return path

@@ -1,0 +1,273 @@
+"""``tvm-fusion``: demo | compile | explain | bench | tune.
+
+Bad input (a missing or corrupt model, an unknown target, workload or engine) prints one line
+``tvm-fusion: error: ...`` on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import TvmFusionError, UsageError
+
+PROG = "tvm-fusion"
+
+
+def _parse_shapes(items: Sequence[str] | None) -> dict[str, list[int | str]] | None:
+    """``--shape x=1,128 --shape mask=batch,128`` -> ``{"x": [1, 128], ...}``."""
+    if not items:
+        return None
+    shapes: dict[str, list[int | str]] = {}
+    for item in items:
+        name, sep, dims = item.partition("=")
+        if not sep or not name or not dims:
+            raise UsageError(f"--shape expects NAME=D1,D2,..., got {item!r}")
+        shapes[name] = [
+            int(d) if d.strip().lstrip("-").isdigit() else d.strip() for d in dims.split(",")
+        ]
+    return shapes
+
+
+def _load_module(model: str, shapes=None):
+    """An ONNX file, or the name of an embedded workload."""
+    from . import models
+    from .frontend import load_onnx
+
+    if model.endswith(".onnx") or os.sep in model or os.path.exists(model):
+        return load_onnx(model, shapes), Path(model).stem
+    if model in models.names():
+        return models.build(model, "seed").mod, model
+    raise UsageError(
+        f"{model!r} is neither an ONNX file nor a workload; workloads: {', '.join(models.names())}"
+    )
+
+
+def _pipeline_options(args) -> dict:
+    options = {}
+    if getattr(args, "tuning_db", None):
+        if not Path(args.tuning_db).is_dir():
+            raise UsageError(f"tuning database directory not found: {args.tuning_db}")
+        options["tuning_db"] = args.tuning_db
+    if getattr(args, "dump_dir", None):
+        options["dump_dir"] = args.dump_dir
+    for flag in getattr(args, "disable", None) or []:
+        from .pipeline import pass_flags
+
+        if flag not in pass_flags():
+            raise UsageError(
+                f"unknown pass {flag!r} for --disable; known: {', '.join(pass_flags())}"
+            )
+        options[flag] = False
+    return options
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_demo(args) -> int:
+    from . import bench, models
+
+    names = _workload_list(args.workloads) or models.names()
+    print(
+        f"tvm-fusion demo: stock TVM's fusing pipeline vs tvm_fusion on {args.target or 'llvm'}"
+        f" ({args.size} shapes)",
+        flush=True,
+    )
+    results = bench.run_bench(
+        names,
+        ["tvm-stock", "tvm-fusion"],
+        size=args.size,
+        target=args.target,
+        repeat=args.repeat,
+        budget_s=args.budget,
+        progress=lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True),
+    )
+    print()
+    print("| workload | kernels stock | kernels ours | stock ms | ours ms | speedup | outputs |")
+    print("|---|---|---|---|---|---|---|")
+    all_ok = True
+    for res in results:
+        stock, ours = res.engines["tvm-stock"], res.engines["tvm-fusion"]
+        ok = stock.ok and ours.ok
+        all_ok &= bool(ok)
+        ratio = res.ratio("tvm-stock", "tvm-fusion")
+        print(
+            f"| {res.workload} | {stock.kernels} | {ours.kernels} | "
+            f"{bench._fmt_ms(stock.median_ms)} | {bench._fmt_ms(ours.median_ms)} | "
+            f"{ratio:.2f}x | {'agree' if ok else 'DIFFER'} |"
+        )
+    print()
+    for res in results:
+        print(f"  {res.workload}: {res.expect}")
+    return 0 if all_ok else 1
+
+
+def cmd_compile(args) -> int:
+    from . import engine
+    from .analysis import kernel_count
+
+    mod, _ = _load_module(args.model, _parse_shapes(args.shape))
+    compiled = engine.compile_module(mod, args.target, "tvm_fusion", **_pipeline_options(args))
+    out = Path(args.output)
+    if out.parent and not out.parent.exists():
+        raise UsageError(f"output directory does not exist: {out.parent}")
+    compiled.executable.export_library(str(out))
+    print(
+        f"wrote {out} ({compiled.target.kind.name}, {kernel_count(compiled.lowered)} kernels, "
+        f"compiled in {compiled.compile_s:.1f} s)"
+    )
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from .analysis import fusion_report, to_dot
+
+    mod, name = _load_module(args.model, _parse_shapes(args.shape))
+    options = {k: v for k, v in _pipeline_options(args).items() if k not in ("dump_dir",)}
+    report = fusion_report(mod, args.target, name=name, **options)
+    print(report.to_json() if args.json else report.to_text())
+    if args.dot:
+        from .analysis import grouped
+
+        Path(args.dot).write_text(to_dot(grouped(mod, args.target, ours=True, **options), name))
+        print(f"wrote {args.dot}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    engines = bench.parse_engines(args.engines)
+    names = _workload_list(args.workloads)
+    results = bench.run_bench(
+        names,
+        engines,
+        size=args.size,
+        target=args.target,
+        repeat=args.repeat,
+        budget_s=args.budget,
+        tvm_options=_pipeline_options(args),
+        progress=lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True),
+    )
+    print(bench.markdown_table(results, engines))
+    if args.output:
+        path = bench.write_results(results, engines, args.target, args.output)
+        print(f"\nwrote {path} and {path.with_suffix('.md')}")
+    return 0 if all(r.ok is not False for res in results for r in res.engines.values()) else 1
+
+
+def _workload_list(spec: str | None) -> list[str] | None:
+    if not spec:
+        return None
+    from . import models
+
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    for name in names:
+        models.get(name)
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_common(p: argparse.ArgumentParser, with_passes: bool = True) -> None:
+    p.add_argument(
+        "--target",
+        default=None,
+        help="llvm (host CPU, default) | cuda | cuda:sm_XX | JSON target dict",
+    )
+    if with_passes:
+        p.add_argument(
+            "--disable",
+            action="append",
+            metavar="PASS",
+            help="switch one of our passes off (snake_case flag), repeatable",
+        )
+        p.add_argument(
+            "--tuning-db",
+            default=None,
+            metavar="DIR",
+            help="MetaSchedule work dir whose database is applied",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="-v: info, -vv: debug logs (why patterns did not fire)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="stock vs tvm_fusion on the embedded workloads")
+    _add_common(p, with_passes=False)
+    p.add_argument("--workloads", default=None, help="comma-separated workload names")
+    p.add_argument("--size", default="seed", choices=["seed", "small"])
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--budget", type=float, default=3.0, help="seconds of timing per engine")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("compile", help="compile an ONNX model to a shared library")
+    p.add_argument("model", help="MODEL.onnx or a workload name")
+    p.add_argument("-o", "--output", required=True, help="output .so")
+    p.add_argument("--shape", action="append", metavar="NAME=D1,D2", help="input shape")
+    p.add_argument("--dump-dir", default=None, help="write the IR after every phase here")
+    _add_common(p)
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("explain", help="fusion report: groups stock vs ours, rewrites per pass")
+    p.add_argument("model", help="MODEL.onnx or a workload name")
+    p.add_argument("--shape", action="append", metavar="NAME=D1,D2", help="input shape")
+    p.add_argument("--dot", default=None, metavar="FILE", help="write the fused graph as DOT")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_common(p)
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("bench", help="benchmark engines side by side in one process")
+    p.add_argument("--workloads", default=None, help="comma-separated workload names")
+    p.add_argument(
+        "--engines",
+        default=None,
+        help="comma-separated: tvm-stock,tvm-fusion,onnxruntime,torch (default all)",
+    )
+    p.add_argument("--size", default="seed", choices=["seed", "small"])
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--budget", type=float, default=10.0, help="seconds of timing per engine")
+    p.add_argument("--output", default="bench/results.json", help="JSON results file ('' = none)")
+    _add_common(p)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _setup_logging(verbosity: int) -> None:
+    level = os.environ.get("TVM_FUSION_LOG", "").upper() or (
+        "DEBUG" if verbosity >= 2 else "INFO" if verbosity == 1 else "WARNING"
+    )
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("tvm_fusion").setLevel(level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except TvmFusionError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Compile and run a Relax module with stock TVM or with tvm_fusion; the peers' runners.
+
+Used by the CLI, the benchmark, the tests and the tutorials, so that every one of them compiles
+the same way. ``compile_module`` returns the lowered IRModule too, for kernel counting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.target import Target
+
+from .errors import UsageError
+from .pipeline import build_pipeline, stock_pipeline
+from .target import is_gpu, num_cores, parse_target
+
+PIPELINES = ("stock", "tvm_fusion")
+
+
+@dataclasses.dataclass
+class Compiled:
+    executable: relax.VMExecutable
+    lowered: tvm.IRModule
+    target: Target
+    pipeline: str
+    compile_s: float
+
+    def vm(self, device=None) -> relax.VirtualMachine:
+        return relax.VirtualMachine(self.executable, device or _device(self.target))
+
+
+def _device(target: Target):
+    return tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
+
+
+def compile_module(
+    mod: tvm.IRModule,
+    target=None,
+    pipeline: str = "tvm_fusion",
+    **options,
+) -> Compiled:
+    """Lower ``mod`` with ``pipeline`` ("stock" or "tvm_fusion") and build it for ``target``.
+
+    ``options`` go to :func:`tvm_fusion.pipeline.build_pipeline` (flags, ``tuning_db``, ...).
+    """
+    tgt = parse_target(target)
+    if pipeline == "stock":
+        if options:
+            raise UsageError(f"the stock pipeline takes no options, got {sorted(options)}")
+        passes = stock_pipeline(tgt)
+    elif pipeline == "tvm_fusion":
+        passes = build_pipeline(tgt, **options)
+    else:
+        raise UsageError(f"unknown pipeline {pipeline!r}; known: {', '.join(PIPELINES)}")
+    start = time.perf_counter()
+    with tgt:
+        lowered = passes(mod)
+    executable = tvm.compile(lowered, tgt, relax_pipeline=None)
+    return Compiled(executable, lowered, tgt, pipeline, time.perf_counter() - start)
+
+
+def as_list(out) -> list[np.ndarray]:
+    """VM outputs (a tensor or a nested tuple of tensors) as a flat list of arrays."""
+    if isinstance(out, tvm.runtime.Tensor):
+        return [out.numpy()]
+    if isinstance(out, Sequence) or hasattr(out, "__getitem__"):
+        flat: list[np.ndarray] = []
+        for item in out:
+            flat.extend(as_list(item))
+        return flat
+    if isinstance(out, int | float | np.generic):
+        return [np.asarray(out)]
+    raise TypeError(f"unexpected VM output {type(out).__name__}")
+
+
+class TvmRunner:
+    """Runs ``main`` of a compiled module on fixed inputs; ``__call__`` returns when done."""
+
+    def __init__(self, compiled: Compiled, inputs: Sequence[np.ndarray]):
+        self.device = _device(compiled.target)
+        self.vm = compiled.vm(self.device)
+        self.args = [tvm.runtime.tensor(a, self.device) for a in inputs]
+        self._main = self.vm["main"]
+        self._sync = is_gpu(compiled.target)
+
+    def __call__(self):
+        out = self._main(*self.args)
+        if self._sync:
+            self.device.sync()
+        return out
+
+    def outputs(self) -> list[np.ndarray]:
+        return as_list(self())
+
+
+def onnxruntime_runner(model, inputs: dict[str, np.ndarray], threads: int) -> Callable:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(
+        model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+    )
+    names = [i.name for i in session.get_inputs()]
+    feed = {name: inputs[name] for name in names}
+    return lambda: session.run(None, feed)
+
+
+def torch_runner(make_fn: Callable, inputs: Sequence[np.ndarray], threads: int) -> Callable:
+    import torch
+
+    torch.set_num_threads(threads)
+    fn = make_fn(torch)
+    args = [torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]
+
+    def run():
+        with torch.inference_mode():
+            return [o.numpy() for o in fn(*args)]
+
+    return run
+
+
+def time_runs(run: Callable, repeat: int = 10, warmup: int = 1, budget_s: float = 10.0) -> dict:
+    """Median and min of ``repeat`` timed calls (at least 3, fewer when over ``budget_s``)."""
+    for _ in range(warmup):
+        run()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < repeat and (len(times) < 3 or spent < budget_s):
+        start = time.perf_counter()
+        run()
+        elapsed = time.perf_counter() - start
+        times.append(elapsed)
+        spent += elapsed
+    ms = np.array(times) * 1e3
+    return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()), "runs": len(times)}
+
+
+def max_error(outputs: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
+    if len(outputs) != len(reference):
+        return float("inf")
+    worst = 0.0
+    for out, ref in zip(outputs, reference, strict=True):
+        out = np.asarray(out, dtype="float64")
+        ref = np.asarray(ref, dtype="float64")
+        if out.shape != ref.shape:
+            return float("inf")
+        if out.size:
+            both_nan = np.isnan(out) & np.isnan(ref)
+            diff = np.where(both_nan, 0.0, np.abs(out - ref))
+            worst = max(worst, float(np.nanmax(np.where(np.isnan(diff), np.inf, diff))))
+    return worst
+
+
+def allclose(outputs, reference, rtol: float, atol: float) -> bool:
+    if len(outputs) != len(reference):
+        return False
+    for out, ref in zip(outputs, reference, strict=True):
+        out, ref = np.asarray(out), np.asarray(ref)
+        if out.shape != ref.shape or not np.allclose(
+            out, ref, rtol=rtol, atol=atol, equal_nan=True
+        ):
+            return False
+    return True
+
+
+def threads_for(target: Target) -> int:
+    return num_cores(target)

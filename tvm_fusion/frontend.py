@@ -1,0 +1,174 @@
+"""ONNX loading: validation, clear errors, then TVM's Relax importer.
+
+``load_onnx(path_or_model, shapes=None)`` returns a Relax IRModule whose ``main`` takes the
+model's graph inputs (initializers become bound constants). Everything that can go wrong with a
+user's model is reported as one :class:`~tvm_fusion.errors.ModelError` line:
+missing file, unreadable or corrupt protobuf, a model that fails ``onnx.checker``, operators the
+importer does not know, and ``shapes`` that name unknown inputs or contradict the model.
+
+``shapes`` maps input names to dimensions; a dimension is an int or a name (a symbolic
+dimension, e.g. ``{"input_ids": ["batch", 128]}``). Inputs not named keep the model's shape,
+its named dynamic axes becoming symbolic variables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+
+import tvm
+
+from .errors import ModelError, first_line
+
+logger = logging.getLogger(__name__)
+
+Shapes = Mapping[str, Sequence[int | str]]
+
+
+def _read_model(path_or_model):
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    if isinstance(path_or_model, onnx.ModelProto):
+        return path_or_model, "<ModelProto>"
+    if isinstance(path_or_model, bytes | bytearray):
+        try:
+            return onnx.load_from_string(bytes(path_or_model)), "<bytes>"
+        except (DecodeError, ValueError, RuntimeError) as err:
+            raise ModelError(f"cannot parse ONNX model from bytes: {first_line(err)}") from None
+    if not isinstance(path_or_model, str | os.PathLike):
+        raise ModelError(
+            f"expected an ONNX file path or onnx.ModelProto, got {type(path_or_model).__name__}"
+        )
+    path = os.fspath(path_or_model)
+    if not os.path.exists(path):
+        raise ModelError(f"model file not found: {path}")
+    if os.path.isdir(path):
+        raise ModelError(f"model path is a directory, not an ONNX file: {path}")
+    try:
+        model = onnx.load(path)
+    except (DecodeError, ValueError, RuntimeError, OSError) as err:
+        raise ModelError(f"cannot parse {path} as ONNX: {first_line(err)}") from None
+    except Exception as err:  # protobuf raises odd types on garbage
+        raise ModelError(f"cannot parse {path} as ONNX: {first_line(err)}") from None
+    return model, path
+
+
+def _check_model(model, where: str) -> None:
+    import onnx
+
+    if not model.graph.node and not model.graph.output:
+        raise ModelError(f"{where} is not an ONNX model (empty graph)")
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as err:
+        raise ModelError(f"{where} is not a valid ONNX model: {first_line(err)}") from None
+    except Exception as err:
+        raise ModelError(f"{where} is not a valid ONNX model: {first_line(err)}") from None
+
+
+def _graph_inputs(model) -> dict[str, list[int | str | None]]:
+    initializers = {init.name for init in model.graph.initializer}
+    inputs: dict[str, list[int | str | None]] = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        ttype = value.type.tensor_type
+        if not ttype.HasField("shape"):
+            inputs[value.name] = None
+            continue
+        dims: list[int | str | None] = []
+        for dim in ttype.shape.dim:
+            if dim.HasField("dim_value"):
+                dims.append(int(dim.dim_value))
+            elif dim.HasField("dim_param"):
+                dims.append(str(dim.dim_param))
+            else:
+                dims.append(None)
+        inputs[value.name] = dims
+    return inputs
+
+
+def _check_shapes(model, shapes: Shapes | None, where: str) -> dict[str, list] | None:
+    if not shapes:
+        return None
+    declared = _graph_inputs(model)
+    result: dict[str, list] = {}
+    for name, dims in shapes.items():
+        if name not in declared:
+            known = ", ".join(declared) or "none"
+            raise ModelError(
+                f"shapes names input {name!r}, which {where} does not have (inputs: {known})"
+            )
+        if isinstance(dims, str | bytes) or not isinstance(dims, Sequence):
+            raise ModelError(f"shape for input {name!r} must be a list of dims, got {dims!r}")
+        model_dims = declared[name]
+        if model_dims is not None and len(model_dims) != len(dims):
+            raise ModelError(
+                f"input {name!r} has rank {len(model_dims)} in {where}, shapes gives "
+                f"{len(dims)} dims {list(dims)}"
+            )
+        out = []
+        for i, dim in enumerate(dims):
+            if isinstance(dim, bool) or not isinstance(dim, int | str):
+                raise ModelError(f"dim {i} of input {name!r} must be an int or a name, got {dim!r}")
+            if isinstance(dim, int) and dim < 0:
+                raise ModelError(f"dim {i} of input {name!r} is negative: {dim}")
+            fixed = model_dims[i] if model_dims is not None else None
+            if isinstance(fixed, int) and isinstance(dim, int) and fixed != dim:
+                raise ModelError(
+                    f"input {name!r} dim {i} is {fixed} in {where}, shapes gives {dim}"
+                )
+            out.append(tvm.tirx.Var(dim, "int64") if isinstance(dim, str) else dim)
+        result[name] = out
+    return result
+
+
+def _unsupported_ops(model) -> list[str]:
+    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+
+    known = set(_get_convert_map()) | {"If", "Constant"}
+    ops: set[str] = set()
+
+    def walk(graph):
+        for node in graph.node:
+            if node.domain not in ("", "ai.onnx") or node.op_type not in known:
+                ops.add(node.op_type if not node.domain else f"{node.domain}.{node.op_type}")
+            for attr in node.attribute:
+                if attr.g is not None and attr.g.node:
+                    walk(attr.g)
+
+    walk(model.graph)
+    return sorted(ops)
+
+
+@contextlib.contextmanager
+def prepare_import(model) -> Iterator[list[str]]:
+    """Yield the operators of ``model`` that the importer cannot convert."""
+    yield _unsupported_ops(model)
+
+
+def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
+    """Validate an ONNX model and import it as a Relax IRModule (see module docstring)."""
+    from tvm.relax.frontend.onnx import from_onnx
+
+    model, where = _read_model(path_or_model)
+    _check_model(model, where)
+    shape_dict = _check_shapes(model, shapes, where)
+    with prepare_import(model) as unsupported:
+        if unsupported:
+            raise ModelError(
+                f"{where} uses ONNX operators that cannot be imported: {', '.join(unsupported)}"
+            )
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mod = from_onnx(model, shape_dict=shape_dict, keep_params_in_input=False)
+        except tvm.error.OpNotImplemented as err:
+            raise ModelError(f"{where}: {first_line(err)}") from None
+        except Exception as err:
+            raise ModelError(f"cannot import {where}: {first_line(err)}") from None
+    return mod

@@ -1,0 +1,102 @@
+"""Cross-entropy workloads (nvFuser #2556).
+
+- ``cross_entropy``: ``log_softmax(logits) -> gather(targets) -> mean over non-ignored rows``
+  with ``ignore_index=-100``, written the way exporters decompose it (where / gather_elements /
+  sum / divide), at logits (512, 32768).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm import relax
+from tvm.relax import op as R
+
+from . import Instance, register
+from ._build import dim, onnx_input, onnx_model, randn, rng, tensor_var
+
+IGNORE_INDEX = -100
+
+
+def _log_softmax_np(x: np.ndarray) -> np.ndarray:
+    xd = x.astype("float64")
+    m = xd.max(axis=-1, keepdims=True)
+    return xd - m - np.log(np.exp(xd - m).sum(axis=-1, keepdims=True))
+
+
+def cross_entropy_np(x, t, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
+    """PyTorch's ``F.cross_entropy(x, t, ignore_index=...)`` with mean reduction, in NumPy."""
+    lsm = _log_softmax_np(x)
+    valid = t != ignore_index
+    picked = np.take_along_axis(lsm, np.where(valid, t, 0)[:, None], axis=1)[:, 0]
+    count = valid.sum()
+    total = np.where(valid, -picked, 0.0).sum()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.array(total / count, dtype=x.dtype)
+
+
+@register(
+    "cross_entropy",
+    "cross_entropy",
+    "log_softmax(x) -> gather targets -> mean over non-ignored rows (ignore_index=-100)",
+)
+def cross_entropy(size: str = "seed", dynamic: bool = False) -> Instance:
+    n_val, vocab = (512, 32768) if size == "seed" else (8, 96)
+    gen = rng(2556)
+    x_np = randn(gen, n_val, vocab, scale=2.0)
+    t_np = gen.integers(0, vocab, size=n_val).astype("int64")
+    t_np[::5] = IGNORE_INDEX  # some ignored rows, as padding makes
+
+    n = dim("n", n_val, dynamic)
+    x = tensor_var("logits", (n, vocab))
+    t = tensor_var("targets", (n,), "int64")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, t]):
+        with bb.dataflow():
+            lsm = bb.emit(R.nn.log_softmax(x, axis=-1))
+            valid = bb.emit(R.not_equal(t, relax.const(IGNORE_INDEX, "int64")))
+            safe = bb.emit(R.where(valid, t, relax.const(0, "int64")))
+            picked = bb.emit(R.gather_elements(lsm, bb.emit(R.expand_dims(safe, 1)), axis=1))
+            picked = bb.emit(R.squeeze(picked, axis=[1]))
+            rows = bb.emit(R.where(valid, bb.emit(R.negative(picked)), relax.const(0.0, "float32")))
+            total = bb.emit(R.sum(rows))
+            count = bb.emit(R.sum(bb.emit(R.astype(valid, "float32"))))
+            out = bb.emit_output(R.divide(total, count))
+        bb.emit_func_output(out)
+
+    def reference(logits, targets):
+        return [cross_entropy_np(logits, targets)]
+
+    from onnx import helper
+
+    model = onnx_model(
+        [
+            helper.make_node(
+                "SoftmaxCrossEntropyLoss",
+                ["logits", "targets"],
+                ["loss"],
+                reduction="mean",
+                ignore_index=IGNORE_INDEX,
+            )
+        ],
+        [onnx_input("logits", "float32", ["n", vocab]), onnx_input("targets", "int64", ["n"])],
+        [onnx_input("loss", "float32", [])],
+        {},
+    )
+
+    def torch_fn(torch):
+        def fn(logits, targets):
+            return (torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX),)
+
+        return fn
+
+    return Instance(
+        "cross_entropy",
+        bb.get(),
+        {"logits": x_np, "targets": t_np},
+        reference,
+        model,
+        torch_fn,
+        rtol=1e-4,
+        atol=1e-5,
+        expect="FuseCrossEntropy: one pass over the logits, no (N, V) log-probs",
+    )

@@ -1,0 +1,237 @@
+"""The ``tvm_fusion`` Relax pipeline and the pass lists it is made of.
+
+``import tvm_fusion`` registers the pipeline, so both of these work::
+
+    tvm.compile(mod, target, relax_pipeline="tvm_fusion")
+    relax.get_pipeline("tvm_fusion", target=target, fuse_split_gates=False)
+
+Phases (see shared ARCHITECTURE.md):
+
+0. library dispatch (sampling, sort/scan), as stock does;
+1. our graph rewrites on Relax ops, before LegalizeOps (:func:`fusion_passes`);
+2. stock lowering and grouping: LegalizeOps, AnnotateTIROpPattern, FoldConstant, FuseOps;
+3. our rewrites of the grouped program (:func:`post_fusion_passes`), then FuseTIR;
+4. schedules: a MetaSchedule database when given, then our rules and dlight's defaults;
+5. stock dataflow lowering and finalisation (memory planning, VM lowering).
+
+Every pass of ours has a keyword flag of the same name in snake_case and can also be switched
+off with ``PassContext(disabled_pass=["PassName"])``. The target is read when the pipeline runs:
+the ``target`` argument, else ``Target.current()`` (``tvm.compile`` enters it), else the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import tvm
+from tvm import relax
+from tvm.relax.pipeline import PIPELINE_MAP, register_pipeline
+from tvm.target import Target
+
+from . import target as _target
+from .errors import UsageError
+from .transform import GRAPH_PASSES, POST_FUSION_PASSES
+
+logger = logging.getLogger(__name__)
+
+PIPELINE_NAME = "tvm_fusion"
+_EMPTY = tvm.transform.Sequential([])
+
+
+def pass_flags() -> list[str]:
+    """Keyword flags that switch one of our passes on or off."""
+    return [flag for flag, _ in GRAPH_PASSES + POST_FUSION_PASSES]
+
+
+def _check_flags(flags: dict) -> None:
+    known = set(pass_flags())
+    unknown = sorted(set(flags) - known)
+    if unknown:
+        raise UsageError(
+            f"unknown pipeline flag(s) {', '.join(unknown)}; known: "
+            + ", ".join(sorted(known | {"schedule", "fast_math", "tuning_db", "dump_dir"}))
+        )
+
+
+def _build(entries: list[tuple[str, type]], target: Target, flags: dict) -> list:
+    return [cls(target=target) for flag, cls in entries if flags.get(flag, True)]
+
+
+def fusion_passes(target: Target | None = None, **flags: bool) -> list[tvm.transform.Pass]:
+    """Our graph rewrites (Phase 1), in order. Splice them before ``LegalizeOps``.
+
+    ``flags`` switch single passes off, e.g. ``fusion_passes(t, gather_to_slice=False)``.
+    """
+    _check_flags(flags)
+    return _build(GRAPH_PASSES, _resolve_target(target), flags)
+
+
+def post_fusion_passes(target: Target | None = None, **flags: bool) -> list[tvm.transform.Pass]:
+    """Our rewrites of grouped programs (Phase 3). Splice them between ``FuseOps`` and
+    ``FuseTIR``."""
+    _check_flags(flags)
+    return _build(POST_FUSION_PASSES, _resolve_target(target), flags)
+
+
+def lowering_passes() -> list[tvm.transform.Pass]:
+    """Phase 2: stock legalisation and grouping, on every target (stock ``default`` skips it).
+
+    FuseTIR is not part of it: Phase 3 works on the grouped Relax functions, then
+    :func:`fuse_tir_passes` turns each group into one PrimFunc.
+    """
+    return [
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+    ]
+
+
+def fuse_tir_passes() -> list[tvm.transform.Pass]:
+    """End of Phase 3: one PrimFunc per fused group."""
+    return [relax.transform.FuseTIR()]
+
+
+def fast_math_passes(target: Target) -> list[tvm.transform.Pass]:
+    """End of Phase 1: exp/erf/tanh become fast approximations (CPU targets only)."""
+    if not _target.is_cpu(target):
+        return []
+    from .transform.fast_math import fast_math_passes as _fast
+
+    return _fast()
+
+
+def schedule_passes(target: Target, tuning_db: str | None = None) -> list[tvm.transform.Pass]:
+    """Phase 4: tuned schedules from ``tuning_db`` first, then our rules and dlight's."""
+    from .schedule import default_schedule_pass
+
+    passes = []
+    if tuning_db:
+        from .tuning import apply_database_pass
+
+        passes.append(apply_database_pass(tuning_db))
+    passes.append(default_schedule_pass(target))
+    return passes
+
+
+def _backend(target: Target):
+    """Stock TVM's per-target pass lists (``relax.pipeline``'s dispatch misses the CPU ones)."""
+    if target.kind.name == "cuda":
+        from tvm.relax.backend.cuda import pipeline as backend
+    elif _target.is_cpu(target):
+        from tvm.relax.backend.cpu_generic import pipeline as backend
+    elif _target.is_gpu(target):
+        from tvm.relax.backend.gpu_generic import pipeline as backend
+    else:
+        raise UsageError(f"target kind {target.kind.name!r} is not supported by tvm_fusion")
+    return backend
+
+
+def _resolve_target(target: Target | str | dict | None) -> Target:
+    if target is not None:
+        return _target.parse_target(target)
+    current = Target.current(allow_none=True)
+    return current if current is not None else _target.host_target()
+
+
+_WARNED_MCPU: set[str] = set()
+
+
+def _warn_generic_cpu(target: Target) -> None:
+    if _target.is_cpu(target) and not _target.has_mcpu(target):
+        key = str(target)
+        if key not in _WARNED_MCPU:
+            _WARNED_MCPU.add(key)
+            logger.warning(
+                "target %s names no mcpu: LLVM emits baseline code (128-bit vectors); use "
+                "tvm_fusion.host_target() or add 'mcpu' for this machine's SIMD width",
+                key,
+            )
+
+
+@tvm.transform.module_pass(opt_level=0, name="DumpIR")
+class DumpIR:
+    """Write the module to ``dump_dir/NN_<phase>.py`` (TVMScript) between phases."""
+
+    def __init__(self, dump_dir: str | os.PathLike, index: int, phase: str):
+        self.path = Path(dump_dir) / f"{index:02d}_{phase}.py"
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(mod.script(show_meta=False))
+        return mod
+
+
+def build_pipeline(
+    target: Target | str | dict | None = None,
+    *,
+    schedule: bool = True,
+    fast_math: bool = True,
+    tuning_db: str | None = None,
+    dump_dir: str | os.PathLike | None = None,
+    **flags: bool,
+) -> tvm.transform.Pass:
+    """The whole ``tvm_fusion`` pipeline as one pass.
+
+    Parameters
+    ----------
+    target: where to compile for; default: ``Target.current()`` when the pass runs, else the host.
+    schedule: apply default schedules (Phase 4). Off gives unscheduled TIR, for inspection.
+    fast_math: let CPU schedules use fast exp/erf/tanh approximations (see README for tolerances).
+    tuning_db: a MetaSchedule work dir whose database is applied before the default schedules.
+    dump_dir: write the module after every phase there.
+    flags: switch off single passes by their snake_case name, e.g. ``fuse_split_gates=False``.
+    """
+    _check_flags(flags)
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_fusion")
+    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        tgt = _resolve_target(target)
+        _warn_generic_cpu(tgt)
+
+        def dump(index: int, phase: str):
+            return DumpIR(dump_dir, index, phase) if dump_dir else _EMPTY
+
+        with tgt:
+            seq = tvm.transform.Sequential(
+                [
+                    dump(0, "input"),
+                    # Phase 0: library dispatch
+                    *_backend(tgt).library_dispatch_passes(tgt),
+                    # Phase 1: graph rewrites on Relax ops
+                    *_build(GRAPH_PASSES, tgt, flags),
+                    *(fast_math_passes(tgt) if fast_math else []),
+                    dump(1, "graph_rewrites"),
+                    # Phase 2: stock legalisation and grouping
+                    *lowering_passes(),
+                    dump(2, "grouped"),
+                    # Phase 3: rewrites of the grouped program, then one PrimFunc per group
+                    *_build(POST_FUSION_PASSES, tgt, flags),
+                    *fuse_tir_passes(),
+                    dump(3, "fused"),
+                    # Phase 4: schedules
+                    *(schedule_passes(tgt, tuning_db) if schedule else []),
+                    dump(4, "scheduled"),
+                    # Phase 5: stock finalisation
+                    *_backend(tgt).dataflow_lower_passes(tgt),
+                    *_backend(tgt).finalize_passes(tgt),
+                    dump(5, "final"),
+                ],
+                name="tvm_fusion_phases",
+            )
+            return seq(mod)
+
+    return _pipeline
+
+
+def stock_pipeline(target: Target) -> tvm.transform.Pass:
+    """Stock TVM's fusing pipeline for ``target`` (what we compare against)."""
+    return relax.get_default_pipeline(target)
+
+
+def register() -> None:
+    """Register ``tvm_fusion`` with ``relax.get_pipeline`` (idempotent)."""
+    if PIPELINE_NAME not in PIPELINE_MAP:
+        register_pipeline(PIPELINE_NAME)(build_pipeline)

@@ -1,0 +1,121 @@
+"""Targets: the host CPU by default, CUDA on request, and what schedules need to know of them.
+
+A bare ``Target({"kind": "llvm"})`` makes LLVM emit baseline x86-64 code (SSE2, 4 float lanes)
+whatever the machine has, so ``host_target()`` names the host's CPU (``mcpu``) and core count.
+``parse_target`` turns the short spellings of the CLI into targets and refuses anything else with
+one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import tvm
+from tvm.target import Target
+
+from .errors import UsageError
+
+DEFAULT_CUDA_ARCH = "sm_90"
+
+
+def cpu_count() -> int:
+    """Cores this process may use (affinity-aware)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def host_target(num_cores: int | None = None) -> Target:
+    """An llvm target for this machine's CPU: its ``mcpu`` and its core count."""
+    from tvm.target.codegen import llvm_get_system_cpu
+
+    return Target(
+        {"kind": "llvm", "mcpu": llvm_get_system_cpu(), "num-cores": num_cores or cpu_count()}
+    )
+
+
+def cuda_target(arch: str = DEFAULT_CUDA_ARCH) -> Target:
+    """A CUDA target for ``arch`` (e.g. ``sm_90``) with the host CPU as its host."""
+    if not arch.startswith("sm_") or not arch[3:].isdigit():
+        raise UsageError(f"unknown CUDA architecture {arch!r}: expected sm_XX, e.g. sm_90")
+    return Target({"kind": "cuda", "arch": arch}, host=host_target())
+
+
+def parse_target(spec: str | dict | Target | None) -> Target:
+    """``llvm`` | ``cpu`` | ``cuda`` | ``cuda:sm_XX`` | a JSON target dict | a Target.
+
+    ``None`` and ``llvm`` mean the host CPU (see :func:`host_target`).
+    """
+    if spec is None:
+        return host_target()
+    if isinstance(spec, Target):
+        return spec
+    if isinstance(spec, dict):
+        return _from_dict(spec)
+    text = str(spec).strip()
+    if text in ("llvm", "cpu", "host"):
+        return host_target()
+    if text == "cuda":
+        return cuda_target()
+    if text.startswith("cuda:"):
+        return cuda_target(text.split(":", 1)[1])
+    if text.startswith("{"):
+        try:
+            return _from_dict(json.loads(text))
+        except json.JSONDecodeError as err:
+            raise UsageError(f"target {text!r} is not valid JSON: {err.msg}") from None
+    raise UsageError(f"unknown target {text!r}: use llvm, cuda, cuda:sm_XX or a JSON target dict")
+
+
+def _from_dict(spec: dict) -> Target:
+    try:
+        return Target(spec)
+    except Exception as err:  # TVM raises several error types for bad dicts
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise UsageError(f"unknown target {json.dumps(spec)}: {first}") from None
+
+
+def is_cpu(target: Target) -> bool:
+    return target.kind.name in ("llvm", "c")
+
+
+def is_gpu(target: Target) -> bool:
+    return "gpu" in target.keys
+
+
+def num_cores(target: Target) -> int:
+    """Cores to parallelise over: the target's ``num-cores``, else this machine's."""
+    value = target.attrs.get("num-cores", None)
+    return int(value) if value else cpu_count()
+
+
+def has_mcpu(target: Target) -> bool:
+    return bool(target.attrs.get("mcpu", None)) or bool(target.attrs.get("mattr", None))
+
+
+def vector_bits(target: Target) -> int:
+    """SIMD register width in bits that LLVM will use for ``target``.
+
+    ``llvm_get_vector_width`` reports the host's width whatever the target says, so this reads
+    the target's features instead.
+    """
+    if not is_cpu(target):
+        return 128
+    from tvm.target.codegen import target_has_features
+
+    try:
+        if target_has_features("avx512f", target):
+            return 512
+        if target_has_features("avx", target):
+            return 256
+    except Exception:  # non-x86 targets do not know these feature names
+        pass
+    return 128
+
+
+def vector_lanes(target: Target, dtype: str = "float32") -> int:
+    """Elements of ``dtype`` per SIMD register (at least 4 for 32-bit types)."""
+    bits = tvm.DataType(dtype).bits
+    return max(vector_bits(target) // bits, 2)

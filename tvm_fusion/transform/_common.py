@@ -1,0 +1,86 @@
+"""What every pass shares: its logger, the rewrite counter, and small shape helpers.
+
+Passes report what they did through :func:`record_rewrite`; whoever wants the counts (the fusion
+report, the CLI, tests) wraps the build in :func:`collect_rewrites`. Near-misses are logged at
+debug level through :func:`skip`, so ``TVM_FUSION_LOG=debug`` shows why a pattern did not fire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Iterator
+
+import tvm
+from tvm import relax, tirx
+
+_COLLECTORS: list[Counter] = []
+
+
+@contextlib.contextmanager
+def collect_rewrites() -> Iterator[Counter]:
+    """Count the rewrites made by our passes while the block runs: ``{pass_name: count}``."""
+    counter: Counter = Counter()
+    _COLLECTORS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COLLECTORS.remove(counter)
+
+
+def record_rewrite(pass_name: str, count: int = 1) -> None:
+    if count:
+        for counter in _COLLECTORS:
+            counter[pass_name] += count
+
+
+def get_logger(module_name: str) -> logging.Logger:
+    return logging.getLogger(module_name)
+
+
+def skip(logger: logging.Logger, what: str, reason: str) -> bool:
+    """Log why a candidate was left alone; returns False so checks can ``return skip(...)``."""
+    logger.debug("left alone %s: %s", what, reason)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Struct-info helpers
+
+
+def tensor_sinfo(expr: relax.Expr) -> relax.TensorType | None:
+    sinfo = expr.ty
+    return sinfo if isinstance(sinfo, relax.TensorType) else None
+
+
+def static_shape(expr: relax.Expr) -> list[tirx.PrimExpr] | None:
+    """The shape of a tensor expression as PrimExprs, or None when unknown."""
+    sinfo = tensor_sinfo(expr)
+    if sinfo is None or sinfo.shape is None or not isinstance(sinfo.shape, relax.ShapeExpr):
+        return None
+    return list(sinfo.shape.values)
+
+
+def const_int(value: tirx.PrimExpr | int) -> int | None:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, tirx.IntImm):
+        return int(value.value)
+    return None
+
+
+def prove_equal(a: tirx.PrimExpr | int, b: tirx.PrimExpr | int) -> bool:
+    analyzer = tvm.arith.Analyzer()
+    return bool(
+        analyzer.can_prove_equal(
+            tirx.const(a, "int64") if isinstance(a, int) else a,
+            tirx.const(b, "int64") if isinstance(b, int) else b,
+        )
+    )
+
+
+def normalize_axis(axis: int, ndim: int) -> int | None:
+    if ndim < 0 or not -ndim <= axis < ndim:
+        return None
+    return axis % ndim
