@@ -20,6 +20,7 @@ import tvm
 from tvm import relax, tirx
 
 from .tir_util import block_names
+from .tir_util import loops as tir_loops
 
 # Relax ops that never launch a kernel: views, shape computations, tuples, allocations.
 _NON_KERNEL_OPS = {
@@ -162,6 +163,38 @@ def view_count(mod: tvm.IRModule) -> int:
 
         relax.analysis.post_order_visit(func.body, visit)
     return count
+
+
+@dataclasses.dataclass
+class ScheduleInfo:
+    """How one device PrimFunc of a lowered module is scheduled."""
+
+    name: str
+    scheduled: bool
+    parallel: bool
+    vectorized: bool
+    thread_bound: bool
+    loops: int
+
+
+def schedule_info(mod: tvm.IRModule) -> list[ScheduleInfo]:
+    """For every kernel PrimFunc (not host shape functions): parallel / vector / thread loops."""
+    infos = []
+    for gv, func in mod.functions_items():
+        if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_host_func", False):
+            continue
+        kinds = [loop.kind for loop in tir_loops(func)]
+        infos.append(
+            ScheduleInfo(
+                name=gv.name_hint,
+                scheduled=bool(func.attrs.get("tirx.is_scheduled", False)),
+                parallel=tirx.ForKind.PARALLEL in kinds,
+                vectorized=tirx.ForKind.VECTORIZED in kinds,
+                thread_bound=tirx.ForKind.THREAD_BINDING in kinds,
+                loops=len(kinds),
+            )
+        )
+    return infos
 
 
 # ---------------------------------------------------------------------------------------------

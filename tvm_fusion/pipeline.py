@@ -75,14 +75,17 @@ def post_fusion_passes(target: Target | None = None, **flags: bool) -> list[tvm.
     return _build(POST_FUSION_PASSES, _resolve_target(target), flags)
 
 
-def lowering_passes() -> list[tvm.transform.Pass]:
-    """Phase 2: stock legalisation and grouping, on every target (stock ``default`` skips it).
+def lowering_passes(fast_math: bool = False) -> list[tvm.transform.Pass]:
+    """Phase 2: legalisation and grouping, on every target (stock ``default`` skips grouping).
 
-    FuseTIR is not part of it: Phase 3 works on the grouped Relax functions, then
-    :func:`fuse_tir_passes` turns each group into one PrimFunc.
+    ``fast_math`` legalises exp/erf/tanh and the ops built on them with polynomial
+    approximations (see :mod:`tvm_fusion.legalize`). FuseTIR is not part of this phase: Phase 3
+    works on the grouped Relax functions, then :func:`fuse_tir_passes` makes one PrimFunc each.
     """
+    from .legalize import fast_math_legalize_map
+
     return [
-        relax.transform.LegalizeOps(),
+        relax.transform.LegalizeOps(fast_math_legalize_map() if fast_math else None),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
@@ -94,25 +97,17 @@ def fuse_tir_passes() -> list[tvm.transform.Pass]:
     return [relax.transform.FuseTIR()]
 
 
-def fast_math_passes(target: Target) -> list[tvm.transform.Pass]:
-    """End of Phase 1: exp/erf/tanh become fast approximations (CPU targets only)."""
-    if not _target.is_cpu(target):
-        return []
-    from .transform.fast_math import fast_math_passes as _fast
-
-    return _fast()
-
-
 def schedule_passes(target: Target, tuning_db: str | None = None) -> list[tvm.transform.Pass]:
     """Phase 4: tuned schedules from ``tuning_db`` first, then our rules and dlight's."""
-    from .schedule import default_schedule_pass
+    from .schedule import default_schedule_pass, finish_passes, prepare_passes
 
-    passes = []
+    passes = [*prepare_passes()]
     if tuning_db:
         from .tuning import apply_database_pass
 
         passes.append(apply_database_pass(tuning_db))
     passes.append(default_schedule_pass(target))
+    passes += finish_passes()
     return passes
 
 
@@ -179,7 +174,8 @@ def build_pipeline(
     ----------
     target: where to compile for; default: ``Target.current()`` when the pass runs, else the host.
     schedule: apply default schedules (Phase 4). Off gives unscheduled TIR, for inspection.
-    fast_math: let CPU schedules use fast exp/erf/tanh approximations (see README for tolerances).
+    fast_math: on CPU, legalise exp/erf/tanh-based ops with polynomial approximations
+        (relative error <= 4e-7 on float32; see :mod:`tvm_fusion.legalize`).
     tuning_db: a MetaSchedule work dir whose database is applied before the default schedules.
     dump_dir: write the module after every phase there.
     flags: switch off single passes by their snake_case name, e.g. ``fuse_split_gates=False``.
@@ -202,10 +198,9 @@ def build_pipeline(
                     *_backend(tgt).library_dispatch_passes(tgt),
                     # Phase 1: graph rewrites on Relax ops
                     *_build(GRAPH_PASSES, tgt, flags),
-                    *(fast_math_passes(tgt) if fast_math else []),
                     dump(1, "graph_rewrites"),
                     # Phase 2: stock legalisation and grouping
-                    *lowering_passes(),
+                    *lowering_passes(fast_math and _target.is_cpu(tgt)),
                     dump(2, "grouped"),
                     # Phase 3: rewrites of the grouped program, then one PrimFunc per group
                     *_build(POST_FUSION_PASSES, tgt, flags),

@@ -33,6 +33,46 @@ def iter_stmts(stmt) -> Iterator[object]:
         stack.extend(reversed(children))
 
 
+def expr_children(expr) -> list:
+    """Direct sub-expressions of a TIR expression."""
+    out = []
+    for name in ("a", "b", "value", "condition", "true_value", "false_value", "base"):
+        child = getattr(expr, name, None)
+        if isinstance(child, tirx.Expr):
+            out.append(child)
+    for name in ("args", "indices"):
+        children = getattr(expr, name, None)
+        if children is not None and not isinstance(children, tirx.Expr):
+            out.extend(c for c in children if isinstance(c, tirx.Expr))
+    return out
+
+
+def expr_size(expr, limit: int = 1 << 20) -> int:
+    """Number of nodes in an expression tree (shared nodes counted each time), capped."""
+    count = 0
+    stack = [expr]
+    while stack and count < limit:
+        node = stack.pop()
+        count += 1
+        stack.extend(expr_children(node))
+    return count
+
+
+def count_loads(expr, buffer, limit: int = 1 << 20) -> int:
+    """How many times ``expr`` loads from ``buffer``."""
+    from tvm.ir.expr import TensorLoad
+
+    count = seen = 0
+    stack = [expr]
+    while stack and seen < limit:
+        node = stack.pop()
+        seen += 1
+        if isinstance(node, TensorLoad) and node.source.same_as(buffer):
+            count += 1
+        stack.extend(expr_children(node))
+    return count
+
+
 def blocks(func: tirx.PrimFunc) -> list[s_tir.SBlock]:
     """SBlocks of ``func`` other than the root, in program order."""
     return [
@@ -62,3 +102,34 @@ def allocated_buffers(func: tirx.PrimFunc) -> list[tirx.Buffer]:
 def visit(func: tirx.PrimFunc, fn: Callable[[object], None]) -> None:
     for stmt in iter_stmts(func.body):
         fn(stmt)
+
+
+def compacted_allocations(func: tirx.PrimFunc) -> list[tirx.Buffer]:
+    """Buffers ``func`` allocates once TVM has shrunk each to the region actually used.
+
+    Runs the TIR lowering steps that decide allocation sizes (LowerInitBlock,
+    PlanAndUpdateBufferAllocationLocation, ConvertBlocksToOpaque, CompactBufferAllocation), so a
+    buffer computed at a tile loop shows its tile size, not its declared size.
+    """
+    import tvm
+    from tvm.s_tir import transform as st
+
+    mod = tvm.IRModule({"main": func})
+    mod = tvm.transform.Sequential(
+        [
+            st.LowerInitBlock(),
+            st.PlanAndUpdateBufferAllocationLocation(),
+            st.ConvertBlocksToOpaque(),
+            st.CompactBufferAllocation(),
+        ]
+    )(mod)
+    return allocated_buffers(mod["main"])
+
+
+def num_elements(buffer: tirx.Buffer) -> int | None:
+    total = 1
+    for d in buffer.shape:
+        if not isinstance(d, tirx.IntImm):
+            return None
+        total *= int(d.value)
+    return total

@@ -2,15 +2,21 @@
 
 ``default_rules(target)`` is the ordered list the pipeline applies: our rules first, then
 dlight's defaults. A rule's ``apply(func, target, tunable)`` returns None when it does not apply.
+
+``default_schedule_passes(target)`` wraps them for the pipeline's Phase 4: constant weights are
+marked layout-free first, so that the matmul rule may pack them; the packing blocks it creates
+are split out and folded at compile time afterwards.
 """
 
 from __future__ import annotations
 
 import tvm
+from tvm import relax
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
 from .. import target as _target
+from . import cpu
 
 
 def default_rules(target: Target) -> list[dl.ScheduleRule]:
@@ -22,9 +28,48 @@ def default_rules(target: Target) -> list[dl.ScheduleRule]:
             dl.gpu.GeneralReduction(),
             dl.gpu.Fallback(),
         ]
-    return [dl.cpu.GEMV(), dl.cpu.Reduction()]
+    return [cpu.Matmul(), cpu.RowReduction(), cpu.Injective(), cpu.Fallback()]
 
 
 def default_schedule_pass(target: Target) -> tvm.transform.Pass:
     """Apply :func:`default_rules` to every PrimFunc that is not yet scheduled."""
     return dl.ApplyDefaultSchedule(*default_rules(target))
+
+
+def prepare_passes() -> list[tvm.transform.Pass]:
+    """Before scheduling: mark PrimFunc parameters bound to constants as layout-free."""
+    return [relax.transform.AttachAttrLayoutFreeBuffers()]
+
+
+def finish_passes() -> list[tvm.transform.Pass]:
+    """After scheduling: weight-packing blocks become their own PrimFuncs, folded on constants."""
+    return [
+        relax.transform.SplitLayoutRewritePreproc(),
+        relax.transform.FoldConstant(),
+        RemoveUnusedPrimFuncs(),
+    ]
+
+
+@tvm.transform.module_pass(opt_level=0, name="RemoveUnusedPrimFuncs")
+class RemoveUnusedPrimFuncs:
+    """Drop PrimFuncs no Relax function calls any more (e.g. packing functions that were folded)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        used: set[str] = set()
+        for _, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                for gv in relax.analysis.all_global_vars(func):
+                    used.add(gv.name_hint)
+        unused = [
+            gv
+            for gv, func in mod.functions_items()
+            if isinstance(func, tvm.tirx.PrimFunc)
+            and gv.name_hint not in used
+            and not func.attrs.get("global_symbol", None)  # externally visible: keep
+        ]
+        if not unused:
+            return mod
+        mod = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(mod.functions, mod.attrs)
+        for gv in unused:
+            del mod[gv]
+        return mod

@@ -54,7 +54,7 @@ def tensor_sinfo(expr: relax.Expr) -> relax.TensorType | None:
     return sinfo if isinstance(sinfo, relax.TensorType) else None
 
 
-def static_shape(expr: relax.Expr) -> list[tirx.PrimExpr] | None:
+def static_shape(expr: relax.Expr) -> list[tirx.Expr] | None:
     """The shape of a tensor expression as PrimExprs, or None when unknown."""
     sinfo = tensor_sinfo(expr)
     if sinfo is None or sinfo.shape is None or not isinstance(sinfo.shape, relax.ShapeExpr):
@@ -62,7 +62,7 @@ def static_shape(expr: relax.Expr) -> list[tirx.PrimExpr] | None:
     return list(sinfo.shape.values)
 
 
-def const_int(value: tirx.PrimExpr | int) -> int | None:
+def const_int(value: tirx.Expr | int) -> int | None:
     if isinstance(value, int):
         return value
     if isinstance(value, tirx.IntImm):
@@ -70,7 +70,7 @@ def const_int(value: tirx.PrimExpr | int) -> int | None:
     return None
 
 
-def prove_equal(a: tirx.PrimExpr | int, b: tirx.PrimExpr | int) -> bool:
+def prove_equal(a: tirx.Expr | int, b: tirx.Expr | int) -> bool:
     analyzer = tvm.arith.Analyzer()
     return bool(
         analyzer.can_prove_equal(

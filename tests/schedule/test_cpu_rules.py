@@ -1,0 +1,203 @@
+"""CPU schedule rules: which rule takes which PrimFunc, numerics scheduled vs unscheduled,
+every kernel scheduled, weights packed at compile time, intermediates shrunk to rows/tiles."""
+
+import numpy as np
+import pytest
+import tvm
+from helpers import run
+from tvm import relax
+from tvm.relax import op as R
+
+import tvm_fusion
+from tvm_fusion import analysis, engine, models, pipeline, tir_util
+from tvm_fusion.schedule import cpu
+from tvm_fusion.schedule._common import MIN_PARALLEL_WORK
+
+
+def _module(build, *shapes, dtype="float32"):
+    params = [relax.Var(f"x{i}", relax.TensorType(s, dtype)) for i, s in enumerate(shapes)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(build(bb, *params))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _prim_funcs(mod, target):
+    """PrimFuncs after Phases 0-3 (fused, not yet scheduled) and layout-free marking."""
+    with target:
+        mod = tvm.transform.Sequential(
+            pipeline.lowering_passes(fast_math=True)
+            + pipeline.fuse_tir_passes()
+            + [relax.transform.AttachAttrLayoutFreeBuffers()]
+        )(mod)
+    return [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+
+
+W = np.random.default_rng(0).standard_normal((256, 128)).astype("float32") / 16
+
+CASES = {
+    "elementwise": (lambda bb, x: R.nn.gelu(R.add(x, x)), [(64, 256)], cpu.Injective),
+    "transpose": (lambda bb, x: R.permute_dims(R.reshape(x, (8, 8, 16, 16)), [0, 2, 1, 3]),
+                  [(64, 256)], cpu.Injective),
+    "softmax": (lambda bb, x: R.nn.softmax(x), [(64, 256)], cpu.RowReduction),
+    "log_softmax": (lambda bb, x: R.nn.log_softmax(x), [(64, 256)], cpu.RowReduction),
+    "row_sum": (lambda bb, x: R.sum(x, axis=[1]), [(64, 256)], cpu.RowReduction),
+    "matmul_bias_gelu": (
+        lambda bb, x: R.nn.gelu(R.add(R.matmul(x, relax.const(W)),
+                                      relax.const(np.ones(128, "float32")))),
+        [(64, 256)], cpu.Matmul),
+    "matmul_runtime_weight": (lambda bb, x, w: R.matmul(x, w), [(64, 256), (256, 128)],
+                              cpu.Matmul),
+    "gemv": (lambda bb, x: R.matmul(x, relax.const(W)), [(1, 256)], cpu.Matmul),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rule_choice(name, target):
+    build, shapes, rule_cls = CASES[name]
+    funcs = _prim_funcs(_module(build, *shapes), target)
+    main = max(funcs, key=lambda f: len(tir_util.blocks(f)))
+    rules = [cpu.Matmul(), cpu.RowReduction(), cpu.Injective(), cpu.Fallback()]
+    taken = next(r for r in rules if r.apply(main, target, False) is not None)
+    assert isinstance(taken, rule_cls)
+    # rules that do not fit say so with None
+    for rule in rules:
+        if not isinstance(rule, rule_cls | cpu.Fallback) and rules.index(rule) < rules.index(
+            taken
+        ):
+            assert rule.apply(main, target, False) is None
+
+
+def test_rules_skip_gpu_targets():
+    func = _prim_funcs(_module(CASES["softmax"][0], (4, 32)), tvm_fusion.host_target())[0]
+    gpu = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    for rule in (cpu.Matmul(), cpu.RowReduction(), cpu.Injective(), cpu.Fallback()):
+        assert rule.apply(func, gpu, False) is None
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_scheduled_numbers_equal_unscheduled(name, target):
+    build, shapes, _ = CASES[name]
+    mod = _module(build, *shapes)
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    ours, compiled = run(mod, inputs, "tvm_fusion")
+    plain, _ = run(mod, inputs, "tvm_fusion", schedule=False)
+    for a, b in zip(ours, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    infos = analysis.schedule_info(compiled.lowered)
+    assert infos and all(i.scheduled for i in infos)
+    # every kernel with enough work is parallel and vectorised
+    for gv, func in compiled.lowered.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc) and not func.attrs.get("tirx.is_host_func"):
+            info = next(i for i in infos if i.name == gv.name_hint)
+            out_elems = tir_util.num_elements(func.params[-1])
+            if out_elems and out_elems * 4 >= MIN_PARALLEL_WORK and out_elems >= 64:
+                assert info.parallel and info.vectorized, info
+
+
+@pytest.mark.parametrize("name", models.names())
+def test_every_workload_scheduled_and_equal(name, target):
+    inst = models.build(name, "small")
+    ours, compiled = run(inst.mod, inst.input_list(), "tvm_fusion")
+    plain, _ = run(inst.mod, inst.input_list(), "tvm_fusion", schedule=False)
+    for a, b in zip(ours, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=inst.rtol, atol=inst.atol)
+    assert all(i.scheduled for i in analysis.schedule_info(compiled.lowered))
+
+
+def test_constant_weight_packed_at_compile_time(target):
+    mod = _module(CASES["matmul_bias_gelu"][0], (64, 256))
+    compiled = engine.compile_module(mod, target, "tvm_fusion")
+    names = [gv.name_hint for gv in compiled.lowered.get_global_vars()]
+    assert not any(n.endswith("_weight_prepack") for n in names), names
+    kernel = next(f for gv, f in compiled.lowered.functions_items()
+                  if gv.name_hint.endswith("_prepacked"))
+    packed = [p for p in kernel.params if len(p.shape) == 3]
+    assert packed, "the weight parameter is a (panels, K, NR) array"
+    assert int(packed[0].shape[1]) == 256
+    assert analysis.kernel_count(compiled.lowered) == 1
+
+
+def test_runtime_weight_not_prepacked_but_correct(target):
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal((64, 256)).astype("float32"), rng.standard_normal(
+        (256, 128)
+    ).astype("float32")
+    mod = _module(CASES["matmul_runtime_weight"][0], (64, 256), (256, 128))
+    out, compiled = run(mod, [x, w], "tvm_fusion")
+    np.testing.assert_allclose(out[0], x @ w, rtol=1e-4, atol=1e-4)
+    assert analysis.kernel_count(compiled.lowered) == 1
+
+
+def test_unit_reduction_with_epilogue_regression(target):
+    """K = 1: dlight reports the matmul as injective; inlining the bias into it doubled it."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((1, 4)).astype("float32")
+    b = rng.standard_normal(4).astype("float32")
+    mod = _module(lambda bb, x: R.add(R.matmul(x, relax.const(w)), relax.const(b)), (3, 1))
+    x = rng.standard_normal((3, 1)).astype("float32")
+    out, _ = run(mod, [x], "tvm_fusion")
+    np.testing.assert_allclose(out[0], x @ w + b, rtol=1e-5, atol=1e-6)
+
+
+def test_sliced_epilogue_regression(target):
+    """A slice after a matmul is computed on the tile, not reverse-inlined (wrong in 0.27)."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((12, 8)).astype("float32")
+    mod = _module(lambda bb, x: R.strided_slice(R.matmul(x, relax.const(w)), [1], [2], [5]),
+                  (1, 12))
+    x = rng.standard_normal((1, 12)).astype("float32")
+    out, _ = run(mod, [x], "tvm_fusion")
+    np.testing.assert_allclose(out[0], (x @ w)[:, 2:5], rtol=1e-5, atol=1e-5)
+
+
+def test_inlining_does_not_blow_up(target):
+    """Chained fast-math ops each read their input many times: inlining all of them grew the
+    IR exponentially; the rule keeps the expressions small and compiles quickly."""
+
+    def chain(bb, x):
+        y = x
+        for _ in range(4):
+            y = R.tanh(R.exp(R.tanh(y)))
+        return y
+
+    mod = _module(chain, (4, 8))
+    x = np.random.default_rng(5).standard_normal((4, 8)).astype("float32")
+    out, compiled = run(mod, [x], "tvm_fusion")
+    ref = x.astype("float64")
+    for _ in range(4):
+        ref = np.tanh(np.exp(np.tanh(ref)))
+    np.testing.assert_allclose(out[0], ref, rtol=1e-5, atol=1e-6)
+    assert compiled.compile_s < 60
+
+
+def test_row_reduction_keeps_rows_only(target):
+    """softmax's intermediates (max, sum) shrink to one row per parallel iteration."""
+    funcs = _prim_funcs(_module(CASES["log_softmax"][0], (64, 256)), target)
+    sch = cpu.RowReduction().apply(funcs[0], target, False)
+    for buf in tir_util.compacted_allocations(sch.mod["main"]):
+        assert tir_util.num_elements(buf) <= 256, (buf.name, buf.shape)
+
+
+def test_gemm_tile_epilogue_has_no_full_intermediate(target):
+    funcs = _prim_funcs(_module(CASES["matmul_bias_gelu"][0], (64, 256)), target)
+    sch = cpu.Matmul().apply(funcs[0], target, False)
+    assert sch is not None
+    for buf in tir_util.compacted_allocations(sch.mod["main"]):
+        if buf.name.endswith("_global"):
+            continue  # the packed weight: SplitLayoutRewritePreproc moves it out, then folded
+        assert tir_util.num_elements(buf) < 64 * 128, (buf.name, buf.shape)
+
+
+@pytest.mark.parametrize("name", ["gate_2890", "swiglu", "cross_entropy", "gelu_views"])
+def test_dynamic_batch_scheduled(name, target):
+    inst = models.build(name, "small", dynamic=True)
+    ours, compiled = run(inst.mod, inst.input_list(), "tvm_fusion")
+    for o, r in zip(ours, inst.reference(*inst.input_list()), strict=True):
+        np.testing.assert_allclose(o, r, rtol=inst.rtol, atol=inst.atol)
+    assert all(i.scheduled for i in analysis.schedule_info(compiled.lowered))
+
+

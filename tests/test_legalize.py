@@ -1,0 +1,76 @@
+"""Fast-math legalisation: accuracy of each approximation, and stock fallback elsewhere."""
+
+import numpy as np
+import pytest
+import tvm
+from helpers import run
+from scipy.special import erf
+from tvm import relax
+from tvm.relax import op as R
+
+from tvm_fusion.legalize import fast_math_legalize_map
+
+# (op, reference, input range, bound) -- the bounds documented in tvm_fusion/legalize.py:
+# relative error <= 4e-7 where |f| > 1e-3; gelu: absolute error <= 1e-6 (erf's error times
+# |x| / 2, the cancellation in 1 + erf(x) for x << 0 that stock float32 gelu has too).
+CASES = [
+    ("exp", R.exp, np.exp, (-80, 80), "rel"),
+    ("erf", R.erf, erf, (-6, 6), "rel"),
+    ("tanh", R.tanh, np.tanh, (-12, 12), "rel"),
+    ("sigmoid", R.sigmoid, lambda x: 1 / (1 + np.exp(-x)), (-30, 30), "rel"),
+    ("silu", R.nn.silu, lambda x: x / (1 + np.exp(-x)), (-30, 30), "rel"),
+    ("gelu", R.nn.gelu, lambda x: 0.5 * x * (1 + erf(x / np.sqrt(2))), (-8, 8), "abs"),
+]
+
+
+def _unary_module(op, shape, dtype="float32"):
+    x = relax.Var("x", relax.TensorType(shape, dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(op(x))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("name, op, ref, bounds, kind", CASES, ids=[c[0] for c in CASES])
+def test_accuracy(name, op, ref, bounds, kind):
+    x = np.linspace(*bounds, 20001, dtype="float32").reshape(1, -1)
+    out, compiled = run(_unary_module(op, x.shape), [x], "tvm_fusion")
+    assert any("fast" in gv.name_hint for gv in compiled.lowered.get_global_vars())
+    expect = ref(x.astype("float64"))
+    diff = np.abs(out[0] - expect)
+    if kind == "rel":
+        big = np.abs(expect) > 1e-3
+        assert (diff[big] / np.abs(expect[big])).max() <= 4e-7, name
+    else:
+        assert diff.max() <= 1e-6, name
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("op", [R.nn.softmax, R.nn.log_softmax])
+def test_softmax_family(op, axis):
+    x = np.random.default_rng(0).standard_normal((6, 40)).astype("float32") * 5
+    out, _ = run(_unary_module(lambda v: op(v, axis=axis), x.shape), [x], "tvm_fusion")
+    xd = x.astype("float64")
+    m = xd.max(axis=axis, keepdims=True)
+    lse = m + np.log(np.exp(xd - m).sum(axis=axis, keepdims=True))
+    expect = xd - lse if op is R.nn.log_softmax else np.exp(xd - lse)
+    np.testing.assert_allclose(out[0], expect, rtol=1e-5, atol=1e-6)
+
+
+def test_fast_math_off_uses_stock(target):
+    mod = _unary_module(R.exp, (2, 8))
+    x = np.linspace(-3, 3, 16, dtype="float32").reshape(2, 8)
+    out, compiled = run(mod, [x], "tvm_fusion", fast_math=False)
+    np.testing.assert_allclose(out[0], np.exp(x), rtol=1e-6)
+    assert not any("fast" in gv.name_hint for gv in compiled.lowered.get_global_vars())
+
+
+def test_other_dtypes_keep_stock_legalization():
+    mod = _unary_module(R.exp, (2, 8), "float16")
+    seq = relax.transform.LegalizeOps(fast_math_legalize_map())
+    lowered = seq(mod)
+    names = [gv.name_hint for gv in lowered.get_global_vars()]
+    assert not any("fast" in n for n in names), names
+    assert isinstance(lowered, tvm.IRModule)

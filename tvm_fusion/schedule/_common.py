@@ -1,0 +1,221 @@
+"""Helpers shared by the schedule rules."""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.target import Target
+
+from .. import target as _target
+
+
+class CPURule(ScheduleRule):
+    """A rule that only applies to llvm targets and to PrimFuncs not yet scheduled."""
+
+    def is_target_available(self, target: Target) -> bool:
+        return _target.is_cpu(target)
+
+    def applicable(self, func, target: Target) -> bool:
+        return (
+            isinstance(func, tirx.PrimFunc)
+            and self.is_target_available(target)
+            and not func.attrs.get("tirx.is_scheduled", False)
+        )
+
+
+def extent(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV) -> int | tirx.Expr:
+    value = sch.get(loop).extent
+    return int(value.value) if isinstance(value, tirx.IntImm) else value
+
+
+def is_reduction(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> bool:
+    """A block with an init or a reduction iterator, even one of extent 1.
+
+    dlight's ``normalize_prim_func`` drops unit loops and then reports a reduction over one
+    element as injective; inlining an epilogue into such a block makes TVM emit the epilogue
+    in both the init and the update (found by tests/test_differential.py).
+    """
+    stmt = sch.get(block)
+    return stmt.init is not None or any(iv.iter_type == iv.CommReduce for iv in stmt.iter_vars)
+
+
+# Inlining substitutes a producer's expression at every load of it: a consumer that reads it k
+# times gets k copies. Fast-math polynomials read their input ~15 times, so a chain of them
+# grows exponentially (a tanh(tanh(sigmoid(x))) chain reached gigabytes of IR). Inlining stops
+# when the consumer would grow past this many expression nodes.
+MAX_INLINED_EXPR = 4000
+
+
+def _store_value(sch: s_tir.Schedule, block):
+    body = sch.get(block).body
+    return body.value if isinstance(body, tirx.BufferStore) else None
+
+
+def inline_is_cheap(sch: s_tir.Schedule, producer, consumers) -> bool:
+    """Inlining ``producer`` into ``consumers`` keeps every expression small."""
+    from ..tir_util import count_loads, expr_size
+
+    value = _store_value(sch, producer)
+    if value is None:
+        return False
+    size = expr_size(value, MAX_INLINED_EXPR + 1)
+    out = sch.get(producer).writes[0].source
+    for consumer in consumers:
+        cvalue = _store_value(sch, consumer)
+        if cvalue is None:
+            return False
+        uses = count_loads(cvalue, out)
+        grown = expr_size(cvalue, MAX_INLINED_EXPR + 1) + uses * size
+        if grown > MAX_INLINED_EXPR:
+            return False
+    return True
+
+
+def same_domain(sch: s_tir.Schedule, producer, consumer) -> bool:
+    """The consumer writes a buffer of the producer's shape (an elementwise epilogue).
+
+    TVM 0.27's ``reverse_compute_inline`` accepts a consumer that reads one point of a larger
+    producer (a slice) and emits a loop over the producer's domain that writes the slice's
+    output at every point, a wrong result (found by tests/test_differential.py). Only
+    same-shape consumers are reverse-inlined.
+    """
+    p_out = sch.get(producer).writes
+    c_out = sch.get(consumer).writes
+    if len(p_out) != 1 or len(c_out) != 1:
+        return False
+    p_shape = [str(d) for d in p_out[0].source.shape]
+    c_shape = [str(d) for d in c_out[0].source.shape]
+    return p_shape == c_shape
+
+
+def try_inline_safe(sch: s_tir.Schedule, infos: list) -> list:
+    """dlight's ``try_inline`` minus inlining into or out of reduction blocks and minus
+    inlining that would blow expressions up (see :data:`MAX_INLINED_EXPR`)."""
+    remaining = list(infos)
+    progress = True
+    while progress:
+        progress = False
+        for info in list(remaining):
+            block = info.block_rv
+            if is_reduction(sch, block):
+                continue
+            consumers = sch.get_consumers(block)
+            if consumers and inline_is_cheap(sch, block, consumers):
+                try:
+                    sch.compute_inline(block)
+                    remaining.remove(info)
+                    progress = True
+                    continue
+                except Exception:  # noqa: BLE001 - not inlinable: try the other direction
+                    pass
+            producers = sch.get_producers(block)
+            if len(producers) != 1 or is_reduction(sch, producers[0]):
+                continue
+            if not same_domain(sch, producers[0], block):
+                continue
+            if not inline_is_cheap(sch, producers[0], [block]):
+                continue
+            try:
+                sch.reverse_compute_inline(block)
+            except Exception:  # noqa: BLE001
+                continue
+            remaining.remove(info)
+            progress = True
+    return remaining
+
+
+def is_vectorized(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV) -> bool:
+    return sch.get(loop).kind == tirx.ForKind.VECTORIZED
+
+
+def is_static(value) -> bool:
+    return isinstance(value, int)
+
+
+def block_dtype(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> str:
+    stmt = sch.get(block)
+    return str(stmt.writes[0].source.dtype) if stmt.writes else "float32"
+
+
+def vectorize_innermost(
+    sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int, max_unroll: int = 1
+) -> s_tir.schedule.LoopRV | None:
+    """Vectorise the innermost loop of ``block`` by ``lanes`` (or a divisor of its extent).
+
+    Returns the loop left outside the vector loop, or None when nothing was vectorised.
+    A static extent that ``lanes`` does not divide is vectorised by its largest power-of-two
+    divisor (at least 2), so no predicate lands inside the vector loop.
+    """
+    loops = sch.get_loops(block)
+    if not loops:
+        return None
+    inner = loops[-1]
+    ext = extent(sch, inner)
+    if is_static(ext):
+        if ext < 2:
+            return None
+        width = lanes
+        while width > 1 and ext % width:
+            width //= 2
+        if width < 2:
+            return None
+        if ext == width:
+            sch.vectorize(inner)
+            return None
+        outer, vec = sch.split(inner, [None, width])
+        sch.vectorize(vec)
+        if max_unroll > 1 and ext // width % max_unroll == 0 and ext // width > max_unroll:
+            outer, unrolled = sch.split(outer, [None, max_unroll])
+            sch.unroll(unrolled)
+        return outer
+    outer, vec = sch.split(inner, [None, lanes])
+    sch.vectorize(vec)
+    return outer
+
+
+# A parallel region costs a few microseconds to launch: not worth it for less work than this
+# (iterations of the whole loop nest, when static).
+MIN_PARALLEL_WORK = 4096
+
+
+def loop_nest_work(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int | None:
+    """Iterations of all loops around ``block``; None when an extent is symbolic."""
+    total = 1
+    for loop in sch.get_loops(block):
+        ext = extent(sch, loop)
+        if not is_static(ext):
+            return None
+        total *= ext
+    return total
+
+
+def parallelize_outer(
+    sch: s_tir.Schedule,
+    loops: list,
+    cores: int,
+    min_extent_per_core: int = 4,
+    work: int | None = None,
+) -> s_tir.schedule.LoopRV | None:
+    """Fuse leading loops until there are enough iterations for ``cores``, then parallelise.
+
+    ``work`` (the iterations of the whole nest, see :func:`loop_nest_work`) below
+    :data:`MIN_PARALLEL_WORK` leaves the loops serial.
+    """
+    if not loops or cores < 2 or (work is not None and work < MIN_PARALLEL_WORK):
+        return None
+    chosen = []
+    total = 1
+    for loop in loops:
+        chosen.append(loop)
+        ext = extent(sch, loop)
+        if not is_static(ext):
+            total = None
+            break
+        total *= ext
+        if total >= cores * min_extent_per_core:
+            break
+    if total is not None and total < 2:
+        return None
+    fused = sch.fuse(*chosen) if len(chosen) > 1 else chosen[0]
+    sch.parallel(fused)
+    return fused

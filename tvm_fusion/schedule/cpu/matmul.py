@@ -1,0 +1,299 @@
+"""CPU rule for GEMM and GEMV with a fused epilogue.
+
+Matches a PrimFunc with exactly one reduction block of the form
+``Y[...] += A[...] * B[...]`` (casts allowed) whose reduction iterates one axis ``k`` read by both
+operands, plus injective blocks before it (inlined) and after it (the epilogue).
+
+Block iterators are sorted into roles by the operand that reads them: ``rows`` (A only),
+``cols`` (B only), ``batch`` (both). The schedule is the classic CPU one:
+
+- output tile of ``MR`` rows x ``NR`` columns (x every small extra B-only axis, e.g. the gate
+  axis of ``FuseSplitGates``' ``Y[n, gate, d]``), accumulated in registers over ``k``;
+  ``NR`` is 2-4 vector registers wide, ``MR * NR / lanes`` accumulators fit the register file;
+- B is packed into panels ``[cols / NR, k, (gates), NR]`` so the inner loop streams contiguous
+  vectors. When B is a constant (``layout_free_buffers``), the packing block is annotated as a
+  layout-rewrite preproc: ``SplitLayoutRewritePreproc`` + ``FoldConstant`` do it at compile time;
+  otherwise it is packed at run time when there are enough rows to repay it, else read in place;
+- the epilogue is computed on the tile: inlined into the accumulator's write-back when it is
+  elementwise, else computed at the tile loop, so the full GEMM output never exists in memory;
+- the loop over (column panels, row tiles) is parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.target import Target
+
+from ... import target as _target
+from ...tir_util import expr_children, expr_size
+from .._common import (
+    CPURule,
+    extent,
+    is_static,
+    loop_nest_work,
+    parallelize_outer,
+    same_domain,
+    try_inline_safe,
+    vectorize_innermost,
+)
+
+logger = logging.getLogger(__name__)
+
+PREPROC = "meta_schedule.layout_rewrite_preproc"
+
+
+def _vars_in(expr) -> set:
+    found = set()
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, tirx.Var):
+            found.add(e)
+        else:
+            stack.extend(expr_children(e))
+    return found
+
+
+def _is_mac(store) -> tuple | None:
+    """``Y[idx] = Y[idx] + A * B`` (with casts): returns (A load, B load) or None."""
+    if not isinstance(store, tirx.BufferStore):
+        return None
+    value = store.value
+    if not isinstance(value, tirx.Add):
+        return None
+    lhs, rhs = value.a, value.b
+    if isinstance(rhs, TensorLoad) and rhs.source.same_as(store.buffer):
+        lhs, rhs = rhs, lhs
+    if not (isinstance(lhs, TensorLoad) and lhs.source.same_as(store.buffer)):
+        return None
+    while isinstance(rhs, tirx.Cast):
+        rhs = rhs.value
+    if not isinstance(rhs, tirx.Mul):
+        return None
+    a, b = rhs.a, rhs.b
+    while isinstance(a, tirx.Cast):
+        a = a.value
+    while isinstance(b, tirx.Cast):
+        b = b.value
+    if isinstance(a, TensorLoad) and isinstance(b, TensorLoad):
+        return a, b
+    return None
+
+
+class Matmul(CPURule):
+    """GEMM/GEMV + epilogue on llvm (see module docstring)."""
+
+    def __init__(self, max_gate_axis: int = 8):
+        self.max_gate_axis = max_gate_axis
+
+    def apply(self, func, target: Target, tunable: bool):  # noqa: C901 - one linear recipe
+        if not self.applicable(func, target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        reductions = [b for b in infos if not b.is_injective()]
+        if len(reductions) != 1:
+            return None
+        red = reductions[0]
+        kinds = red.dom_kind()
+        if kinds.count("R") != 1 or not kinds.endswith("R"):
+            return None
+        stmt = sch.get(red.block_rv)
+        mac = _is_mac(stmt.body)
+        if mac is None:
+            return None
+        a_load, b_load = mac
+        iters = [iv.var for iv in stmt.iter_vars]
+        k_var = iters[-1]
+        a_vars = set().union(*(_vars_in(i) for i in a_load.indices))
+        b_vars = set().union(*(_vars_in(i) for i in b_load.indices))
+        if k_var not in a_vars or k_var not in b_vars:
+            return None
+        spatial = iters[:-1]
+        cols = [v for v in spatial if v in b_vars and v not in a_vars]
+        rows = [v for v in spatial if v in a_vars and v not in b_vars]
+        if not cols:
+            return None
+        out_buf = stmt.writes[0].source
+        dtype = str(out_buf.dtype)
+        if dtype not in ("float32", "float64", "float16"):
+            return None
+
+        # Inline injective producers into the reduction and chain the epilogue blocks.
+        red_index = infos.index(red)
+        prologue = infos[:red_index]
+        for info in reversed(prologue):
+            # Only data movement (transpose, reshape, cast) is inlined: anything computed would
+            # be recomputed for every step of the reduction.
+            value = sch.get(info.block_rv).body
+            if not isinstance(value, tirx.BufferStore) or expr_size(value.value, 16) > 8:
+                return None
+            try:
+                sch.compute_inline(info.block_rv)
+            except Exception:  # noqa: BLE001 - a producer that cannot be inlined stays
+                return None
+        epilogue = try_inline_safe(sch, list(infos[red_index + 1 :]))
+        block = red.block_rv
+
+        lanes = _target.vector_lanes(target, dtype)
+        regs = 32 if _target.vector_bits(target) >= 512 else 16
+        loops = sch.get_loops(block)
+        loop_of = dict(zip(iters, loops, strict=True))
+
+        # The vector axis: the innermost B-only axis. Small extra B-only axes (gates) join the tile.
+        j_var = cols[-1]
+        gate_vars = [
+            v
+            for v in cols[:-1]
+            if is_static(extent(sch, loop_of[v])) and extent(sch, loop_of[v]) <= self.max_gate_axis
+        ]
+        outer_cols = [v for v in cols[:-1] if v not in gate_vars]
+        n_gates = 1
+        for v in gate_vars:
+            n_gates *= extent(sch, loop_of[v])
+        i_var = rows[-1] if rows else None
+        j_ext = extent(sch, loop_of[j_var])
+        m_ext = extent(sch, loop_of[i_var]) if i_var is not None else 1
+
+        nr, mr = self._tile(m_ext, j_ext, lanes, regs, n_gates)
+        if nr is None:
+            return None
+
+        # Pack B into panels [.., j/NR, k, gates.., NR] indexed by the block's iterators.
+        b_index = self._read_index(stmt, b_load.source)
+        layout_free = {int(i) for i in func.attrs.get("layout_free_buffers", [])}
+        b_param = self._param_index(func, b_load.source)
+        is_const_b = b_param is not None and b_param in layout_free
+        many_rows = not is_static(m_ext) or m_ext >= 16
+        pack = is_const_b or many_rows
+        if pack and b_index is not None and is_static(j_ext) and j_ext % nr == 0:
+            b_batch = [v for v in spatial if v in b_vars and v in a_vars]
+            order = b_batch + outer_cols
+
+            def packed(*ivs):
+                env = dict(zip(iters, ivs, strict=True))
+                return (
+                    *[env[v] for v in order],
+                    env[j_var] // nr,
+                    env[k_var],
+                    *[env[v] for v in gate_vars],
+                    env[j_var] % nr,
+                )
+
+            try:
+                index_map = tirx.IndexMap.from_func(packed, ndim=len(iters), index_dtype="int64")
+                pb = sch.reindex_cache_read(block, b_index, "global", index_map)
+                if is_const_b:
+                    sch.annotate(pb, PREPROC, True)
+                else:
+                    self._schedule_copy(sch, pb, lanes, _target.num_cores(target))
+            except Exception as err:  # noqa: BLE001
+                logger.debug("matmul: B not packed: %s", err)
+                return None
+            loops = sch.get_loops(block)
+            loop_of = dict(zip(iters, loops, strict=True))
+
+        work = loop_nest_work(sch, block)
+        # Tile: [batch.., rows.., outer cols.., jo, io, k, ii, gates.., jio, jiv]
+        jo, ji = sch.split(loop_of[j_var], [None, nr])
+        if i_var is not None:
+            io, ii = sch.split(loop_of[i_var], [None, mr])
+        else:
+            io, ii = None, None
+        other_outer = [loop_of[v] for v in spatial if v not in cols and v is not i_var]
+        order = other_outer + [loop_of[v] for v in outer_cols] + [jo]
+        order += [io] if io is not None else []
+        order += [loop_of[k_var]]
+        order += [ii] if ii is not None else []
+        order += [loop_of[v] for v in gate_vars] + [ji]
+        sch.reorder(*order)
+        jio, jiv = sch.split(ji, [None, min(lanes, nr)])
+        sch.vectorize(jiv)
+        sch.unroll(jio)
+        for v in gate_vars:
+            sch.unroll(loop_of[v])
+        if ii is not None:
+            sch.unroll(ii)
+
+        tile_loop = io if io is not None else jo
+        acc = sch.cache_write(block, 0, "local")
+        # Epilogue on the tile: elementwise consumers fold into the write-back, the rest are
+        # computed under the tile loop.
+        for info in epilogue:
+            if not same_domain(sch, acc, info.block_rv):
+                break
+            try:
+                sch.reverse_compute_inline(info.block_rv)
+            except Exception:  # noqa: BLE001
+                break
+        sch.reverse_compute_at(acc, tile_loop, preserve_unit_loops=True)
+        vectorize_innermost(sch, acc, lanes)
+        for info in epilogue:
+            try:
+                sch.get(info.block_rv)
+            except Exception:  # noqa: BLE001 - inlined above
+                continue
+            sch.reverse_compute_at(info.block_rv, tile_loop, preserve_unit_loops=True)
+            vectorize_innermost(sch, info.block_rv, lanes)
+
+        outer = other_outer + [loop_of[v] for v in outer_cols] + [jo]
+        outer += [io] if io is not None else []
+        parallelize_outer(sch, outer, _target.num_cores(target), min_extent_per_core=8, work=work)
+        sch.decompose_reduction(block, loop_of[k_var])
+        return sch
+
+    @staticmethod
+    def _tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[int | None, int]:
+        """(NR, MR): NR a multiple of ``lanes`` dividing the vector axis; MR rows so that
+        MR * gates * NR / lanes accumulators use about half the registers."""
+        if not is_static(j_ext):
+            return None, 1
+        budget = regs // 2
+        small_m = is_static(m_ext) and m_ext <= 2
+        for vecs in (4, 2, 1) if small_m else (2, 4, 1):
+            nr = vecs * lanes
+            if j_ext % nr == 0 and n_gates * vecs <= budget:
+                break
+        else:
+            # narrow axes: one vector of the largest power of two dividing the extent
+            nr = lanes
+            while nr > 1 and j_ext % nr:
+                nr //= 2
+            if nr < 2:
+                return None, 1
+            vecs = 1
+        per_row = n_gates * max(vecs, 1)
+        mr = max(1, budget // per_row)
+        if is_static(m_ext):
+            while mr > 1 and m_ext % mr:
+                mr -= 1
+            mr = min(mr, m_ext)
+        else:
+            mr = 1 << (mr.bit_length() - 1)  # power of two for symbolic rows
+        return nr, mr
+
+    @staticmethod
+    def _read_index(stmt, buffer) -> int | None:
+        for i, region in enumerate(stmt.reads):
+            if region.source.same_as(buffer):
+                return i
+        return None
+
+    @staticmethod
+    def _param_index(func: tirx.PrimFunc, buffer) -> int | None:
+        for i, param in enumerate(func.params):
+            if param.same_as(buffer):  # in 0.27 a buffer parameter is the buffer itself
+                return i
+        return None
+
+    @staticmethod
+    def _schedule_copy(sch: s_tir.Schedule, block, lanes: int, cores: int) -> None:
+        loops = sch.get_loops(block)
+        vectorize_innermost(sch, block, lanes)
+        parallelize_outer(sch, sch.get_loops(block)[: max(len(loops) - 1, 1)], cores)

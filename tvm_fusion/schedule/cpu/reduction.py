@@ -1,0 +1,185 @@
+"""CPU rule for row reductions: softmax, log-softmax, layer/RMS norm, sums and maxima over rows.
+
+Matches PrimFuncs whose blocks all start with the same spatial axes (the rows) and whose
+reduction blocks reduce the trailing axes. The schedule:
+
+- injective blocks are inlined into their consumers where TIR allows it (``x - max`` into the
+  exp-sum and into the output), so fewer passes go over each row;
+- rows run in parallel; every block is computed at the row loop, so intermediates shrink to
+  one row (no buffer of the full input size);
+- each reduction is vectorised by ``rfactor``: ``lanes`` partial results per row accumulated in
+  vector registers, then folded; LLVM cannot vectorise a float reduction loop itself without
+  reassociation, which TVM's codegen does not allow;
+- injective blocks are vectorised on their innermost loop.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tvm import s_tir
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.target import Target
+
+from ... import target as _target
+from .._common import (
+    MIN_PARALLEL_WORK,
+    CPURule,
+    block_dtype,
+    extent,
+    inline_is_cheap,
+    is_reduction,
+    is_static,
+    loop_nest_work,
+    parallelize_outer,
+    vectorize_innermost,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _leading_s(kinds: str) -> int:
+    return len(kinds) - len(kinds.lstrip("S"))
+
+
+class RowReduction(CPURule):
+    def apply(self, func, target: Target, tunable: bool):
+        if not self.applicable(func, target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos or all(info.is_injective() for info in infos):
+            return None
+        for info in infos:
+            kinds = info.dom_kind()
+            if not kinds.startswith("S") or set(kinds) - {"S", "R"}:
+                return None
+            if not info.is_injective() and "S" in kinds[_leading_s(kinds) :]:
+                return None  # a spatial axis after a reduction axis: not a row reduction
+        if not infos[-1].is_injective():
+            return self._reduction_last(sch, infos, target)
+        rows = min(_leading_s(info.dom_kind()) for info in infos)
+        if rows == 0:
+            return None
+        # The rows must be the same loops for every block.
+        row_extents = [extent(sch, loop) for loop in sch.get_loops(infos[-1].block_rv)[:rows]]
+        for info in infos:
+            ext = [extent(sch, loop) for loop in sch.get_loops(info.block_rv)[:rows]]
+            if any(str(a) != str(b) for a, b in zip(ext, row_extents, strict=True)):
+                return None
+
+        infos = self._inline_injective(sch, infos)
+        cores = _target.num_cores(target)
+        last = infos[-1].block_rv
+        lanes = _target.vector_lanes(target, block_dtype(sch, last))
+
+        # rfactor the reductions first (rfactor needs the block alone under its loops)
+        reductions = [i.block_rv for i in infos[:-1] if not i.is_injective()]
+        rf_blocks = {}
+        for block in reductions:
+            rf = self._rfactor(sch, block, lanes)
+            if rf is not None:
+                rf_blocks[block] = rf
+
+        work = sum(loop_nest_work(sch, i.block_rv) or MIN_PARALLEL_WORK for i in infos)
+        loops = sch.get_loops(last)
+        row_loop = sch.fuse(*loops[:rows]) if rows > 1 else loops[0]
+        if work >= MIN_PARALLEL_WORK and cores > 1:
+            sch.parallel(row_loop)
+        vectorize_innermost(sch, last, lanes)
+
+        for info in reversed(infos[:-1]):
+            block = info.block_rv
+            sch.compute_at(block, row_loop, preserve_unit_loops=True)
+            if block in rf_blocks:
+                sch.compute_at(rf_blocks[block], row_loop, preserve_unit_loops=True)
+
+        for info in infos[:-1]:
+            block = info.block_rv
+            if info.is_injective():
+                vectorize_innermost(sch, block, lanes)
+            elif block in rf_blocks:
+                rf = rf_blocks[block]
+                rf_loops = sch.get_loops(rf)
+                # innermost loop of the rf block is the lanes axis: vectorise it
+                sch.vectorize(rf_loops[-1])
+                sch.decompose_reduction(rf, rf_loops[-2])
+                try:
+                    init = sch.get_sblock(sch.get(rf).name_hint + "_init")
+                    vectorize_innermost(sch, init, lanes)
+                except Exception:  # noqa: BLE001 - init name differs: leave it scalar
+                    pass
+        return sch
+
+    def _reduction_last(self, sch, infos, target):
+        """Plain reductions whose output is the reduction itself (sum/max over rows)."""
+        if len(infos) != 1:
+            return None
+        info = infos[0]
+        rows = _leading_s(info.dom_kind())
+        if rows == 0:
+            return None
+        block = info.block_rv
+        lanes = _target.vector_lanes(target, block_dtype(sch, block))
+        rf = self._rfactor(sch, block, lanes)
+        work = loop_nest_work(sch, block)
+        loops = sch.get_loops(block)
+        parallelize_outer(sch, loops[:rows], _target.num_cores(target), work=work)
+        if rf is not None:
+            sch.compute_at(rf, sch.get_loops(block)[0], preserve_unit_loops=True)
+            rf_loops = sch.get_loops(rf)
+            sch.vectorize(rf_loops[-1])
+            sch.decompose_reduction(rf, rf_loops[-2])
+        return sch
+
+    @staticmethod
+    def _inline_injective(sch, infos):
+        """Inline injective non-output blocks into their consumers where allowed."""
+        kept = []
+        for info in infos[:-1]:
+            block = info.block_rv
+            if info.is_injective() and not is_reduction(sch, block):
+                consumers = sch.get_consumers(block)
+                if consumers and inline_is_cheap(sch, block, consumers):
+                    try:
+                        sch.compute_inline(block)
+                        continue
+                    except Exception:  # noqa: BLE001 - e.g. an output buffer: keep it
+                        pass
+            kept.append(info)
+        kept.append(infos[-1])
+        return kept
+
+    @staticmethod
+    def _rfactor(sch: s_tir.Schedule, block, lanes: int):
+        """Split the innermost reduction loop by ``lanes`` and rfactor it; None if not possible."""
+        loops = sch.get_loops(block)
+        kinds = "".join(
+            "R" if iv.iter_type == iv.CommReduce else "S" for iv in sch.get(block).iter_vars
+        )
+        n_red = kinds.count("R")
+        if n_red == 0:
+            return None
+        red_loops = loops[len(loops) - n_red :]
+        if n_red > 1:
+            inner = sch.fuse(*red_loops)
+        else:
+            inner = red_loops[0]
+        ext = extent(sch, inner)
+        if not is_static(ext) or ext < 2 * lanes or ext % lanes:
+            return None
+        _, vec = sch.split(inner, [None, lanes])
+        try:
+            rf = sch.rfactor(vec, factor_axis=len(sch.get(block).writes[0].region))
+        except Exception as err:  # noqa: BLE001 - not a commutative reducer TVM knows
+            logger.debug("rfactor failed: %s", err)
+            return None
+        # rfactor puts the lanes iterator first; move it last so that, once the block is
+        # computed at the row loop, the lanes loop is innermost (vectorisable) and the
+        # reduction loop just outside it.
+        iter_vars = sch.get(rf).iter_vars
+        order = list(range(1, len(iter_vars)))
+        spatial = [i for i in order if iter_vars[i].iter_type != iter_vars[i].CommReduce]
+        reduce = [i for i in order if iter_vars[i].iter_type == iter_vars[i].CommReduce]
+        sch.reorder_block_iter_var(rf, spatial + reduce + [0])
+        return rf
