@@ -13,7 +13,7 @@ import os as _os
 # TVM's thread pool starts with one thread on small machines unless told otherwise.
 _os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0))))
 
-from . import _compat, analysis  # noqa: E402
+from . import _compat, analysis, gradients  # noqa: E402
 from .errors import ModelError, TvmFusionError, UsageError  # noqa: E402
 from .frontend import load_onnx  # noqa: E402
 from .pipeline import (  # noqa: E402
@@ -28,6 +28,7 @@ from .pipeline import (
 from .target import host_target, parse_target  # noqa: E402
 
 _compat.apply()
+gradients.register()
 _register_pipeline()
 
 __version__ = "0.1.0"

@@ -4,9 +4,9 @@ Fast math (CPU targets, ``fast_math=True``, the default): ``exp``, ``erf``, ``ta
 built on them (``sigmoid``, ``silu``, ``gelu``, ``softmax``, ``log_softmax``) lower to TVM's
 polynomial ``topi.fast_exp`` / ``fast_erf`` / ``fast_tanh`` instead of scalar libm calls, which
 LLVM cannot vectorise. Bounds checked by tests/test_legalize.py on float32: relative error at
-most 4e-7 (a few ulp; erf measures 3.2e-7) wherever |f| > 1e-3 for exp on [-80, 80], erf on [-6, 6], tanh on
-[-12, 12], sigmoid and silu on [-30, 30]; gelu's absolute error at most 1e-6 on [-8, 8] (erf's
-error times |x|/2 in ``1 + erf(x)``; stock's float32 gelu measures 4.4e-7 there).
+most 4e-7 (a few ulp; erf measures 3.2e-7) wherever |f| > 1e-3 for exp on [-80, 80], erf on
+[-6, 6], tanh on [-12, 12], sigmoid and silu on [-30, 30]; gelu's absolute error at most 1e-6
+on [-8, 8] (erf's error times |x|/2 in ``1 + erf(x)``; stock's float32 gelu measures 4.4e-7).
 Only float32 is rewritten; other dtypes keep the stock legalisation.
 
 Stock ``FastMathTransform`` covers only ``R.exp``/``R.erf``/``R.tanh`` and rewrites them before

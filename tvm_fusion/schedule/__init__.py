@@ -43,11 +43,44 @@ def prepare_passes() -> list[tvm.transform.Pass]:
 
 def finish_passes() -> list[tvm.transform.Pass]:
     """After scheduling: weight-packing blocks become their own PrimFuncs, folded on constants."""
-    return [
-        relax.transform.SplitLayoutRewritePreproc(),
-        relax.transform.FoldConstant(),
-        RemoveUnusedPrimFuncs(),
-    ]
+    return [SplitWeightPrepack(), relax.transform.FoldConstant(), RemoveUnusedPrimFuncs()]
+
+
+PREPROC = "meta_schedule.layout_rewrite_preproc"
+
+
+def _has_preproc(func) -> bool:
+    from ..tir_util import blocks
+
+    return any(bool(b.annotations.get(PREPROC, False)) for b in blocks(func))
+
+
+@tvm.transform.module_pass(opt_level=0, name="SplitWeightPrepack")
+class SplitWeightPrepack:
+    """Stock ``SplitLayoutRewritePreproc`` on the PrimFuncs that have a packing block only.
+
+    The stock pass visits every PrimFunc and aborts on one whose root holds loops but no block
+    (``take_backward`` is legalised that way): "There should be a compute block if there is
+    only one subtree under the root". Upstream fix: skip functions without preproc blocks in
+    ``SplitFunctionLayoutRewrite::Transform``. Here the other PrimFuncs are set aside while it
+    runs and put back after.
+    """
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        aside = {
+            gv: func
+            for gv, func in mod.functions_items()
+            if isinstance(func, tvm.tirx.PrimFunc) and not _has_preproc(func)
+        }
+        if len(aside) == sum(isinstance(f, tvm.tirx.PrimFunc) for f in mod.functions.values()):
+            return mod  # nothing to split
+        sub = tvm.IRModule(
+            {gv: f for gv, f in mod.functions_items() if gv not in aside}, attrs=mod.attrs
+        )
+        sub = relax.transform.SplitLayoutRewritePreproc()(sub)
+        for gv, func in aside.items():
+            sub[gv] = func
+        return sub
 
 
 @tvm.transform.module_pass(opt_level=0, name="RemoveUnusedPrimFuncs")

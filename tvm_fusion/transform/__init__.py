@@ -8,8 +8,20 @@
 from __future__ import annotations
 
 from ._common import collect_rewrites
+from .gather_to_slice import GatherToSlice
+from .strip_bookend_views import StripBookendViews
 
-GRAPH_PASSES: list[tuple[str, type]] = []
-POST_FUSION_PASSES: list[tuple[str, type]] = []
+GRAPH_PASSES: list[tuple[str, type]] = [
+    ("gather_to_slice", GatherToSlice),
+]
+POST_FUSION_PASSES: list[tuple[str, type]] = [
+    ("strip_bookend_views", StripBookendViews),
+]
 
-__all__ = ["GRAPH_PASSES", "POST_FUSION_PASSES", "collect_rewrites"]
+__all__ = [
+    "GRAPH_PASSES",
+    "POST_FUSION_PASSES",
+    "GatherToSlice",
+    "StripBookendViews",
+    "collect_rewrites",
+]

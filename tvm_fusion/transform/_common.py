@@ -71,7 +71,7 @@ def const_int(value: tirx.Expr | int) -> int | None:
 
 
 def prove_equal(a: tirx.Expr | int, b: tirx.Expr | int) -> bool:
-    analyzer = tvm.arith.Analyzer()
+    analyzer = tvm.sym.Analyzer()
     return bool(
         analyzer.can_prove_equal(
             tirx.const(a, "int64") if isinstance(a, int) else a,

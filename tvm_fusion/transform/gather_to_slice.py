@@ -1,0 +1,345 @@
+"""GatherToSlice: ``take(x, arange(a, b, s), axis)`` becomes ``strided_slice`` (ORT PR #13599).
+
+Matches ``R.take(x, idx, axis)`` whose 1-D index tensor ``idx`` is provably an arithmetic
+progression ``a, a+s, ..., a+(n-1)s`` with a constant non-zero step:
+
+- ``R.arange(a, b, s)`` (constant or symbolic bounds, e.g. a dynamic ``klen``);
+- a constant index tensor whose values are a progression (what FoldConstant and the ONNX
+  importer leave of a constant Range);
+- either of those through ``astype`` to an integer type, ``multiply``/``add``/``subtract`` by
+  integer scalars, and the ONNX importer's index normalisation
+  ``where(less(i, 0), add(i, dim), i)``, which is the identity for provably non-negative
+  indices and ``i + dim`` for provably negative ones.
+
+Emits ``strided_slice(x, [axis], [begin], [end], [s], assume_inbound=True)`` (with a
+``match_cast`` to the take's shape when TVM cannot see the two shapes are equal). A slice reads
+contiguous memory, fuses with its elementwise neighbours (``take`` is opaque to FuseOps) and its
+gradient is a slice-scatter instead of a serial scatter-add (see ``tvm_fusion.gradients``).
+
+Where it must run: before LegalizeOps (Phase 1).
+
+Left alone, with the reason logged at debug level:
+
+- indices that may be negative, a zero step (repeated indices), a non-integer or non-1-D index;
+- indices that may fall outside ``[0, dim)`` -- except for ``mode="fast"`` (the default, and what
+  the ONNX importer emits): that mode already promises in-bound indices (TVM: "fast mode
+  segfaults when there are out-of-bounds indices"), so a symbolic upper bound that cannot be
+  proven keeps the same promise; ``mode="clip"``/``"wrap"`` need a proof;
+- a negative step whose last index is 0 on an axis of symbolic length (no end value expresses
+  "before index 0" there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tvm
+from tvm import IRModule, relax, tirx
+from tvm.ir import PrimType
+from tvm.ir.expr import GenericConst
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ._common import get_logger, record_rewrite, skip
+
+logger = get_logger(__name__)
+NAME = "GatherToSlice"
+_INT = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+@tvm.transform.module_pass(opt_level=0, name=NAME)
+class GatherToSlice:
+    """Replaces ``take(x, arange(a, b, s), axis)`` by ``strided_slice(x, [axis], [a], [b], [s])``."""
+
+    def __init__(self, target=None):
+        self.target = target
+
+    def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
+        rewriter = _Rewriter(mod)
+        mod = rewriter.transform()
+        record_rewrite(NAME, rewriter.count)
+        return mod
+
+
+@dataclasses.dataclass
+class Progression:
+    """Index values ``start + i * step`` for ``i`` in ``[0, length)``."""
+
+    start: tirx.Expr
+    step: int
+    length: tirx.Expr
+
+    def last(self) -> tirx.Expr:
+        return self.start + (self.length - 1) * self.step
+
+
+def _i64(value) -> tirx.Expr:
+    if isinstance(value, int | np.integer):
+        return tirx.IntImm("int64", int(value))
+    return value if str(value.ty.dtype) == "int64" else tirx.Cast("int64", value)
+
+
+def _is_prim(expr) -> bool:
+    return isinstance(getattr(expr, "ty", None), PrimType)
+
+
+def _op_name(expr) -> str | None:
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return expr.op.name
+    return None
+
+
+class _Values:
+    """Reads what an index expression computes, looking through variable bindings."""
+
+    def __init__(self, var2val: dict):
+        self.var2val = var2val
+
+    def resolve(self, expr):
+        seen = 0
+        while isinstance(expr, relax.Var) and expr in self.var2val and seen < 64:
+            expr = self.var2val[expr]
+            seen += 1
+        return expr
+
+    def scalar(self, expr) -> tirx.Expr | None:
+        """A scalar integer tensor (or prim value) as a PrimExpr."""
+        if _is_prim(expr):
+            return _i64(expr)
+        expr = self.resolve(expr)
+        if _is_prim(expr):
+            return _i64(expr)
+        if isinstance(expr, GenericConst):
+            arr = expr.value.numpy()
+            if arr.size == 1 and arr.dtype.name in _INT:
+                return _i64(int(arr.reshape(-1)[0]))
+            return None
+        name = _op_name(expr)
+        if name in ("relax.reshape", "relax.squeeze", "relax.astype") and expr.args:
+            return self.scalar(expr.args[0])
+        if name == "relax.take":
+            # take(shape_to_tensor(shape), i): one dimension of a shape
+            index = self.scalar(expr.args[1])
+            shape = self.shape_values(expr.args[0])
+            if index is not None and shape is not None and isinstance(index, tirx.IntImm):
+                i = int(index.value)
+                if -len(shape) <= i < len(shape):
+                    return _i64(shape[i])
+        return None
+
+    def shape_values(self, expr) -> list | None:
+        """``shape_to_tensor(shape)`` as the list of its PrimExprs."""
+        expr = self.resolve(expr)
+        if _op_name(expr) != "relax.shape_to_tensor":
+            return None
+        shape = self.resolve(expr.args[0])
+        if isinstance(shape, relax.ShapeExpr):
+            return list(shape.values)
+        if _op_name(shape) == "relax.shape_of":
+            sinfo = shape.args[0].ty
+            if isinstance(sinfo, relax.TensorType) and isinstance(sinfo.shape, relax.ShapeExpr):
+                return list(sinfo.shape.values)
+        sinfo = getattr(shape, "ty", None)
+        if isinstance(sinfo, relax.ShapeType) and sinfo.values is not None:
+            return list(sinfo.values)
+        return None
+
+    def progression(self, expr, analyzer) -> Progression | None:
+        expr = self.resolve(expr)
+        sinfo = getattr(expr, "ty", None)
+        if not isinstance(sinfo, relax.TensorType) or sinfo.ndim != 1 or sinfo.dtype not in _INT:
+            return None
+        if isinstance(expr, GenericConst):
+            return _from_array(expr.value.numpy())
+        name = _op_name(expr)
+        if name == "relax.arange":
+            start, _end, step = expr.args
+            if not isinstance(step, tirx.IntImm) or int(step.value) == 0:
+                return None
+            if not isinstance(sinfo.shape, relax.ShapeExpr):
+                return None
+            step_v = int(step.value)
+            start, end = _i64(start), _i64(_end)
+            # ceil((end - start) / step); an empty range is the user's problem either way
+            length = analyzer.simplify(
+                tirx.floordiv(end - start + (step_v - 1 if step_v > 0 else step_v + 1), step_v)
+            )
+            declared = _i64(sinfo.shape.values[0])
+            if not analyzer.can_prove_equal(length, declared):
+                # 0.27 infers ceil-div as if the step were positive: arange(7, 0, -1) is
+                # declared with 9 elements while it computes 7. Nothing to trust there.
+                logger.debug(
+                    "arange%s: declared length %s, computes %s", tuple(expr.args), declared, length
+                )
+                return None
+            return Progression(start, step_v, length)
+        if name == "relax.astype":
+            return self.progression(expr.args[0], analyzer)
+        if name in ("relax.add", "relax.subtract", "relax.multiply"):
+            lhs, rhs = expr.args
+            prog, other = self.progression(lhs, analyzer), rhs
+            if prog is None and name != "relax.subtract":
+                prog, other = self.progression(rhs, analyzer), lhs
+            if prog is None:
+                return None
+            value = self.scalar(other)
+            if value is None:
+                return None
+            if name == "relax.add":
+                return Progression(prog.start + value, prog.step, prog.length)
+            if name == "relax.subtract":
+                return Progression(prog.start - value, prog.step, prog.length)
+            if not isinstance(value, tirx.IntImm):
+                return None
+            factor = int(value.value)
+            return Progression(prog.start * factor, prog.step * factor, prog.length)
+        if name == "relax.where":
+            return self._normalised(expr, analyzer)
+        return None
+
+    def _normalised(self, where, analyzer) -> Progression | None:
+        """``where(less(i, 0), add(i, dim), i)``: the ONNX importer's negative-index fix."""
+        cond, wrapped, plain = (self.resolve(a) for a in where.args)
+        if _op_name(cond) != "relax.less" or _op_name(wrapped) != "relax.add":
+            return None
+        zero = self.scalar(cond.args[1])
+        if zero is None or not isinstance(zero, tirx.IntImm) or int(zero.value) != 0:
+            return None
+        base = self.resolve(cond.args[0])
+        if not self.resolve(plain).same_as(base):
+            return None
+        add_lhs, add_rhs = (self.resolve(a) for a in wrapped.args)
+        dim_expr = add_rhs if add_lhs.same_as(base) else add_lhs if add_rhs.same_as(base) else None
+        if dim_expr is None:
+            return None
+        prog = self.progression(base, analyzer)
+        if prog is None:
+            return None
+        lo = prog.start if prog.step > 0 else prog.last()
+        hi = prog.last() if prog.step > 0 else prog.start
+        if analyzer.can_prove(lo >= 0):
+            return prog
+        dim = self.scalar(dim_expr)
+        if dim is not None and analyzer.can_prove(hi < 0):
+            return Progression(prog.start + dim, prog.step, prog.length)
+        return None
+
+
+def _from_array(arr: np.ndarray) -> Progression | None:
+    if arr.ndim != 1 or arr.size == 0 or arr.dtype.name not in _INT:
+        return None
+    if arr.size == 1:
+        return Progression(_i64(int(arr[0])), 1, _i64(1))
+    diffs = np.diff(arr.astype("int64"))
+    if not np.all(diffs == diffs[0]) or diffs[0] == 0:
+        return None
+    return Progression(_i64(int(arr[0])), int(diffs[0]), _i64(arr.size))
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: IRModule):
+        super().__init__(mod)
+        self.mod = mod
+        self.count = 0
+        self.values = _Values({})
+
+    def transform(self) -> IRModule:
+        for gv, func in self.mod.functions_items():
+            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
+                continue
+            self.values = _Values(relax.analysis.get_var2val(func))
+            new_func = self.visit_expr(func)
+            new_func = relax.analysis.remove_all_unused(new_func)
+            self.builder_.update_func(gv, new_func)
+        return self.builder_.get()
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        if _op_name(call) != "relax.take":
+            return super().visit_call_(call)
+        replaced = self._rewrite(call)
+        if replaced is None:
+            return super().visit_call_(call)
+        self.count += 1
+        return replaced
+
+    def _rewrite(self, call: relax.Call) -> relax.Expr | None:
+        what = f"take at {call.args[0]}"
+        x, indices = call.args
+        x_sinfo, out_sinfo = x.ty, call.ty
+        if not isinstance(x_sinfo, relax.TensorType) or not isinstance(
+            x_sinfo.shape, relax.ShapeExpr
+        ):
+            return _leave(what, "input shape unknown")
+        if call.attrs.axis is None:
+            return _leave(what, "take without an axis flattens the input")
+        ndim = len(x_sinfo.shape.values)
+        axis = int(call.attrs.axis) % ndim
+        dim = _i64(x_sinfo.shape.values[axis])
+        analyzer = tvm.sym.Analyzer()
+        prog = self.values.progression(indices, analyzer)
+        if prog is None:
+            return _leave(what, "indices are not a provable arithmetic progression")
+        step = prog.step
+        if step == 0:
+            return _leave(what, "zero step: repeated indices")
+        first, last = prog.start, prog.last()
+        low, high = (first, last) if step > 0 else (last, first)
+        if analyzer.can_prove(prog.length <= 0):
+            return _leave(what, "empty index range")
+        if not analyzer.can_prove(low >= 0):
+            return _leave(what, "indices may be negative")
+        if analyzer.can_prove(high >= dim):
+            return _leave(what, "indices past the end of the axis")
+        if not analyzer.can_prove(high < dim):
+            if str(call.attrs.mode) != "fast":
+                return _leave(what, f"indices may exceed the axis (mode={call.attrs.mode})")
+            logger.debug("%s: upper bound unproven; mode='fast' promises in-bound indices", what)
+        # Negative strides keep assume_inbound=False: 0.27 infers a wrong length for them with
+        # assume_inbound=True (strided_slice(x[10], 7, 0, -1) gets 9), and an end of
+        # -(dim + 1) needs the normalisation to mean "before index 0".
+        inbound = step > 0
+        if step > 0:
+            begin, end = first, last + 1
+        elif analyzer.can_prove(last >= 1):
+            begin, end = first, last - 1
+        elif isinstance(dim, tirx.IntImm):
+            begin, end = first, _i64(-(int(dim.value) + 1))
+        else:
+            return _leave(what, "negative step down to index 0 on a symbolic axis")
+        begin, end = analyzer.simplify(begin), analyzer.simplify(end)
+        new_x = self.visit_expr(x)
+        sliced = self.builder_.normalize(
+            relax.op.strided_slice(new_x, [axis], [begin], [end], [step], assume_inbound=inbound)
+        )
+        if not _same_shape(sliced.ty, out_sinfo, analyzer):
+            return _leave(what, "slice shape not provably the take's shape")
+        if not _struct_equal(sliced.ty, out_sinfo):
+            sliced = self.builder_.match_cast(self.builder_.emit(sliced), out_sinfo)
+        return sliced
+
+
+def _leave(what: str, reason: str) -> None:
+    skip(logger, what, reason)
+    return None
+
+
+def _struct_equal(a, b) -> bool:
+    try:
+        tvm.ir.assert_structural_equal(a, b)
+        return True
+    except (ValueError, AssertionError):
+        return False
+
+
+def _same_shape(a, b, analyzer) -> bool:
+    if not isinstance(a, relax.TensorType) or not isinstance(b, relax.TensorType):
+        return False
+    if a.dtype != b.dtype or a.ndim != b.ndim:
+        return False
+    if not isinstance(a.shape, relax.ShapeExpr) or not isinstance(b.shape, relax.ShapeExpr):
+        return False
+    return all(
+        analyzer.can_prove_equal(_i64(x), _i64(y))
+        for x, y in zip(a.shape.values, b.shape.values, strict=True)
+    )
