@@ -54,7 +54,7 @@ def test_fusion_report_lists_groups(target):
 
 
 def test_dot(target):
-    inst = models.build("gate_2890", "small")
+    inst = models.build("gru_cell", "small")
     grouped = analysis.grouped(inst.mod, target, ours=True)
     dot = analysis.to_dot(grouped, "g")
     assert dot.startswith('digraph "g"') and dot.rstrip().endswith("}")

@@ -348,6 +348,21 @@ class TestNoFireUndefinableDim(Base):
     Expected = Before
 
 
+class TestNoFireContiguousSlice(_NoFire):
+    """A slice of a leading axis has a reshape-like index map but drops elements: not a view
+    (found by tests/test_differential.py)."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 6), "float32")):
+            with R.dataflow():
+                a = R.exp(x)
+                b = R.strided_slice(a, [0], [1], [2])
+                R.output(b)
+            return b
+
+
 # ---------------------------------------------------------------------------------------------
 
 

@@ -16,19 +16,20 @@ from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
 from .. import target as _target
-from . import cpu
+from . import cpu, cuda
 
 
 def default_rules(target: Target) -> list[dl.ScheduleRule]:
     if _target.is_gpu(target):
         return [
+            cuda.GateFusion(),
             dl.gpu.Matmul(),
             dl.gpu.GEMV(),
             dl.gpu.Reduction(),
             dl.gpu.GeneralReduction(),
             dl.gpu.Fallback(),
         ]
-    return [cpu.Matmul(), cpu.RowReduction(), cpu.Injective(), cpu.Fallback()]
+    return [cpu.GateFusion(), cpu.Matmul(), cpu.RowReduction(), cpu.Injective(), cpu.Fallback()]
 
 
 def default_schedule_pass(target: Target) -> tvm.transform.Pass:
@@ -106,3 +107,24 @@ class RemoveUnusedPrimFuncs:
         for gv in unused:
             del mod[gv]
         return mod
+
+
+def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int | None:
+    """The vector block ``V`` for FuseSplitGates' blocked weights on ``target``.
+
+    On llvm: a multiple (or half) of the SIMD lanes that divides ``width`` and keeps
+    ``gates * V / lanes`` accumulators within half the vector registers; for one row (GEMV) as
+    wide as that allows (more independent accumulators hide FMA latency), otherwise one vector
+    per gate so that more rows fit the register tile. None when nothing divides ``width``.
+    """
+    if _target.is_gpu(target):
+        from .cuda.gate_fusion import gate_block as cuda_gate_block
+
+        return cuda_gate_block(target, width, gates, rows)
+    lanes = _target.vector_lanes(target, "float32")
+    budget = (32 if _target.vector_bits(target) >= 512 else 16) // 2
+    wide = [4 * lanes, 2 * lanes, lanes] if rows == 1 else [lanes, 2 * lanes]
+    for v in wide + [lanes // 2, 8, 4]:
+        if v >= 4 and width % v == 0 and gates * max(v // lanes, 1) <= budget:
+            return v
+    return None

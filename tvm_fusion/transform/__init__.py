@@ -8,11 +8,13 @@
 from __future__ import annotations
 
 from ._common import collect_rewrites
+from .fuse_split_gates import FuseSplitGates
 from .gather_to_slice import GatherToSlice
 from .strip_bookend_views import StripBookendViews
 
 GRAPH_PASSES: list[tuple[str, type]] = [
     ("gather_to_slice", GatherToSlice),
+    ("fuse_split_gates", FuseSplitGates),
 ]
 POST_FUSION_PASSES: list[tuple[str, type]] = [
     ("strip_bookend_views", StripBookendViews),
@@ -20,6 +22,7 @@ POST_FUSION_PASSES: list[tuple[str, type]] = [
 
 __all__ = [
     "GRAPH_PASSES",
+    "FuseSplitGates",
     "POST_FUSION_PASSES",
     "GatherToSlice",
     "StripBookendViews",

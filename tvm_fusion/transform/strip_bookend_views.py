@@ -94,6 +94,9 @@ def _is_view(mod: IRModule, value) -> relax.Expr | None:
         return None
     if not relax.analysis.has_reshape_pattern(prim):
         return None
+    # has_reshape_pattern also holds for a contiguous strided_slice: a view keeps every element
+    if not _same_count(fields[0].ty, value.ty):
+        return None
     return fields[0]
 
 
@@ -293,7 +296,7 @@ class _CallSiteRewriter(PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         src = _is_view(self.mod, call)
-        if src is not None and src not in self.params and _same_count(src.ty, call.ty):
+        if src is not None and src not in self.params:
             # A view left out of every group (FuseOps keeps dynamic reshapes apart): stock
             # RewriteDataflowReshape turns it into a view only inside the dataflow block, so a
             # reshape producing the function's result stays a copy kernel. Not when its input

@@ -1,8 +1,9 @@
 """Schedule rules for llvm targets, one per file, in the order the pipeline tries them."""
 
 from .fallback import Fallback
+from .gate_fusion import GateFusion
 from .injective import Injective
 from .matmul import Matmul
 from .reduction import RowReduction
 
-__all__ = ["Fallback", "Injective", "Matmul", "RowReduction"]
+__all__ = ["Fallback", "GateFusion", "Injective", "Matmul", "RowReduction"]

@@ -37,6 +37,7 @@ from .._common import (
     loop_nest_work,
     parallelize_outer,
     same_domain,
+    inline_is_cheap,
     try_inline_safe,
     vectorize_innermost,
 )
@@ -228,6 +229,8 @@ class Matmul(CPURule):
         for info in epilogue:
             if not same_domain(sch, acc, info.block_rv):
                 break
+            if not inline_is_cheap(sch, acc, [info.block_rv]):
+                break  # a chain of fast-math ops would multiply the expression size
             try:
                 sch.reverse_compute_inline(info.block_rv)
             except Exception:  # noqa: BLE001

@@ -1,0 +1,507 @@
+"""FuseSplitGates: matmul (+bias) -> split -> gates becomes one kernel with blocked weights.
+
+Structural cases run the pass for a CUDA target (exact stock op semantics, no fast-math
+polynomials in the TIR; V = 4 for these widths) on weights given as inputs, which are read in
+place; constant weights are checked for their blocked layout separately.
+
+Must not fire: a piece also used outside the group; the GEMM output also used elsewhere; a split
+on the batch axis; unequal pieces; an op outside the elementwise table; float16 data; a width
+no vector block divides.
+"""
+
+import numpy as np
+import pytest
+import tvm
+import tvm.testing
+from helpers import Base, compare_pipelines
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+import tvm_fusion
+from tvm_fusion import analysis, engine, models, tir_util
+from tvm_fusion.transform import FuseSplitGates, collect_rewrites
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+
+
+class GatesBase(Base):
+    transform = FuseSplitGates(CUDA)
+
+
+class TestSwiGLURuntimeWeight(GatesBase):
+    """silu-style gate: sigmoid(gate) * up from one GEMM chunked in two."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((8, 4), "float32")):
+            with R.dataflow():
+                wt = R.permute_dims(w)
+                y = R.matmul(x, wt)
+                parts = R.split(y, 2, axis=-1)
+                gate = parts[0]
+                up = parts[1]
+                act = R.sigmoid(gate)
+                out = R.multiply(act, up)
+                R.output(out)
+            return out
+
+    @I.ir_module
+    class Expected:
+        @T.prim_func(private=True, s_tir=True)
+        def fused_gates_2(
+            x: T.Buffer((T.int64(2), T.int64(4)), "float32"),
+            w: T.Buffer((T.int64(8), T.int64(4)), "float32"),
+            T_multiply: T.Buffer((T.int64(2), T.int64(4)), "float32"),
+        ):
+            T.func_attr(
+                {
+                    "op_pattern": 8,
+                    "tirx.noalias": True,
+                    "tvm_fusion.gate_fusion": {"block": 4, "gates": 2, "width": 4},
+                }
+            )
+            gemm0 = T.sblock_alloc_buffer((T.int64(2), T.int64(2), T.int64(4)))
+            gate0_0 = T.sblock_alloc_buffer((T.int64(2), T.int64(4)))
+            compute = T.sblock_alloc_buffer((T.int64(2), T.int64(4)))
+            gate0_1 = T.sblock_alloc_buffer((T.int64(2), T.int64(4)))
+            for i0, i1, i2, k in T.grid(T.int64(2), T.int64(2), T.int64(4), T.int64(4)):
+                with T.sblock("gemm0"):
+                    v_i0, v_i1, v_i2, v_k = T.axis.remap("SSSR", [i0, i1, i2, k])
+                    T.reads(x[v_i0, v_k], w[v_i1 * T.int64(4) + v_i2, v_k])
+                    T.writes(gemm0[v_i0, v_i1, v_i2])
+                    with T.init():
+                        gemm0[v_i0, v_i1, v_i2] = T.float32(0.0)
+                    gemm0[v_i0, v_i1, v_i2] = (
+                        gemm0[v_i0, v_i1, v_i2] + x[v_i0, v_k] * w[v_i1 * T.int64(4) + v_i2, v_k]
+                    )
+            for i0, i1 in T.grid(T.int64(2), T.int64(4)):
+                with T.sblock("gate0_0"):
+                    v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+                    T.reads(gemm0[v_i0, T.int64(0), v_i1])
+                    T.writes(gate0_0[v_i0, v_i1])
+                    gate0_0[v_i0, v_i1] = gemm0[v_i0, T.int64(0), v_i1]
+            for i0, i1 in T.grid(T.int64(2), T.int64(4)):
+                with T.sblock("compute"):
+                    v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+                    T.reads(gate0_0[v_i0, v_i1])
+                    T.writes(compute[v_i0, v_i1])
+                    compute[v_i0, v_i1] = T.sigmoid(gate0_0[v_i0, v_i1])
+            for i0, i1 in T.grid(T.int64(2), T.int64(4)):
+                with T.sblock("gate0_1"):
+                    v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+                    T.reads(gemm0[v_i0, T.int64(1), v_i1])
+                    T.writes(gate0_1[v_i0, v_i1])
+                    gate0_1[v_i0, v_i1] = gemm0[v_i0, T.int64(1), v_i1]
+            for ax0, ax1 in T.grid(T.int64(2), T.int64(4)):
+                with T.sblock("T_multiply"):
+                    v_ax0, v_ax1 = T.axis.remap("SS", [ax0, ax1])
+                    T.reads(compute[v_ax0, v_ax1], gate0_1[v_ax0, v_ax1])
+                    T.writes(T_multiply[v_ax0, v_ax1])
+                    T_multiply[v_ax0, v_ax1] = compute[v_ax0, v_ax1] * gate0_1[v_ax0, v_ax1]
+
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((8, 4), "float32")) -> R.Tensor(
+            (2, 4), "float32"
+        ):
+            cls = Expected
+            with R.dataflow():
+                out = R.call_tir(cls.fused_gates_2, (x, w), out_ty=R.Tensor((2, 4), "float32"))
+                R.output(out)
+            return out
+
+
+class TestDynamicBatch(GatesBase):
+    """Symbolic rows: the kernel's buffers take n from x."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("n", 4), "float32"), w: R.Tensor((8, 4), "float32")):
+            with R.dataflow():
+                wt = R.permute_dims(w)
+                y = R.matmul(x, wt)
+                parts = R.split(y, 2, axis=-1)
+                gate = parts[0]
+                up = parts[1]
+                act = R.sigmoid(gate)
+                out = R.multiply(act, up)
+                R.output(out)
+            return out
+
+    @I.ir_module
+    class Expected:
+        @T.prim_func(private=True, s_tir=True)
+        def fused_gates_2(
+            var_x: T.handle, w: T.Buffer((T.int64(8), T.int64(4)), "float32"), var_out: T.handle
+        ):
+            T.func_attr(
+                {
+                    "op_pattern": 8,
+                    "tirx.noalias": True,
+                    "tvm_fusion.gate_fusion": {"block": 4, "gates": 2, "width": 4},
+                }
+            )
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, T.int64(4)))
+            T_multiply = T.match_buffer(var_out, (n, T.int64(4)))
+            gemm0 = T.sblock_alloc_buffer((n, T.int64(2), T.int64(4)))
+            gate0_0 = T.sblock_alloc_buffer((n, T.int64(4)))
+            compute = T.sblock_alloc_buffer((n, T.int64(4)))
+            gate0_1 = T.sblock_alloc_buffer((n, T.int64(4)))
+            for i0, i1, i2, k in T.grid(n, T.int64(2), T.int64(4), T.int64(4)):
+                with T.sblock("gemm0"):
+                    v_i0, v_i1, v_i2, v_k = T.axis.remap("SSSR", [i0, i1, i2, k])
+                    T.reads(x[v_i0, v_k], w[v_i1 * T.int64(4) + v_i2, v_k])
+                    T.writes(gemm0[v_i0, v_i1, v_i2])
+                    with T.init():
+                        gemm0[v_i0, v_i1, v_i2] = T.float32(0.0)
+                    gemm0[v_i0, v_i1, v_i2] = (
+                        gemm0[v_i0, v_i1, v_i2] + x[v_i0, v_k] * w[v_i1 * T.int64(4) + v_i2, v_k]
+                    )
+            for i0, i1 in T.grid(n, T.int64(4)):
+                with T.sblock("gate0_0"):
+                    v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+                    T.reads(gemm0[v_i0, T.int64(0), v_i1])
+                    T.writes(gate0_0[v_i0, v_i1])
+                    gate0_0[v_i0, v_i1] = gemm0[v_i0, T.int64(0), v_i1]
+            for i0, i1 in T.grid(n, T.int64(4)):
+                with T.sblock("compute"):
+                    v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+                    T.reads(gate0_0[v_i0, v_i1])
+                    T.writes(compute[v_i0, v_i1])
+                    compute[v_i0, v_i1] = T.sigmoid(gate0_0[v_i0, v_i1])
+            for i0, i1 in T.grid(n, T.int64(4)):
+                with T.sblock("gate0_1"):
+                    v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+                    T.reads(gemm0[v_i0, T.int64(1), v_i1])
+                    T.writes(gate0_1[v_i0, v_i1])
+                    gate0_1[v_i0, v_i1] = gemm0[v_i0, T.int64(1), v_i1]
+            for ax0, ax1 in T.grid(n, T.int64(4)):
+                with T.sblock("T_multiply"):
+                    v_ax0, v_ax1 = T.axis.remap("SS", [ax0, ax1])
+                    T.reads(compute[v_ax0, v_ax1], gate0_1[v_ax0, v_ax1])
+                    T.writes(T_multiply[v_ax0, v_ax1])
+                    T_multiply[v_ax0, v_ax1] = compute[v_ax0, v_ax1] * gate0_1[v_ax0, v_ax1]
+
+        @R.function
+        def main(x: R.Tensor(("n", 4), "float32"), w: R.Tensor((8, 4), "float32")) -> R.Tensor(
+            ("n", 4), "float32"
+        ):
+            n = T.int64()
+            cls = Expected
+            with R.dataflow():
+                out = R.call_tir(cls.fused_gates_2, (x, w), out_ty=R.Tensor((n, 4), "float32"))
+                R.output(out)
+            return out
+
+
+class TestNoFirePieceUsedOutside(GatesBase):
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 8), "float32")):
+            with R.dataflow():
+                y = R.matmul(x, w)
+                parts = R.split(y, 2, axis=-1)
+                gate = parts[0]
+                up = parts[1]
+                act = R.sigmoid(gate)
+                out = R.multiply(act, up)
+                R.output(out, gate)
+            return (out, gate)
+
+    Expected = Before
+
+
+class TestNoFireGemmOutputUsedElsewhere(GatesBase):
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 8), "float32")):
+            with R.dataflow():
+                y = R.matmul(x, w)
+                parts = R.split(y, 2, axis=-1)
+                act = R.sigmoid(parts[0])
+                out = R.multiply(act, parts[1])
+                total = R.sum(y)
+                R.output(out, total)
+            return (out, total)
+
+    Expected = Before
+
+
+class TestNoFireBatchAxisSplit(GatesBase):
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 4), "float32"), w: R.Tensor((4, 8), "float32")):
+            with R.dataflow():
+                y = R.matmul(x, w)
+                parts = R.split(y, 2, axis=0)
+                out = R.multiply(R.sigmoid(parts[0]), parts[1])
+                R.output(out)
+            return out
+
+    Expected = Before
+
+
+class TestNoFireUnequalPieces(GatesBase):
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 12), "float32")):
+            with R.dataflow():
+                y = R.matmul(x, w)
+                parts = R.split(y, [4], axis=1)
+                a = R.sigmoid(parts[0])
+                b = R.sum(parts[1], axis=[1], keepdims=True)
+                out = R.multiply(a, b)
+                R.output(out)
+            return out
+
+    Expected = Before
+
+
+class TestNoFireUnknownOp(GatesBase):
+    """softmax is not elementwise: the pieces feed nothing the kernel can compute."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 8), "float32")):
+            with R.dataflow():
+                y = R.matmul(x, w)
+                parts = R.split(y, 2, axis=-1)
+                a = R.nn.softmax(parts[0])
+                b = R.nn.softmax(parts[1])
+                out = R.add(a, b)
+                R.output(out)
+            return out
+
+    Expected = Before
+
+
+class TestNoFireFloat16(GatesBase):
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float16"), w: R.Tensor((4, 8), "float16")):
+            with R.dataflow():
+                y = R.matmul(x, w)
+                parts = R.split(y, 2, axis=-1)
+                out = R.multiply(R.sigmoid(parts[0]), parts[1])
+                R.output(out)
+            return out
+
+    Expected = Before
+
+
+class TestNoFireNoVectorBlock(GatesBase):
+    """Pieces of width 2: no block of 4 or more units divides them."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 4), "float32"), w: R.Tensor((4, 4), "float32")):
+            with R.dataflow():
+                y = R.matmul(x, w)
+                parts = R.split(y, 2, axis=-1)
+                out = R.multiply(R.sigmoid(parts[0]), parts[1])
+                R.output(out)
+            return out
+
+    Expected = Before
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads: numerics, one kernel, blocked constant weights, no full GEMM intermediate
+
+GATE_WORKLOADS = ["gate_2890", "lstm_cell", "gru_cell", "swiglu", "geglu"]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("name", GATE_WORKLOADS)
+def test_cells_numerics_vs_reference_and_stock(name, dynamic):
+    inst = models.build(name, "small", dynamic=dynamic)
+    with collect_rewrites() as counts:
+        compare_pipelines(
+            inst.mod,
+            inst.input_list(),
+            rtol=1e-4,
+            atol=1e-4,
+            reference=inst.reference(*inst.input_list()),
+        )
+    assert counts["FuseSplitGates"] == 1
+
+
+@pytest.mark.parametrize("name", GATE_WORKLOADS)
+def test_one_kernel_for_the_gate_group(name, target):
+    inst = models.build(name, "small")
+    report = analysis.fusion_report(inst.mod, target)
+    gate_kernels = [k for k in report.ours if k.name.startswith("fused_gates")]
+    assert len(gate_kernels) == 1
+    # stock: the GEMM(s) and the gate math are separate kernels
+    stock_gemm = [k for k in report.stock if "matmul" in k.label()]
+    assert report.stock_kernels >= 2 and stock_gemm
+    # ours: the gate group is the only kernel but for SwiGLU/GeGLU's down projection
+    expected = 2 if name in ("swiglu", "geglu") else 1
+    assert report.ours_kernels == expected
+
+
+@pytest.mark.parametrize("name", ["lstm_cell", "gru_cell"])
+def test_onnx_import_fuses(name):
+    inst = models.build(name, "small")
+    mod = tvm_fusion.load_onnx(inst.onnx_model)
+    with collect_rewrites() as counts:
+        compare_pipelines(
+            mod,
+            inst.input_list(),
+            rtol=1e-4,
+            atol=1e-4,
+            reference=inst.reference(*inst.input_list()),
+        )
+    assert counts["FuseSplitGates"] == 1
+
+
+def test_constant_weight_blocked_layout(target):
+    """W (k*D, K) becomes Wb (D/V, K, k, V): Wb[b, k, g, v] = W[g*D + b*V + v, k]."""
+    inst = models.build("lstm_cell", "small")
+    fused = FuseSplitGates(target)(inst.mod)
+    call = next(
+        b.value
+        for b in fused["main"].body.blocks[0].bindings
+        if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"
+    )
+    consts = [a for a in call.args[1].fields if isinstance(a, tvm.ir.expr.GenericConst)]
+    wb = next(c.value.numpy() for c in consts if c.value.numpy().ndim == 4)
+    blocks, k_dim, gates, v = wb.shape
+    assert gates == 4 and k_dim == 32 and blocks * v == 16
+    w = next(
+        b.value.args[0].value.numpy()
+        for b in inst.mod["main"].body.blocks[0].bindings
+        if isinstance(b.value, relax.Call) and b.value.op.name == "relax.permute_dims"
+    )
+    for g in range(gates):
+        for blk in range(blocks):
+            np.testing.assert_array_equal(
+                wb[blk, :, g, :], w[g * 16 + blk * v : g * 16 + (blk + 1) * v].T
+            )
+
+
+def _gate_module(rows, k_in, width, gates):
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((gates * width, k_in)) / np.sqrt(k_in)).astype("float32")
+    x = relax.Var("x", relax.TensorType((rows, k_in), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(relax.const(w)))))
+            parts = bb.emit(relax.op.split(y, gates, axis=1))
+            acc = bb.emit(relax.op.sigmoid(bb.emit(relax.TupleGetItem(parts, 0))))
+            for g in range(1, gates):
+                acc = bb.emit(
+                    relax.op.multiply(
+                        acc, bb.emit(relax.op.tanh(bb.emit(relax.TupleGetItem(parts, g))))
+                    )
+                )
+            out = bb.emit_output(acc)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("name", ["gate_2890", "lstm_cell", "gru_cell", "swiglu", "medium"])
+def test_no_global_gemm_intermediate(name, target):
+    """No global buffer of rows * gates * D in the lowered kernel: the GEMM outputs are tile-local
+    registers (``local``), the rest of the gate math works on the tile."""
+    mod = _gate_module(32, 64, 128, 3) if name == "medium" else models.build(name, "small").mod
+    compiled = engine.compile_module(mod, target, "tvm_fusion")
+    kernel = next(
+        f for gv, f in compiled.lowered.functions_items() if gv.name_hint.startswith("fused_gates")
+    )
+    hints = kernel.attrs["tvm_fusion.gate_fusion"]
+    rows = int(kernel.params[0].shape[0])
+    full = rows * int(hints["gates"]) * int(hints["width"])
+    buffers = tir_util.compacted_allocations(kernel)
+    assert buffers
+    for buf in buffers:
+        n = tir_util.num_elements(buf)
+        if buf.name.startswith("gemm"):
+            assert buf.scope() == "local", buf.name
+        else:
+            assert n is not None and n < full, (buf.name, buf.shape, full)
+        if name == "medium":  # a real tile: far smaller than the whole GEMM output
+            assert n is not None and n * 8 <= full, (buf.name, buf.shape, full)
+
+
+def test_disabled_by_flag_and_context(target):
+    inst = models.build("lstm_cell", "small")
+    report = analysis.fusion_report(inst.mod, target, fuse_split_gates=False)
+    assert "FuseSplitGates" not in report.rewrites
+    with tvm.transform.PassContext(disabled_pass=["FuseSplitGates"]):
+        report = analysis.fusion_report(inst.mod, target)
+    assert "FuseSplitGates" not in report.rewrites
+
+
+def test_strided_slice_pieces():
+    """Pieces written as strided_slice (ONNX Slice) fuse like a split."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((24, 16)).astype("float32")
+    x = relax.Var("x", relax.TensorType((3, 16), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(relax.const(w)))))
+            a = bb.emit(relax.op.strided_slice(y, [1], [0], [12]))
+            b = bb.emit(relax.op.strided_slice(y, [1], [12], [24]))
+            out = bb.emit_output(relax.op.multiply(bb.emit(relax.op.nn.silu(a)), b))
+        bb.emit_func_output(out)
+    data = rng.standard_normal((3, 16)).astype("float32")
+    y = data @ w.T
+    with collect_rewrites() as counts:
+        compare_pipelines(
+            bb.get(),
+            [data],
+            rtol=1e-5,
+            atol=1e-5,
+            reference=[y[:, :12] / (1 + np.exp(-y[:, :12])) * y[:, 12:]],
+        )
+    assert counts["FuseSplitGates"] == 1
+
+
+def test_lstm_two_outputs_one_call(target):
+    inst = models.build("lstm_cell", "small")
+    fused = FuseSplitGates(target)(inst.mod)
+    calls = [
+        b
+        for b in fused["main"].body.blocks[0].bindings
+        if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"
+    ]
+    assert len(calls) == 1
+    assert isinstance(calls[0].var.ty, relax.TupleType) and len(calls[0].var.ty.fields) == 2
+
+
+if __name__ == "__main__":
+    tvm.testing.main()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("name", GATE_WORKLOADS)
+def test_cuda_compile_no_global_gemm_intermediate(name, dynamic):
+    """For CUDA the gate kernel compiles (to PTX, with nvcc or NVRTC) and keeps the GEMM
+    outputs in registers: one thread owns one (row, unit) and every gate of it."""
+    inst = models.build(name, "small", dynamic=dynamic)
+    compiled = engine.compile_module(inst.mod, CUDA, "tvm_fusion")
+    kernel = next(
+        f for gv, f in compiled.lowered.functions_items() if gv.name_hint.startswith("fused_gates")
+    )
+    assert "threadIdx.x" in kernel.script()
+    buffers = tir_util.compacted_allocations(kernel)
+    gates = int(kernel.attrs["tvm_fusion.gate_fusion"]["gates"])
+    assert buffers
+    for buf in buffers:
+        assert buf.scope() == "local", buf.name
+        n = tir_util.num_elements(buf)
+        assert n is not None and n <= gates * (2 if name == "gru_cell" else 1), (buf.name, n)

@@ -1,0 +1,659 @@
+"""FuseSplitGates: matmul (+ bias) -> split -> elementwise gates becomes ONE kernel (TVM #2890).
+
+Matches, inside a dataflow block:
+
+- one or more gate GEMMs ``y = x @ W^T`` / ``x @ W`` (``R.matmul``, with ``R.permute_dims`` of
+  the weight or not, optionally ``+ b``: what ``FuseTransposeMatmul``'s input, the ONNX
+  importer's Gemm/MatMul and frameworks' ``linear`` produce), each split along the
+  output-feature axis into ``k`` pieces of equal width ``D`` (``R.split`` by sections or
+  indices, or ``R.strided_slice`` pieces covering the axis: ONNX Split/Slice, torch ``chunk``);
+- the elementwise/broadcast ops that consume the pieces (sigmoid, tanh, exp, silu, gelu, relu,
+  add, multiply, ...), together with other tensors broadcast to ``(rows, D)`` (the LSTM cell
+  state, the GRU hidden state, constants). Several GEMMs whose pieces meet in these ops (the GRU
+  cell's input and hidden GEMMs) form one group.
+
+Emits ONE ``call_tir`` whose PrimFunc computes, per output tile, every gate of every GEMM for
+``V`` hidden units, then the gate math on that tile: the ``(rows, k * D)`` GEMM output never
+exists in memory. Constant weights (and biases) are laid out at compile time in vector-width
+blocks, ``W (k*D, K) -> Wb (D/V, K, k, V)``: for each block of ``V`` units and each step of the
+reduction, the ``k`` gates' ``V`` weights are contiguous, so one output tile holds all ``k``
+gates of ``V`` units. ``V`` comes from the target's schedule (``schedule.gate_block``). A weight
+that is a runtime input is read in place (fused without reordering); reordering it every call
+would cost a full pass over it, as much as a batch-1 GEMV itself.
+
+Where it must run: before LegalizeOps (Phase 1); the kernel is marked opaque so that FuseOps
+keeps it whole, and ``schedule/cpu/gate_fusion.py`` (llvm) or ``schedule/cuda/gate_fusion.py``
+schedule it.
+
+Left alone, with the reason logged at debug level: a piece also used outside the group, a GEMM
+output (or its bias sum) used by anything but the split, a split on another axis or into
+unequal pieces, ops not in the elementwise table, tensors that do not broadcast to the pieces'
+shape, non-float32 data, a ``D`` with no usable vector block, and groups whose external inputs
+depend on the group's own results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tvm
+from tvm import IRModule, relax, te, tirx, topi
+from tvm.ir.expr import GenericConst
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .. import legalize as _legalize
+from .. import target as _target
+from ._common import get_logger, record_rewrite, skip
+
+logger = get_logger(__name__)
+NAME = "FuseSplitGates"
+GATE_ATTR = "tvm_fusion.gate_fusion"
+
+
+def _unary(fast, stock):
+    return lambda t, fm: (fast if fm else stock)(t)
+
+
+# Relax op -> (arity, builder(te tensors..., fast_math) -> te tensor)
+_ELEMENTWISE = {
+    "relax.sigmoid": (1, _unary(_legalize.fast_sigmoid, topi.sigmoid)),
+    "relax.tanh": (1, _unary(topi.fast_tanh, topi.tanh)),
+    "relax.exp": (1, _unary(topi.fast_exp, topi.exp)),
+    "relax.nn.silu": (1, _unary(_legalize.fast_silu, lambda t: topi.multiply(t, topi.sigmoid(t)))),
+    "relax.nn.gelu": (
+        1,
+        _unary(
+            _legalize.fast_gelu,
+            lambda t: topi.multiply(
+                t,
+                topi.add(
+                    tirx.const(0.5, t.dtype),
+                    topi.multiply(
+                        topi.erf(topi.multiply(t, tirx.const(0.5**0.5, t.dtype))),
+                        tirx.const(0.5, t.dtype),
+                    ),
+                ),
+            ),
+        ),
+    ),
+    "relax.nn.relu": (1, lambda t, fm: topi.nn.relu(t)),
+    "relax.negative": (1, lambda t, fm: topi.negative(t)),
+    "relax.sqrt": (1, lambda t, fm: topi.sqrt(t)),
+    "relax.add": (2, lambda a, b, fm: topi.add(a, b)),
+    "relax.subtract": (2, lambda a, b, fm: topi.subtract(a, b)),
+    "relax.multiply": (2, lambda a, b, fm: topi.multiply(a, b)),
+    "relax.divide": (2, lambda a, b, fm: topi.divide(a, b)),
+    "relax.maximum": (2, lambda a, b, fm: topi.maximum(a, b)),
+    "relax.minimum": (2, lambda a, b, fm: topi.minimum(a, b)),
+}
+
+
+@tvm.transform.module_pass(opt_level=0, name=NAME)
+class FuseSplitGates:
+    """Fuses ``matmul(+bias) -> split -> elementwise gates`` into one kernel, weights blocked."""
+
+    def __init__(self, target=None):
+        self.target = target
+
+    def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
+        target = self.target or tvm.target.Target.current(allow_none=True)
+        if target is None:
+            target = _target.host_target()
+        rewriter = _Rewriter(mod, target)
+        mod = rewriter.transform()
+        record_rewrite(NAME, rewriter.count)
+        return mod
+
+
+# ---------------------------------------------------------------------------------------------
+# Matching
+
+
+@dataclasses.dataclass
+class _Gemm:
+    x: relax.Expr  # (rows..., K)
+    weight: relax.Expr  # (k*D, K) when transposed, else (K, k*D)
+    transposed: bool
+    bias: relax.Expr | None  # broadcastable to (k*D,)
+    pieces: list[relax.Var]  # in feature order
+    chain: list[relax.Var]  # bindings the group replaces (matmul, add, split, items)
+    width: int  # D
+
+    @property
+    def gates(self) -> int:
+        return len(self.pieces)
+
+
+def _op(expr) -> str | None:
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return expr.op.name
+    return None
+
+
+def _shape(expr) -> list | None:
+    sinfo = getattr(expr, "ty", None)
+    if isinstance(sinfo, relax.TensorType) and isinstance(sinfo.shape, relax.ShapeExpr):
+        return list(sinfo.shape.values)
+    return None
+
+
+def _int(value) -> int | None:
+    return int(value.value) if isinstance(value, tirx.IntImm) else None
+
+
+class _Block:
+    """Bindings of one dataflow block with use counts over the whole function."""
+
+    def __init__(self, block: relax.DataflowBlock, uses: dict, outputs: set):
+        self.bindings = list(block.bindings)
+        self.value = {b.var: b.value for b in self.bindings if isinstance(b, relax.VarBinding)}
+        self.index = {b.var: i for i, b in enumerate(self.bindings)}
+        self.uses = uses
+        self.outputs = outputs  # vars used after the block (non-dataflow)
+        self.users: dict = {}
+        for b in self.bindings:
+            for v in _vars_of(b.value):
+                self.users.setdefault(v, []).append(b.var)
+
+    def single_use(self, var) -> bool:
+        return self.uses.get(var, 0) == 1 and var not in self.outputs
+
+
+def _vars_of(expr) -> list:
+    found: list = []
+
+    def visit(e):
+        if isinstance(e, relax.Var):
+            found.append(e)
+
+    relax.analysis.post_order_visit(expr, visit)
+    return found
+
+
+def _find_gemms(blk: _Block) -> list[_Gemm]:
+    gemms = []
+    for binding in blk.bindings:
+        if not isinstance(binding, relax.VarBinding):
+            continue
+        pieces = _pieces(blk, binding) or _slice_pieces(blk, binding)
+        if pieces is None:
+            continue
+        source, piece_vars, chain, width = pieces
+        gemm = _gemm_of(blk, source, piece_vars, chain, width)
+        if gemm is not None:
+            gemms.append(gemm)
+    return gemms
+
+
+def _pieces(blk: _Block, binding) -> tuple | None:
+    """A split of ``y`` along its last axis into equal pieces: (y, pieces, chain, width)."""
+    value = binding.value
+    if _op(value) != "relax.split":
+        return None
+    y = value.args[0]
+    shape = _shape(y)
+    if shape is None or len(shape) < 2:
+        return None
+    axis = int(value.attrs.axis) % len(shape)
+    what = f"split {binding.var.name}"
+    if axis != len(shape) - 1:
+        return skip(logger, what, "not on the output-feature (last) axis") or None
+    total = _int(shape[-1])
+    if total is None:
+        return skip(logger, what, "feature axis is symbolic") or None
+    sections = value.attrs.indices_or_sections
+    if isinstance(sections, tirx.IntImm | int):
+        k = int(sections)
+        bounds = [total * i // k for i in range(k + 1)]
+    else:
+        bounds = [0, *[int(i) for i in sections], total]
+    widths = {b - a for a, b in zip(bounds, bounds[1:], strict=False)}
+    if len(widths) != 1:
+        return skip(logger, what, f"unequal pieces {sorted(widths)}") or None
+    users = blk.users.get(binding.var, [])
+    items: dict[int, relax.Var] = {}
+    for user in users:
+        item = blk.value.get(user)
+        if not isinstance(item, relax.TupleGetItem) or user in items.values():
+            return skip(logger, what, "the split tuple is used other than by indexing") or None
+        items[int(item.index)] = user
+    k = len(bounds) - 1
+    if sorted(items) != list(range(k)) or binding.var in blk.outputs:
+        return skip(logger, what, "not every piece is taken exactly once") or None
+    return y, [items[i] for i in range(k)], [binding.var, *items.values()], widths.pop()
+
+
+def _slice_pieces(blk: _Block, binding) -> tuple | None:
+    """``y`` read only by ``strided_slice`` pieces of the last axis that partition it into equal
+    widths (ONNX Slice pieces, a chunk written with slices): (y, pieces, chain, width)."""
+    y = binding.var
+    shape = _shape(y)
+    users = blk.users.get(y, [])
+    if shape is None or len(shape) < 2 or not users or y in blk.outputs:
+        return None
+    if any(_op(blk.value.get(u)) != "relax.strided_slice" for u in users):
+        return None
+    total, last = _int(shape[-1]), len(shape) - 1
+    if total is None:
+        return None
+    ranges = []
+    for u in users:
+        call = blk.value[u]
+        fields = [list(a.fields) if isinstance(a, relax.Tuple) else None for a in call.args[1:]]
+        if any(f is None or len(f) != 1 for f in fields[:3]):
+            return None
+        axis, begin, end = (_int(f[0]) for f in fields[:3])
+        stride = _int(fields[3][0]) if len(fields) > 3 and fields[3] else 1
+        if None in (axis, begin, end) or axis % len(shape) != last or stride != 1:
+            return None
+        begin, end = (
+            begin % total if begin < 0 else begin,
+            min(end if end >= 0 else end + total, total),
+        )
+        ranges.append((begin, end, u))
+    ranges.sort(key=lambda r: r[0])
+    widths = {e - b for b, e, _ in ranges}
+    bounds_ok = (
+        ranges[0][0] == 0
+        and ranges[-1][1] == total
+        and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    )
+    if len(widths) != 1 or not bounds_ok:
+        skip(logger, f"slices of {y.name}", "the slices do not partition the axis equally")
+        return None
+    return y, [u for _, _, u in ranges], [], widths.pop()
+
+
+def _gemm_of(blk: _Block, y, pieces, chain, width) -> _Gemm | None:
+    what = f"GEMM feeding {pieces[0].name}"
+    sliced = not chain  # strided_slice pieces read y directly (several uses, all pieces)
+    if not isinstance(y, relax.Var) or y not in blk.value:
+        return skip(logger, what, "GEMM output not computed in this block") or None
+    if not sliced and not blk.single_use(y):
+        return skip(logger, what, "GEMM output used elsewhere") or None
+    value = blk.value[y]
+    chain = [y, *chain, *(pieces if sliced else [])]
+    bias = None
+    if _op(value) == "relax.add":
+        lhs, rhs = value.args
+        if _op(blk.value.get(lhs)) == "relax.matmul" and isinstance(lhs, relax.Var):
+            mm, bias = lhs, rhs
+        elif _op(blk.value.get(rhs)) == "relax.matmul" and isinstance(rhs, relax.Var):
+            mm, bias = rhs, lhs
+        else:
+            return skip(logger, what, "an add that is not matmul + bias") or None
+        if not blk.single_use(mm):
+            return skip(logger, what, "matmul output also used elsewhere") or None
+        bias_shape = _shape(bias)
+        total = width * len(pieces)
+        if (
+            bias_shape is None
+            or any(_int(d) != 1 for d in bias_shape[:-1])
+            or _int(bias_shape[-1]) not in (1, total)
+        ):
+            return skip(logger, what, "bias does not broadcast along the features only") or None
+        chain.insert(0, mm)
+        value = blk.value[mm]
+    if _op(value) != "relax.matmul":
+        return skip(logger, what, "split input is not a matmul") or None
+    x, w = value.args
+    x_shape, out_shape = _shape(x), _shape(y)
+    if x_shape is None or out_shape is None or len(x_shape) < 2:
+        return skip(logger, what, "unknown shapes") or None
+    if any(str(a) != str(b) for a, b in zip(x_shape[:-1], out_shape[:-1], strict=True)):
+        return skip(logger, what, "batched weight") or None
+    transposed = False
+    if isinstance(w, relax.Var) and _op(blk.value.get(w)) == "relax.permute_dims":
+        perm = blk.value[w]
+        axes = perm.attrs.axes
+        w_shape = _shape(perm.args[0])
+        if (
+            w_shape is not None
+            and len(w_shape) == 2
+            and (axes is None or [int(a) for a in axes] == [1, 0])
+        ):
+            if blk.single_use(w):
+                chain.insert(0, w)
+            w, transposed = perm.args[0], True
+    w_shape = _shape(w)
+    if w_shape is None or len(w_shape) != 2:
+        return skip(logger, what, "weight is not a 2-D tensor") or None
+    n_feat = _int(w_shape[0] if transposed else w_shape[1])
+    if n_feat != width * len(pieces):
+        return skip(logger, what, "weight rows do not match the split") or None
+    for t in (x, w, *([bias] if bias is not None else [])):
+        if t.ty.dtype != "float32":
+            return skip(logger, what, f"dtype {t.ty.dtype} (float32 only)") or None
+    return _Gemm(x, w, transposed, bias, pieces, chain, width)
+
+
+@dataclasses.dataclass
+class _Group:
+    gemms: list[_Gemm]
+    ops: list[relax.Var]  # epilogue bindings, block order
+    outputs: list[relax.Var]
+    externals: list[relax.Expr]
+    rows: list
+    width: int
+    block: int | None = None  # V, chosen for the target
+
+
+def _grow(blk: _Block, gemms: list[_Gemm]) -> list[_Group]:
+    """Epilogue regions from the pieces; GEMMs whose pieces meet are merged."""
+    owner: dict = {}  # region var -> group id
+    parent = list(range(len(gemms)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for gi, g in enumerate(gemms):
+        for p in g.pieces:
+            owner[p] = gi
+    ops: dict[int, list] = {}
+    start = min(blk.index[p] for g in gemms for p in g.pieces)
+    for binding in blk.bindings[start:]:
+        if not isinstance(binding, relax.VarBinding) or binding.var in owner:
+            continue
+        value = binding.value
+        name = _op(value)
+        if name not in _ELEMENTWISE or len(value.args) != _ELEMENTWISE[name][0]:
+            continue
+        region_args = [a for a in value.args if isinstance(a, relax.Var) and a in owner]
+        if not region_args:
+            continue
+        groups = {find(owner[a]) for a in region_args}
+        root = groups.pop()
+        for other in groups:
+            parent[other] = root
+        owner[binding.var] = root
+        ops.setdefault(root, []).append(binding)
+    result = []
+    members: dict[int, list[int]] = {}
+    for gi in range(len(gemms)):
+        members.setdefault(find(gi), []).append(gi)
+    for root, gis in members.items():
+        region_ops = [b for r, bs in ops.items() if find(r) == root for b in bs]
+        region_ops.sort(key=lambda b: blk.index[b.var])
+        group = _check_group(blk, [gemms[i] for i in gis], region_ops)
+        if group is not None:
+            result.append(group)
+    return result
+
+
+def _check_group(blk: _Block, gemms: list[_Gemm], ops: list) -> _Group | None:
+    what = f"gates of {', '.join(g.pieces[0].name for g in gemms)}"
+    if not ops:
+        return skip(logger, what, "no elementwise op consumes the pieces") or None
+    widths = {g.width for g in gemms}
+    rows = [_shape(g.pieces[0])[:-1] for g in gemms]
+    if len(widths) != 1 or len({tuple(str(d) for d in r) for r in rows}) != 1:
+        return skip(logger, what, "GEMMs with different row or piece shapes") or None
+    width, rows = widths.pop(), rows[0]
+    out_shape = [*rows, tirx.IntImm("int64", width)]
+    region = {b.var for b in ops} | {p for g in gemms for p in g.pieces}
+    # pieces must only feed the region
+    for g in gemms:
+        for p in g.pieces:
+            if p in blk.outputs or any(u not in region for u in blk.users.get(p, [])):
+                return skip(logger, what, f"piece {p.name} is also used outside the group") or None
+    externals: list = []
+    for b in ops:
+        if [str(d) for d in (_shape(b.var) or [])] != [str(d) for d in out_shape]:
+            return skip(logger, what, f"{b.var.name} is not of the pieces' shape") or None
+        for arg in b.value.args:
+            if isinstance(arg, relax.Var) and arg in region:
+                continue
+            if not _broadcastable(arg, out_shape):
+                return skip(logger, what, f"{arg} does not broadcast to the pieces") or None
+            if _depends_on(blk, arg, region):
+                return skip(logger, what, "an input depends on the group's own results") or None
+            if not any(arg.same_as(e) for e in externals):
+                externals.append(arg)
+    outputs = [
+        b.var
+        for b in ops
+        if b.var in blk.outputs or any(u not in region for u in blk.users.get(b.var, []))
+    ]
+    if not outputs:
+        return skip(logger, what, "no result leaves the group") or None
+    return _Group(gemms, [b.var for b in ops], outputs, externals, rows, width)
+
+
+def _broadcastable(arg, out_shape) -> bool:
+    sinfo = getattr(arg, "ty", None)
+    if isinstance(sinfo, tvm.ir.PrimType):
+        return True
+    shape = _shape(arg)
+    if shape is None or len(shape) > len(out_shape) or sinfo.dtype != "float32":
+        return False
+    for a, b in zip(reversed(shape), reversed(out_shape), strict=False):
+        if _int(a) == 1:
+            continue
+        if str(a) != str(b):
+            return False
+    return True
+
+
+def _depends_on(blk: _Block, expr, region: set) -> bool:
+    stack = [v for v in _vars_of(expr)]
+    seen = set()
+    while stack:
+        v = stack.pop()
+        if v in region:
+            return True
+        if v in seen or v not in blk.value:
+            continue
+        seen.add(v)
+        stack.extend(_vars_of(blk.value[v]))
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Emission
+
+
+def _blocked_weight(w: np.ndarray, transposed: bool, gates: int, width: int, block: int):
+    """(k*D, K) or (K, k*D) -> (D/V, K, k, V)."""
+    wt = w if transposed else w.T  # (k*D, K)
+    k_dim = wt.shape[1]
+    blocked = wt.reshape(gates, width // block, block, k_dim).transpose(1, 3, 0, 2)
+    return np.ascontiguousarray(blocked)
+
+
+def _gemm_stage(x, w, layout: str, block: int, width: int, gates: int, n_rows: int, name: str):
+    """``Y[rows, gate, d] = sum_k x[rows, k] * W(gate, d, k)`` for one weight layout."""
+    kk = te.reduce_axis((0, x.shape[-1]), name="k")
+
+    def weight(gate, d):
+        if layout == "blocked":  # (D/V, K, gates, V)
+            return w[d // block, kk, gate, d % block]
+        if layout == "nk":  # (gates*D, K)
+            return w[gate * width + d, kk]
+        return w[kk, gate * width + d]  # (K, gates*D)
+
+    def body(*idx):
+        rows, gate, d = idx[:n_rows], idx[n_rows], idx[n_rows + 1]
+        return te.sum(x[(*rows, kk)] * weight(gate, d), axis=kk)
+
+    return te.compute((*x.shape[:-1], gates, width), body, name=name)
+
+
+def _bias_stage(y, bias, width: int, n_rows: int, name: str):
+    per_feature = _int(bias.shape[-1]) != 1
+    lead = [0] * (len(bias.shape) - 1)
+
+    def body(*idx):
+        gate, d = idx[n_rows], idx[n_rows + 1]
+        return y(*idx) + bias[(*lead, gate * width + d if per_feature else 0)]
+
+    return te.compute(y.shape, body, name=name)
+
+
+def _piece_stage(y, gate: int, width: int, name: str):
+    def body(*idx):
+        return y[(*idx[:-1], gate, idx[-1])]
+
+    return te.compute((*y.shape[:-2], width), body, name=name)
+
+
+def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: list[str]):
+    """The TE function for the group: (inputs...) -> outputs."""
+    n_rows = len(group.rows)
+    width = group.width
+
+    def fn(*tensors):
+        pos = 0
+        env: dict = {}
+        for gi, g in enumerate(group.gemms):
+            x, w = tensors[pos], tensors[pos + 1]
+            pos += 2
+            y = _gemm_stage(x, w, layouts[gi], block, width, g.gates, n_rows, f"gemm{gi}")
+            if g.bias is not None:
+                y = _bias_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_bias")
+                pos += 1
+            for gate, piece in enumerate(g.pieces):
+                env[piece] = _piece_stage(y, gate, width, f"gate{gi}_{gate}")
+        externals = list(tensors[pos : pos + len(group.externals)])
+
+        def external(expr):
+            for i, ext in enumerate(group.externals):
+                if ext.same_as(expr):
+                    return externals[i]
+            raise KeyError(expr)
+
+        for var in group.ops:
+            value = blk.value[var]
+            args = [
+                env[a] if isinstance(a, relax.Var) and a in env else external(a) for a in value.args
+            ]
+            env[var] = _ELEMENTWISE[_op(value)][1](*args, fast_math)
+        outs = [env[o] for o in group.outputs]
+        if len(outs) == 1:
+            return outs
+        # Several results (the LSTM's h and c): one block writes them all, so that the
+        # schedule can compute every other stage at the output tile (TIR refuses compute_at
+        # of an output block, and reverse_compute_at cannot place a block that reads a gate
+        # at a constant index).
+        return list(te.compute(outs[0].shape, lambda *i: [o(*i) for o in outs], name="gates"))
+
+    return fn
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: IRModule, target):
+        super().__init__(mod)
+        self.mod = mod
+        self.target = target
+        self.count = 0
+        self.uses: dict = {}
+        self._blk: _Block | None = None
+
+    def transform(self) -> IRModule:
+        for gv, func in self.mod.functions_items():
+            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
+                continue
+            self.uses = {}
+            for v in _vars_of(func.body):
+                self.uses[v] = self.uses.get(v, 0) + 1
+            new_func = self.visit_expr(func)
+            new_func = relax.analysis.remove_all_unused(new_func)
+            self.builder_.update_func(gv, new_func)
+        return self.builder_.get()
+
+    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
+        outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
+        blk = _Block(block, self.uses, outputs)
+        self._blk = blk
+        gemms = _find_gemms(blk)
+        groups = _grow(blk, gemms) if gemms else []
+        groups = [g for g in groups if self._plan_block(g) is not None]
+        if not groups:
+            return super().visit_dataflow_block_(block)
+        return self._emit(block, blk, groups)
+
+    def _plan_block(self, group: _Group) -> int | None:
+        from ..schedule import gate_block
+
+        n_gates = sum(g.gates for g in group.gemms)
+        rows = 1
+        for d in group.rows:
+            rows = rows * _int(d) if _int(d) is not None and rows is not None else None
+        block = gate_block(self.target, group.width, n_gates, rows)
+        if block is None:
+            skip(logger, f"gates of width {group.width}", "no vector block divides the width")
+        group.block = block
+        return block
+
+    def _emit(self, block, blk: _Block, groups: list[_Group]) -> relax.BindingBlock:
+        removed = set()
+        for g in groups:
+            removed |= set(g.ops)
+            for gemm in g.gemms:
+                removed |= set(gemm.chain)
+        # non-region bindings that depend on a group's results are emitted after the groups
+        region = removed
+        dependents = set()
+        for b in blk.bindings:
+            if b.var in region:
+                continue
+            if any(v in region or v in dependents for v in _vars_of(b.value)):
+                dependents.add(b.var)
+        self.builder_._begin_dataflow_block()
+        for b in blk.bindings:
+            if b.var not in region and b.var not in dependents:
+                self.visit_binding(b)
+        for g in groups:
+            self._emit_group(g)
+        for b in blk.bindings:
+            if b.var in dependents:
+                self.visit_binding(b)
+        return self.builder_._end_block()
+
+    def _emit_group(self, group: _Group) -> None:
+        fast_math = _target.is_cpu(self.target)
+        args = []
+        layouts = []
+        for gemm in group.gemms:
+            args.append(self.visit_expr(gemm.x))
+            if isinstance(gemm.weight, GenericConst):
+                w = gemm.weight.value.numpy()
+                args.append(
+                    relax.const(
+                        _blocked_weight(w, gemm.transposed, gemm.gates, gemm.width, group.block),
+                        "float32",
+                    )
+                )
+                layouts.append("blocked")
+            else:
+                args.append(self.visit_expr(gemm.weight))
+                layouts.append("nk" if gemm.transposed else "kn")
+            if gemm.bias is not None:
+                args.append(self.visit_expr(gemm.bias))
+        args += [self.visit_expr(e) for e in group.externals]
+        fn = _compute(group, self._blk, group.block, fast_math, layouts)
+        call = self.builder_.call_te(fn, *args, primfunc_name_hint=_name(group))
+        gv = call.args[0]
+        func = self.builder_.get()[gv]
+        hints = {
+            "block": group.block,
+            "gates": sum(g.gates for g in group.gemms),
+            "width": group.width,
+        }
+        self.builder_.update_func(gv, func.with_attrs({"op_pattern": 8, GATE_ATTR: hints}))
+        self.count += 1
+        if len(group.outputs) == 1:
+            out = group.outputs[0]
+            self.builder_.emit_normalized(relax.VarBinding(out, self.builder_.normalize(call)))
+            return
+        fused = self.builder_.emit(call, "gates")
+        for i, out in enumerate(group.outputs):
+            self.builder_.emit_normalized(relax.VarBinding(out, relax.TupleGetItem(fused, i)))
+
+
+def _name(group: _Group) -> str:
+    return "fused_gates_" + "_".join(str(len(g.pieces)) for g in group.gemms)
