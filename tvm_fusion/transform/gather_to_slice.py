@@ -16,6 +16,11 @@ Emits ``strided_slice(x, [axis], [begin], [end], [s], assume_inbound=True)`` (wi
 contiguous memory, fuses with its elementwise neighbours (``take`` is opaque to FuseOps) and its
 gradient is a slice-scatter instead of a serial scatter-add (see ``tvm_fusion.gradients``).
 
+``R.grad.take_backward(g, x, idx, axis)`` with such indices (what ``relax.transform.Gradient``
+makes of a take when the graph is differentiated before this pass runs) becomes ``pad(g)`` for
+a contiguous static range and ``slice_scatter(zeros_like(x), g, ...)`` otherwise: a
+progression's indices never repeat, so the gradient needs no scatter-add.
+
 Where it must run: before LegalizeOps (Phase 1).
 
 Left alone, with the reason logged at debug level:
@@ -49,7 +54,8 @@ _INT = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
 class GatherToSlice:
-    """Replaces ``take(x, arange(a, b, s), axis)`` by ``strided_slice(x, [axis], [a], [b], [s])``."""
+    """Replaces ``take(x, arange(a, b, s), axis)`` by ``strided_slice(x, [axis], [a], [b], [s])``
+    (see the module docstring for what it proves first)."""
 
     def __init__(self, target=None):
         self.target = target
@@ -255,36 +261,39 @@ class _Rewriter(PyExprMutator):
         return self.builder_.get()
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
-        if _op_name(call) != "relax.take":
-            return super().visit_call_(call)
-        replaced = self._rewrite(call)
+        name = _op_name(call)
+        if name == "relax.take":
+            replaced = self._rewrite(call)
+        elif name == "relax.grad.take_backward":
+            replaced = self._rewrite_backward(call)
+        else:
+            replaced = None
         if replaced is None:
             return super().visit_call_(call)
         self.count += 1
         return replaced
 
-    def _rewrite(self, call: relax.Call) -> relax.Expr | None:
-        what = f"take at {call.args[0]}"
-        x, indices = call.args
-        x_sinfo, out_sinfo = x.ty, call.ty
+    def _analyse(self, what: str, x, indices, axis, mode: str):
+        """The progression of ``indices`` on ``x``'s axis, proven in-bound: (axis, dim, prog,
+        analyzer), or None (reason logged)."""
+        x_sinfo = x.ty
         if not isinstance(x_sinfo, relax.TensorType) or not isinstance(
             x_sinfo.shape, relax.ShapeExpr
         ):
             return _leave(what, "input shape unknown")
-        if call.attrs.axis is None:
+        if axis is None:
             return _leave(what, "take without an axis flattens the input")
         ndim = len(x_sinfo.shape.values)
-        axis = int(call.attrs.axis) % ndim
+        axis = int(axis) % ndim
         dim = _i64(x_sinfo.shape.values[axis])
         analyzer = tvm.sym.Analyzer()
         prog = self.values.progression(indices, analyzer)
         if prog is None:
             return _leave(what, "indices are not a provable arithmetic progression")
-        step = prog.step
-        if step == 0:
+        if prog.step == 0:
             return _leave(what, "zero step: repeated indices")
         first, last = prog.start, prog.last()
-        low, high = (first, last) if step > 0 else (last, first)
+        low, high = (first, last) if prog.step > 0 else (last, first)
         if analyzer.can_prove(prog.length <= 0):
             return _leave(what, "empty index range")
         if not analyzer.can_prove(low >= 0):
@@ -292,9 +301,20 @@ class _Rewriter(PyExprMutator):
         if analyzer.can_prove(high >= dim):
             return _leave(what, "indices past the end of the axis")
         if not analyzer.can_prove(high < dim):
-            if str(call.attrs.mode) != "fast":
-                return _leave(what, f"indices may exceed the axis (mode={call.attrs.mode})")
+            if mode not in ("fast", ""):
+                return _leave(what, f"indices may exceed the axis (mode={mode})")
             logger.debug("%s: upper bound unproven; mode='fast' promises in-bound indices", what)
+        return axis, dim, prog, analyzer
+
+    def _rewrite(self, call: relax.Call) -> relax.Expr | None:
+        what = f"take at {call.args[0]}"
+        x, indices = call.args
+        out_sinfo = call.ty
+        found = self._analyse(what, x, indices, call.attrs.axis, str(call.attrs.mode))
+        if found is None:
+            return None
+        axis, dim, prog, analyzer = found
+        step, first, last = prog.step, prog.start, prog.last()
         # Negative strides keep assume_inbound=False: 0.27 infers a wrong length for them with
         # assume_inbound=True (strided_slice(x[10], 7, 0, -1) gets 9), and an end of
         # -(dim + 1) needs the normalisation to mean "before index 0".
@@ -317,6 +337,48 @@ class _Rewriter(PyExprMutator):
         if not _struct_equal(sliced.ty, out_sinfo):
             sliced = self.builder_.match_cast(self.builder_.emit(sliced), out_sinfo)
         return sliced
+
+    def _rewrite_backward(self, call: relax.Call) -> relax.Expr | None:
+        """``take_backward(g, x, arange(...), axis)`` (what ``relax.transform.Gradient`` makes of
+        a take) becomes ``pad(g)`` (step 1, static bounds) or ``slice_scatter(zeros_like(x), g,
+        ...)``: indices of a progression never
+        repeat, so no scatter-add; a negative step scatters the flipped gradient."""
+        grad, x, indices = call.args[:3]
+        what = f"take_backward at {x}"
+        found = self._analyse(what, x, indices, call.attrs.axis, str(call.attrs.mode))
+        if found is None:
+            return None
+        axis, _dim, prog, analyzer = found
+        g_sinfo = grad.ty
+        if not isinstance(g_sinfo, relax.TensorType) or not isinstance(
+            g_sinfo.shape, relax.ShapeExpr
+        ):
+            return _leave(what, "gradient shape unknown")
+        if not analyzer.can_prove_equal(_i64(g_sinfo.shape.values[axis]), prog.length):
+            return _leave(what, "gradient length differs from the index count")
+        step, first, last = prog.step, prog.start, prog.last()
+        new_grad = self.visit_expr(grad)
+        if step < 0:
+            new_grad = self.builder_.emit(relax.op.flip(new_grad, axis))
+            first, last, step = last, first, -step
+        start, stop = analyzer.simplify(first), analyzer.simplify(last + 1)
+        dim = _i64(x.ty.shape.values[axis])
+        after = analyzer.simplify(dim - stop)
+        if step == 1 and isinstance(start, tirx.IntImm) and isinstance(after, tirx.IntImm):
+            # A contiguous range: zero padding around the gradient, one injective kernel that
+            # fuses with the gradient's producer and writes every element once.
+            widths = [0] * (2 * len(x.ty.shape.values))
+            widths[2 * axis], widths[2 * axis + 1] = int(start.value), int(after.value)
+            padded = self.builder_.normalize(relax.op.nn.pad(new_grad, widths))
+            if _struct_equal(padded.ty, call.ty):
+                return padded
+        base = self.builder_.emit(relax.op.zeros_like(self.visit_expr(x)))
+        scattered = self.builder_.normalize(
+            relax.op.slice_scatter(base, new_grad, start, stop, step, axis)
+        )
+        if not _struct_equal(scattered.ty, call.ty):
+            scattered = self.builder_.match_cast(self.builder_.emit(scattered), call.ty)
+        return scattered
 
 
 def _leave(what: str, reason: str) -> None:

@@ -33,11 +33,11 @@ from ...tir_util import expr_children, expr_size
 from .._common import (
     CPURule,
     extent,
+    inline_is_cheap,
     is_static,
     loop_nest_work,
     parallelize_outer,
     same_domain,
-    inline_is_cheap,
     try_inline_safe,
     vectorize_innermost,
 )

@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""Capability benchmarks: the figures of issues #5 and #7 that the workload table does not show.
+
+All in one process, medians of repeated runs, written to ``bench/capabilities.json`` and
+``bench/capabilities.md``:
+
+- ``take``: XLNet's ``(ac + take(bd, arange(klen), 3)) * scale`` at bd (16, 16, 128, 256),
+  klen 128, forward and forward+backward (``relax.transform.Gradient`` of ``sum(out ** 2)``),
+  stock
+  TVM's pipeline (take / take_backward) vs tvm_fusion (strided_slice / slice_scatter), and
+  PyTorch's ``index_select`` when installed;
+- ``views``: the gelu with bookend views vs the same gelu without views, and the MHA transpose
+  with views vs a plain transpose of the same bytes, both compiled by tvm_fusion;
+- ``gates``: the gate workloads at the issue's shapes vs stock TVM and ONNX Runtime (LSTM at
+  x(1, 1024), the #2890 gate at x(64, 1024), SwiGLU 2048 -> 2x5632 at 64 rows).
+
+    python scripts/bench_capabilities.py                  # everything
+    python scripts/bench_capabilities.py --only take --repeat 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def _runner(compiled, fn: str, inputs):
+    import tvm
+
+    from tvm_fusion.engine import as_list
+
+    dev = tvm.cpu(0)
+    vm = compiled.vm(dev)
+    args = [tvm.runtime.tensor(a, dev) for a in inputs]
+    func = vm[fn]
+
+    def run():
+        return func(*args)
+
+    run.outputs = lambda: as_list(run())
+    return run
+
+
+def _time(run, repeat: int, budget: float) -> float:
+    from tvm_fusion.engine import time_runs
+
+    return time_runs(run, repeat=repeat, budget_s=budget)["median_ms"]
+
+
+def bench_take(target, repeat: int, budget: float, size: str) -> list[dict]:
+    from tvm import relax
+
+    from tvm_fusion import analysis, engine, models
+
+    inst = models.build("take_arange", size)
+    inputs = inst.input_list()
+    bd, ac = inputs
+    grad_mod = relax.transform.Gradient("main")(_xlnet_loss(bd.shape, ac.shape))
+    rows = []
+    for phase, mod, fn in (("forward", inst.mod, "main"), ("fwd+bwd", grad_mod, "main_adjoint")):
+        row = {"case": f"take {phase}"}
+        outs = {}
+        for pipeline in ("stock", "tvm_fusion"):
+            compiled = engine.compile_module(mod, target, pipeline)
+            run = _runner(compiled, fn, inputs)
+            outs[pipeline] = run.outputs()
+            row[pipeline] = _time(run, repeat, budget)
+            row[f"{pipeline}_kernels"] = analysis.kernel_count(compiled.lowered)
+        row["max_diff"] = engine.max_error(outs["tvm_fusion"], outs["stock"])
+        row["torch"] = _torch_take(inst, phase == "fwd+bwd", repeat, budget)
+        rows.append(row)
+    return rows
+
+
+def _xlnet_loss(bd_shape, ac_shape):
+    """``sum(((ac + take(bd, arange(klen), axis=3)) * 0.125) ** 2)``: a scalar loss."""
+    from tvm import relax
+    from tvm.relax import op as R
+
+    bd = relax.Var("bd", relax.TensorType(bd_shape, "float32"))
+    ac = relax.Var("ac", relax.TensorType(ac_shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [bd, ac]):
+        with bb.dataflow():
+            idx = bb.emit(R.arange(0, ac_shape[-1], 1, "int64"))
+            picked = bb.emit(R.take(bd, idx, axis=3))
+            out = bb.emit(R.multiply(bb.emit(R.add(ac, picked)), relax.const(0.125, "float32")))
+            loss = bb.emit_output(R.sum(bb.emit(R.multiply(out, out))))
+        bb.emit_func_output(loss)
+    return bb.get()
+
+
+def _torch_take(inst, backward: bool, repeat: int, budget: float) -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    from tvm_fusion.engine import time_runs
+
+    torch.set_num_threads(_threads())
+    bd, ac = (torch.from_numpy(a) for a in inst.input_list())
+    klen = ac.shape[-1]
+    idx = torch.arange(klen)
+
+    def fwd():
+        with torch.inference_mode():
+            return (ac + torch.index_select(bd, 3, idx)) * 0.125
+
+    def fwd_bwd():
+        x = bd.detach().requires_grad_(True)
+        loss = (((ac + torch.index_select(x, 3, idx)) * 0.125) ** 2).sum()
+        loss.backward()
+        return x.grad
+
+    return time_runs(fwd_bwd if backward else fwd, repeat=repeat, budget_s=budget)["median_ms"]
+
+
+def _threads() -> int:
+    import os
+
+    return int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))
+
+
+def bench_views(target, repeat: int, budget: float, size: str) -> list[dict]:
+    from tvm import relax
+
+    from tvm_fusion import models
+
+    rows = []
+    gelu = models.build("gelu_views", size)
+    x = gelu.input_list()[0]
+    plain = _single_op_module(x.shape, lambda bb, v: relax.op.nn.gelu(v))
+    rows.append(_compare_two("gelu: views vs none", gelu.mod, plain, [x], target, repeat, budget))
+
+    mha = models.build("mha_transpose", size)
+    x = mha.input_list()[0]
+    heads = 12 if size == "seed" else 3
+    bh, seq, hd = x.shape
+    shape4 = (bh // heads, heads, seq, hd)
+    transpose = _single_op_module(shape4, lambda bb, v: relax.op.permute_dims(v, [0, 2, 1, 3]))
+    rows.append(
+        _compare_two(
+            "mha: views vs plain transpose",
+            mha.mod,
+            transpose,
+            [x],
+            target,
+            repeat,
+            budget,
+            plain_inputs=[x.reshape(shape4)],
+        )
+    )
+    return rows
+
+
+def _single_op_module(shape, make):
+    from tvm import relax
+
+    x = relax.Var("x", relax.TensorType(tuple(shape), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(make(bb, x))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _compare_two(case, mod, plain, inputs, target, repeat, budget, plain_inputs=None) -> dict:
+    from tvm_fusion import analysis, engine
+
+    a = engine.compile_module(mod, target, "tvm_fusion")
+    b = engine.compile_module(plain, target, "tvm_fusion")
+    ra, rb = _runner(a, "main", inputs), _runner(b, "main", plain_inputs or inputs)
+    out_a, out_b = ra.outputs()[0], rb.outputs()[0]
+    same = np.allclose(out_a.reshape(-1), out_b.reshape(-1), rtol=1e-5, atol=1e-6)
+    # interleave the two so that drift on a noisy machine hits both alike
+    ta, tb = [], []
+    for _ in range(3):
+        ta.append(_time(ra, max(repeat // 3, 3), budget / 3))
+        tb.append(_time(rb, max(repeat // 3, 3), budget / 3))
+    with_views, without = float(np.median(ta)), float(np.median(tb))
+    return {
+        "case": case,
+        "with_views_ms": with_views,
+        "without_ms": without,
+        "ratio": with_views / without,
+        "kernels": f"{analysis.kernel_count(a.lowered)}/{analysis.kernel_count(b.lowered)}",
+        "same_values": bool(same),
+    }
+
+
+def bench_gates(target, repeat: int, budget: float, size: str) -> list[dict]:
+    from tvm_fusion.bench import run_bench
+
+    results = run_bench(
+        ["lstm_cell", "gate_2890", "swiglu", "gru_cell", "geglu"],
+        ["tvm-stock", "tvm-fusion", "onnxruntime"],
+        size=size,
+        target=target,
+        repeat=repeat,
+        budget_s=budget,
+    )
+    rows = []
+    for res in results:
+        e = res.engines
+        rows.append(
+            {
+                "case": res.workload,
+                "stock_ms": e["tvm-stock"].median_ms,
+                "ours_ms": e["tvm-fusion"].median_ms,
+                "ort_ms": e["onnxruntime"].median_ms if "onnxruntime" in e else None,
+                "kernels": f"{e['tvm-stock'].kernels}/{e['tvm-fusion'].kernels}",
+                "ours_vs_ort": res.ratio("tvm-fusion", "onnxruntime"),
+                "stock_vs_ours": res.ratio("tvm-stock", "tvm-fusion"),
+                "ok": all(r.ok is not False for r in e.values()),
+            }
+        )
+    return rows
+
+
+def _markdown(section: str, rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    lines = [f"### {section}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        cells = []
+        for k in keys:
+            v = row.get(k)
+            cells.append(f"{v:.3f}" if isinstance(v, float) else ("-" if v is None else str(v)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+SECTIONS = {"take": bench_take, "views": bench_views, "gates": bench_gates}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(SECTIONS), help="take,views,gates")
+    parser.add_argument("--size", default="seed", choices=["seed", "small"])
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--budget", type=float, default=10.0)
+    parser.add_argument("--output", default="bench/capabilities.json")
+    args = parser.parse_args(argv)
+
+    import tvm_fusion
+    from tvm_fusion.bench import machine_info
+
+    target = tvm_fusion.host_target()
+    payload = {"machine": machine_info(target), "size": args.size}
+    md = [f"# Capability benchmarks ({args.size})", ""]
+    for name in args.only.split(","):
+        if name not in SECTIONS:
+            print(f"bench_capabilities: unknown section {name!r}", file=sys.stderr)
+            return 2
+        rows = SECTIONS[name](target, args.repeat, args.budget, args.size)
+        payload[name] = rows
+        md.append(_markdown(name, rows))
+        print(_markdown(name, rows), flush=True)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out.with_suffix(".md").write_text("\n".join(md))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
