@@ -9,6 +9,9 @@ All in one process, medians of repeated runs, written to ``bench/capabilities.js
   stock
   TVM's pipeline (take / take_backward) vs tvm_fusion (strided_slice / slice_scatter), and
   PyTorch's ``index_select`` when installed;
+- ``cross_entropy``: ``nll_loss(log_softmax(x), t, ignore_index=-100)`` at (512, 32768),
+  forward and forward+backward (``Gradient`` w.r.t. the logits), stock vs tvm_fusion (with
+  FuseCrossEntropy run before Gradient) vs PyTorch, and the largest buffer each allocates;
 - ``views``: the gelu with bookend views vs the same gelu without views, and the MHA transpose
   with views vs a plain transpose of the same bytes, both compiled by tvm_fusion;
 - ``gates``: the gate workloads at the issue's shapes vs stock TVM and ONNX Runtime (LSTM at
@@ -125,6 +128,77 @@ def _threads() -> int:
     return int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))
 
 
+def _nll_module(n: int, v: int):
+    from tvm import relax
+    from tvm.relax import op as R
+
+    x = relax.Var("logits", relax.TensorType((n, v), "float32"))
+    t = relax.Var("targets", relax.TensorType((n,), "int64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, t]):
+        with bb.dataflow():
+            lsm = bb.emit(R.nn.log_softmax(x, axis=-1))
+            loss = bb.emit_output(R.nn.nll_loss(lsm, t, None, "mean", -100))
+        bb.emit_func_output(loss)
+    return bb.get()
+
+
+def bench_cross_entropy(target, repeat: int, budget: float, size: str) -> list[dict]:
+    """F.cross_entropy(x, t, ignore_index=-100) as log_softmax + nll_loss at (512, 32768):
+    forward, and forward+backward (d loss / d logits), with peak extra memory."""
+    from tvm import relax
+
+    from tvm_fusion import analysis, engine, models
+    from tvm_fusion.transform import FuseCrossEntropy
+
+    inst = models.build("cross_entropy", size)
+    x, t = inst.input_list()
+    n, v = x.shape
+    mod = _nll_module(n, v)
+    rows = []
+    for phase in ("forward", "fwd+bwd"):
+        row = {"case": f"cross entropy {phase}"}
+        outs = {}
+        for pipeline in ("stock", "tvm_fusion"):
+            m = FuseCrossEntropy(target)(mod) if pipeline == "tvm_fusion" else mod
+            fn = "main"
+            if phase == "fwd+bwd":
+                m = relax.transform.Gradient("main", require_grads=m["main"].params[0])(m)
+                fn = "main_adjoint"
+            compiled = engine.compile_module(m, target, pipeline)
+            run = _runner(compiled, fn, [x, t])
+            outs[pipeline] = run.outputs()
+            row[pipeline] = _time(run, repeat, budget)
+            largest = max(a.elements or 0 for a in analysis.allocations(compiled.lowered))
+            row[f"{pipeline}_largest_alloc_MB"] = 4 * largest / 2**20
+        row["loss_diff"] = abs(float(outs["tvm_fusion"][0]) - float(outs["stock"][0]))
+        row["torch"] = _torch_ce(x, t, phase == "fwd+bwd", repeat, budget)
+        rows.append(row)
+    return rows
+
+
+def _torch_ce(x, t, backward: bool, repeat: int, budget: float) -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    from tvm_fusion.engine import time_runs
+
+    torch.set_num_threads(_threads())
+    xt, tt = torch.from_numpy(x), torch.from_numpy(t)
+
+    def fwd():
+        with torch.inference_mode():
+            return torch.nn.functional.cross_entropy(xt, tt, ignore_index=-100)
+
+    def fwd_bwd():
+        xg = xt.detach().requires_grad_(True)
+        torch.nn.functional.cross_entropy(xg, tt, ignore_index=-100).backward()
+        return xg.grad
+
+    return time_runs(fwd_bwd if backward else fwd, repeat=repeat, budget_s=budget)["median_ms"]
+
+
 def bench_views(target, repeat: int, budget: float, size: str) -> list[dict]:
     from tvm import relax
 
@@ -236,12 +310,47 @@ def _markdown(section: str, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-SECTIONS = {"take": bench_take, "views": bench_views, "gates": bench_gates}
+SECTIONS = {
+    "take": bench_take,
+    "cross_entropy": bench_cross_entropy,
+    "views": bench_views,
+    "gates": bench_gates,
+}
+
+
+def _run_section(name: str, args) -> list[dict] | str:
+    """One section in a child process: stock TVM 0.27's nll_loss gradient reads memory it
+    never wrote, and a crash there must not take the other sections down."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "section.json"
+        cmd = [
+            sys.executable,
+            __file__,
+            "--section",
+            name,
+            "--size",
+            args.size,
+            "--repeat",
+            str(args.repeat),
+            "--budget",
+            str(args.budget),
+            "--output",
+            str(out),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            return f"section failed (exit {proc.returncode}): {tail[0]}"
+        return json.loads(out.read_text())[name]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=",".join(SECTIONS), help="take,views,gates")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=",".join(SECTIONS))
+    parser.add_argument("--section", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size", default="seed", choices=["seed", "small"])
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--budget", type=float, default=10.0)
@@ -252,18 +361,23 @@ def main(argv=None) -> int:
     from tvm_fusion.bench import machine_info
 
     target = tvm_fusion.host_target()
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.section:  # child: one section, in this process
+        rows = SECTIONS[args.section](target, args.repeat, args.budget, args.size)
+        out.write_text(json.dumps({args.section: rows}, indent=2) + "\n")
+        return 0
     payload = {"machine": machine_info(target), "size": args.size}
     md = [f"# Capability benchmarks ({args.size})", ""]
     for name in args.only.split(","):
         if name not in SECTIONS:
             print(f"bench_capabilities: unknown section {name!r}", file=sys.stderr)
             return 2
-        rows = SECTIONS[name](target, args.repeat, args.budget, args.size)
+        rows = _run_section(name, args)
         payload[name] = rows
-        md.append(_markdown(name, rows))
-        print(_markdown(name, rows), flush=True)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
+        text = _markdown(name, rows) if isinstance(rows, list) else f"### {name}\n\n{rows}\n"
+        md.append(text)
+        print(text, flush=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")
     out.with_suffix(".md").write_text("\n".join(md))
     print(f"wrote {out} and {out.with_suffix('.md')}")

@@ -197,6 +197,60 @@ def schedule_info(mod: tvm.IRModule) -> list[ScheduleInfo]:
     return infos
 
 
+@dataclasses.dataclass
+class Allocation:
+    """A buffer the compiled program allocates: a planned Relax tensor or a kernel's scratch."""
+
+    where: str  # "relax" (VM tensor, after memory planning) or the kernel's name
+    name: str
+    shape: tuple
+    dtype: str
+    elements: int | None  # None when symbolic
+
+
+def allocations(lowered: tvm.IRModule) -> list[Allocation]:
+    """Every tensor a lowered module (the output of the whole pipeline) allocates: the VM's
+    ``alloc_tensor`` calls after StaticPlanBlockMemory and each kernel's internal buffers at
+    the size TVM compacts them to. Inputs are not allocations."""
+    from .tir_util import compacted_allocations, num_elements
+
+    found: list[Allocation] = []
+    alloc_ops = {"relax.vm.alloc_tensor", "relax.memory.alloc_tensor", "relax.builtin.alloc_tensor"}
+    for _, func in _host_functions(lowered):
+
+        def visit(expr):
+            if isinstance(expr, relax.Call) and getattr(expr.op, "name", None) in alloc_ops:
+                sinfo = expr.ty
+                if isinstance(sinfo, relax.TensorType) and isinstance(sinfo.shape, relax.ShapeExpr):
+                    dims = tuple(sinfo.shape.values)
+                    total = 1
+                    for d in dims:
+                        total = total * int(d.value) if isinstance(d, tirx.IntImm) else None
+                        if total is None:
+                            break
+                    found.append(
+                        Allocation(
+                            "relax", "tensor", tuple(str(d) for d in dims), str(sinfo.dtype), total
+                        )
+                    )
+
+        relax.analysis.post_order_visit(func.body, visit)
+    for gv, func in lowered.functions_items():
+        if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_host_func", False):
+            continue
+        for buf in compacted_allocations(func):
+            found.append(
+                Allocation(
+                    gv.name_hint,
+                    buf.name,
+                    tuple(str(d) for d in buf.shape),
+                    str(buf.dtype),
+                    num_elements(buf),
+                )
+            )
+    return found
+
+
 # ---------------------------------------------------------------------------------------------
 # Fusion report
 

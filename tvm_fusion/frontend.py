@@ -128,9 +128,12 @@ def _check_shapes(model, shapes: Shapes | None, where: str) -> dict[str, list] |
 
 
 def _unsupported_ops(model) -> list[str]:
-    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+    from tvm.relax.frontend.onnx import onnx_frontend
 
-    known = set(_get_convert_map()) | {"If", "Constant"}
+    from .onnx_ops import install
+
+    install()
+    known = set(onnx_frontend._get_convert_map()) | {"If", "Constant"}
     ops: set[str] = set()
 
     def walk(graph):

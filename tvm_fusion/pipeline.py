@@ -85,11 +85,49 @@ def lowering_passes(fast_math: bool = False) -> list[tvm.transform.Pass]:
     from .legalize import fast_math_legalize_map
 
     return [
+        LowerCallTIRWithGrad(),
         relax.transform.LegalizeOps(fast_math_legalize_map() if fast_math else None),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
     ]
+
+
+@tvm.transform.module_pass(opt_level=0, name="LowerCallTIRWithGrad")
+class LowerCallTIRWithGrad:
+    """``call_tir_with_grad`` (FuseCrossEntropy's kernel, differentiable until ``Gradient``
+    has run) becomes a plain ``call_tir``, which FuseOps and the VM understand. Stock does this
+    inside ``Gradient`` only, so a forward-only module would not build."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        op = tvm.ir.Op.get("relax.call_tir_with_grad")
+        call_tir = tvm.ir.Op.get("relax.call_tir")
+
+        @relax.expr_functor.mutator
+        class _Lower(relax.PyExprMutator):
+            def visit_call_(self, call):
+                call = super().visit_call_(call)
+                if isinstance(call, relax.Call) and call.op.same_as(op):
+                    return relax.Call(call_tir, call.args, None, call.ty_args)
+                return call
+
+        def has_op(func) -> bool:
+            found = []
+
+            def visit(expr):
+                if isinstance(expr, relax.Call) and expr.op.same_as(op):
+                    found.append(expr)
+
+            relax.analysis.post_order_visit(func.body, visit)
+            return bool(found)
+
+        lower = _Lower(mod)
+        changed = False
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function) and has_op(func):
+                lower.builder_.update_func(gv, lower.visit_expr(func))
+                changed = True
+        return lower.builder_.get() if changed else mod
 
 
 def fuse_tir_passes() -> list[tvm.transform.Pass]:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from ._common import collect_rewrites
+from .fuse_cross_entropy import FuseCrossEntropy
 from .fuse_split_gates import FuseSplitGates
 from .gather_to_slice import GatherToSlice
 from .strip_bookend_views import StripBookendViews
@@ -15,6 +16,7 @@ from .strip_bookend_views import StripBookendViews
 GRAPH_PASSES: list[tuple[str, type]] = [
     ("gather_to_slice", GatherToSlice),
     ("fuse_split_gates", FuseSplitGates),
+    ("fuse_cross_entropy", FuseCrossEntropy),
 ]
 POST_FUSION_PASSES: list[tuple[str, type]] = [
     ("strip_bookend_views", StripBookendViews),
@@ -22,6 +24,7 @@ POST_FUSION_PASSES: list[tuple[str, type]] = [
 
 __all__ = [
     "GRAPH_PASSES",
+    "FuseCrossEntropy",
     "FuseSplitGates",
     "POST_FUSION_PASSES",
     "GatherToSlice",
