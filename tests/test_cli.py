@@ -53,6 +53,10 @@ def _error_line(capsys):
         (["explain", "gate_2890", "--target", '{"kind": "nonsense"}'], "unknown target"),
         (["explain", "gate_2890", "--disable", "fuse_everything"], "unknown pass"),
         (["compile", "gate_2890", "-o", "/x.so", "--tuning-db", "/no/db"], "tuning database"),
+        (["tune", "gate_2890", "--work-dir", "/tmp/w", "--rpc-tracker", "nohost"], "HOST:PORT"),
+        (["tune", "gate_2890", "--work-dir", "/tmp/w", "--rpc-tracker", "h:1"], "--rpc-key"),
+        (["tune", "gate_2890", "--work-dir", "/tmp/w", "--trials", "0"], "trials must be"),
+        (["tune", "nope", "--work-dir", "/tmp/w"], "neither an ONNX file nor a workload"),
     ],
 )
 def test_bad_input_one_line_exit_2(argv, message, capsys):

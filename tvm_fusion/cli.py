@@ -33,7 +33,7 @@ def _parse_shapes(items: Sequence[str] | None) -> dict[str, list[int | str]] | N
     return shapes
 
 
-def _load_module(model: str, shapes=None):
+def _load_module(model: str, shapes=None, size: str = "seed"):
     """An ONNX file, or the name of an embedded workload."""
     from . import models
     from .frontend import load_onnx
@@ -41,7 +41,7 @@ def _load_module(model: str, shapes=None):
     if model.endswith(".onnx") or os.sep in model or os.path.exists(model):
         return load_onnx(model, shapes), Path(model).stem
     if model in models.names():
-        return models.build(model, "seed").mod, model
+        return models.build(model, size).mod, model
     raise UsageError(
         f"{model!r} is neither an ONNX file nor a workload; workloads: {', '.join(models.names())}"
     )
@@ -139,6 +139,28 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from .tuning import tune
+
+    mod, name = _load_module(args.model, _parse_shapes(args.shape), size=args.size)
+    options = {k: v for k, v in _pipeline_options(args).items() if k not in ("tuning_db",)}
+    report = tune(
+        mod,
+        args.target,
+        args.work_dir,
+        args.trials,
+        pipeline=args.pipeline,
+        rpc=args.rpc_tracker,
+        rpc_key=args.rpc_key,
+        trials_per_iter=args.trials_per_iter,
+        progress=lambda line: print(f"  .. {line}", file=sys.stderr, flush=True),
+        **options,
+    )
+    print(report.to_text())
+    print(f"apply it with: tvm-fusion compile {args.model} --tuning-db {args.work_dir} -o OUT.so")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from . import bench
 
@@ -230,6 +252,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_common(p)
     p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("tune", help="MetaSchedule tuning run over the fused groups")
+    p.add_argument("model", help="MODEL.onnx or a workload name")
+    p.add_argument("--shape", action="append", metavar="NAME=D1,D2", help="input shape")
+    p.add_argument("--size", default="seed", choices=["seed", "small"], help="workload size")
+    p.add_argument("--trials", type=int, default=64, help="measurements in all (resumable)")
+    p.add_argument("--trials-per-iter", type=int, default=16)
+    p.add_argument("--work-dir", required=True, help="JSON database and logs (resumable)")
+    p.add_argument(
+        "--pipeline",
+        default="tvm_fusion",
+        choices=["tvm_fusion", "stock"],
+        help="whose fused groups to tune (stock: for same-budget comparisons)",
+    )
+    p.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT", help="measure over RPC")
+    p.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
+    _add_common(p)
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("bench", help="benchmark engines side by side in one process")
     p.add_argument("--workloads", default=None, help="comma-separated workload names")

@@ -197,6 +197,30 @@ class DumpIR:
         return mod
 
 
+def fused_passes(target: Target, fast_math: bool = True, dump=None, **flags: bool) -> list:
+    """Phases 0-3: everything before scheduling, ending with one unscheduled PrimFunc per fused
+    group (what the tune command extracts its tasks from)."""
+
+    def nothing(_index, _phase):
+        return _EMPTY
+
+    dump = dump or nothing
+    return [
+        # Phase 0: library dispatch
+        *_backend(target).library_dispatch_passes(target),
+        # Phase 1: graph rewrites on Relax ops
+        *_build(GRAPH_PASSES, target, flags),
+        dump(1, "graph_rewrites"),
+        # Phase 2: legalisation and grouping
+        *lowering_passes(fast_math and _target.is_cpu(target)),
+        dump(2, "grouped"),
+        # Phase 3: rewrites of the grouped program, then one PrimFunc per group
+        *_build(POST_FUSION_PASSES, target, flags),
+        *fuse_tir_passes(),
+        dump(3, "fused"),
+    ]
+
+
 def build_pipeline(
     target: Target | str | dict | None = None,
     *,
@@ -232,18 +256,7 @@ def build_pipeline(
             seq = tvm.transform.Sequential(
                 [
                     dump(0, "input"),
-                    # Phase 0: library dispatch
-                    *_backend(tgt).library_dispatch_passes(tgt),
-                    # Phase 1: graph rewrites on Relax ops
-                    *_build(GRAPH_PASSES, tgt, flags),
-                    dump(1, "graph_rewrites"),
-                    # Phase 2: stock legalisation and grouping
-                    *lowering_passes(fast_math and _target.is_cpu(tgt)),
-                    dump(2, "grouped"),
-                    # Phase 3: rewrites of the grouped program, then one PrimFunc per group
-                    *_build(POST_FUSION_PASSES, tgt, flags),
-                    *fuse_tir_passes(),
-                    dump(3, "fused"),
+                    *fused_passes(tgt, fast_math, dump, **flags),
                     # Phase 4: schedules
                     *(schedule_passes(tgt, tuning_db) if schedule else []),
                     dump(4, "scheduled"),

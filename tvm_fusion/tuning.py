@@ -1,10 +1,39 @@
-"""MetaSchedule: applying a tuning database (tuning runs come with the tune command)."""
+"""MetaSchedule tuning runs over the fused groups, and applying their database.
+
+``tune(mod, target, work_dir, trials)`` lowers ``mod`` to its fused, unscheduled PrimFuncs
+(Phases 0-3 of the ``tvm_fusion`` pipeline, or stock's grouping for ``pipeline="stock"``, so
+that both can be tuned with the same budget), extracts one task per distinct PrimFunc and tunes
+them with MetaSchedule's evolutionary search and XGBoost cost model. Records go to the JSON
+database in ``work_dir`` (``database_workload.json``, ``database_tuning_record.json``):
+
+- resumable: a second run with the same ``work_dir`` counts the trials already spent there
+  (MetaSchedule's task logs, failed trials included) and only spends what is left of
+  ``trials``; the search starts from the best records found so far. Use one work dir per model;
+- builds time out after ``build_timeout`` seconds: MetaSchedule's AutoInline has no size guard,
+  and inlining a chain of fast-math polynomials (each reads its input ~15 times) into one
+  expression can make LLVM take minutes (see TVM_NOTES.md); such candidates fail and are skipped;
+- applied by ``build_pipeline(tuning_db=work_dir)`` (CLI: ``--tuning-db DIR``) before the
+  default schedules, which then leave the tuned PrimFuncs alone;
+- measured locally, or on the machines of an RPC tracker (``rpc="HOST:PORT"`` and ``rpc_key``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
 import tvm
 from tvm import relax
+from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
+
+from .errors import UsageError
+from .target import num_cores, parse_target
+
+logger = logging.getLogger(__name__)
 
 
 def apply_database_pass(work_dir: str) -> tvm.transform.Pass:
@@ -17,3 +46,199 @@ def apply_database_pass(work_dir: str) -> tvm.transform.Pass:
             return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
 
     return _apply
+
+
+def fused_module(mod: tvm.IRModule, target, pipeline: str = "tvm_fusion", **flags) -> tvm.IRModule:
+    """``mod`` lowered to one unscheduled PrimFunc per fused group, as ``pipeline`` groups it."""
+    from .pipeline import fused_passes
+    from .schedule import prepare_passes
+
+    tgt = parse_target(target)
+    if pipeline == "tvm_fusion":
+        passes = fused_passes(tgt, **flags)
+    elif pipeline == "stock":
+        if flags:
+            raise UsageError(f"the stock pipeline takes no flags, got {sorted(flags)}")
+        passes = [
+            relax.transform.LegalizeOps(),
+            relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FoldConstant(),
+            relax.transform.FuseOps(),
+            relax.transform.FuseTIR(),
+        ]
+    else:
+        raise UsageError(f"unknown pipeline {pipeline!r}; known: stock, tvm_fusion")
+    with tgt:
+        return tvm.transform.Sequential([*passes, *prepare_passes()])(mod)
+
+
+def parse_tracker(spec: str) -> tuple[str, int]:
+    host, sep, port = spec.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"RPC tracker must be HOST:PORT, got {spec!r}")
+    return host, int(port)
+
+
+@dataclasses.dataclass
+class TuneReport:
+    work_dir: str
+    tasks: list[str]
+    trials_before: int
+    trials_after: int
+    seconds: float
+    best_ms: dict[str, float]  # task name -> best measured latency
+
+    def to_text(self) -> str:
+        lines = [
+            f"tuned {len(self.tasks)} task(s) in {self.seconds:.0f} s; "
+            f"{self.trials_before} -> {self.trials_after} trials in {self.work_dir}"
+        ]
+        for name in self.tasks:
+            best = self.best_ms.get(name)
+            lines.append(f"  {name}: best {best:.4f} ms" if best is not None else f"  {name}: -")
+        return "\n".join(lines)
+
+
+def _records(database: ms.database.JSONDatabase, mod: tvm.IRModule, limit: int) -> list:
+    """The best ``limit`` measured records of ``mod`` (failed builds/runs are not recorded)."""
+    if not database.has_workload(mod):
+        return []
+    return list(database.get_top_k(database.commit_workload(mod), limit))
+
+
+def _attempts(work_dir: Path) -> int:
+    """Trials spent so far, failed ones included: MetaSchedule's per-task logs count them."""
+    total = 0
+    for log in (work_dir / "logs").glob("*task_*.log"):
+        total += sum(
+            1 for line in log.read_text(errors="replace").splitlines() if "] Trial #" in line
+        )
+    return total
+
+
+def _best_ms(records) -> float | None:
+    times = [
+        sum(float(t) for t in r.run_secs) / len(r.run_secs) * 1e3 for r in records if r.run_secs
+    ]
+    return min(times) if times else None
+
+
+@derived_object
+class _Progress(ms.measure_callback.PyMeasureCallback):
+    """Prints, after each measured batch: task, trials so far, best latency so far."""
+
+    def __init__(self, names: list[str], report: Callable[[str], None]):
+        self.names = names
+        self.report = report
+        self.trials = [0] * len(names)
+        self.best = [float("inf")] * len(names)
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+        for result in runner_results:
+            self.trials[task_id] += 1
+            if result.run_secs:
+                secs = sum(float(t) for t in result.run_secs) / len(result.run_secs)
+                self.best[task_id] = min(self.best[task_id], secs * 1e3)
+        best = self.best[task_id]
+        done = sum(1 for t in self.trials if t)
+        self.report(
+            f"task {task_id + 1}/{len(self.names)} {self.names[task_id]}: "
+            f"{self.trials[task_id]} trials, best "
+            + (f"{best:.4f} ms" if best < float("inf") else "-")
+            + f" ({done}/{len(self.names)} tasks started)"
+        )
+
+
+def _drop_unnamed_handlers() -> None:
+    """MetaSchedule rebuilds its logging config from the names of the handlers its logger
+    holds; an unnamed one (pytest's capture handler, a user's ``addHandler``) makes a second
+    tuning run in one process fail with "'NoneType' object has no attribute 'format'"."""
+    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    for handler in list(ms_logger.handlers):
+        if handler.get_name() is None:
+            ms_logger.removeHandler(handler)
+
+
+def tune(
+    mod: tvm.IRModule,
+    target,
+    work_dir: str | Path,
+    trials: int,
+    pipeline: str = "tvm_fusion",
+    rpc: str | None = None,
+    rpc_key: str | None = None,
+    trials_per_iter: int = 16,
+    build_timeout: float = 30.0,
+    progress: Callable[[str], None] | None = None,
+    seed: int | None = None,
+    **flags,
+) -> TuneReport:
+    """Tune the fused groups of ``mod`` for ``target`` with at most ``trials`` measurements in
+    all (counting those already in ``work_dir``). See the module docstring."""
+    if trials < 1:
+        raise UsageError(f"trials must be positive, got {trials}")
+    tracker = parse_tracker(rpc) if rpc else None
+    if tracker and not rpc_key:
+        raise UsageError("--rpc-tracker needs --rpc-key")
+    tgt = parse_target(target)
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    fused = fused_module(mod, tgt, pipeline, **flags)
+    tasks = ms.relax_integration.extract_tasks(fused, tgt)
+    if not tasks:
+        raise UsageError("nothing to tune: the module has no kernels")
+    names = [t.task_name for t in tasks]
+    database = ms.database.JSONDatabase(work_dir=str(work_dir))
+    before = _attempts(work_dir)
+    start = time.perf_counter()
+    remaining = trials - before
+    say = progress or (lambda line: logger.info("%s", line))
+    if remaining > 0:
+        say(f"tuning {len(tasks)} task(s), {remaining} trial(s) ({before} already recorded)")
+        # The stock population (512 candidates, 50 unmeasured to start) costs minutes of
+        # search per iteration on a small machine; a small budget gets a smaller population.
+        _drop_unnamed_handlers()
+        population = max(32, min(512, 4 * trials))
+        strategy = ms.search_strategy.EvolutionarySearch(
+            population_size=population, init_min_unmeasured=min(50, population // 2)
+        )
+        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
+            tasks, str(work_dir), strategy=strategy, num_threads=num_cores(tgt), seed=seed
+        )
+        runner = "local"
+        if tracker:
+            host, port = tracker
+            runner = ms.runner.RPCRunner(
+                ms.runner.RPCConfig(
+                    tracker_host=host,
+                    tracker_port=port,
+                    tracker_key=rpc_key,
+                    session_timeout_sec=120,
+                )
+            )
+        builder = ms.builder.LocalBuilder(timeout_sec=build_timeout)
+        callbacks = [*ms.measure_callback.MeasureCallback.create("default"), _Progress(names, say)]
+        ms.tune.tune_tasks(
+            tasks=contexts,
+            task_weights=weights,
+            work_dir=str(work_dir),
+            max_trials_global=remaining,
+            num_trials_per_iter=min(trials_per_iter, remaining),
+            builder=builder,
+            runner=runner,
+            database=database,
+            cost_model="xgb",
+            measure_callbacks=callbacks,
+        )
+    else:
+        say(f"nothing left to tune: {before} record(s) for a budget of {trials}")
+    after = _attempts(work_dir)
+    best = {t.task_name: _best_ms(_records(database, t.dispatched[0], 1)) for t in tasks}
+    return TuneReport(
+        str(work_dir),
+        names,
+        before,
+        after,
+        time.perf_counter() - start,
+        {k: v for k, v in best.items() if v is not None},
+    )
