@@ -9,9 +9,9 @@ database in ``work_dir`` (``database_workload.json``, ``database_tuning_record.j
 - resumable: a second run with the same ``work_dir`` counts the trials already spent there
   (MetaSchedule's task logs, failed trials included) and only spends what is left of
   ``trials``; the search starts from the best records found so far. Use one work dir per model;
-- builds time out after ``build_timeout`` seconds: MetaSchedule's AutoInline has no size guard,
-  and inlining a chain of fast-math polynomials (each reads its input ~15 times) into one
-  expression can make LLVM take minutes (see TVM_NOTES.md); such candidates fail and are skipped;
+- candidates are built by :func:`build_candidate` (the stock build function spends 32 s here
+  importing every tensor intrinsic, in each builder process of each batch); builds time out
+  after ``build_timeout`` seconds and such candidates are skipped;
 - applied by ``build_pipeline(tuning_db=work_dir)`` (CLI: ``--tuning-db DIR``) before the
   default schedules, which then leave the tuned PrimFuncs alone;
 - measured locally, or on the machines of an RPC tracker (``rpc="HOST:PORT"`` and ``rpc_key``).
@@ -149,6 +149,26 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
         )
 
 
+def build_candidate(mod: tvm.IRModule, target, _params=None):
+    """MetaSchedule's ``default_build`` minus ``import tvm.s_tir.tensor_intrin`` on CPUs.
+
+    The stock build function imports every tensor intrinsic (CUDA, ROCm, ...) first: 32 s on
+    this 2-core machine, paid again by each builder process of each batch, so with the default
+    30 s build timeout the first candidates of every batch time out. llvm schedules here use
+    no tensor intrinsics; GPU targets still import them.
+    """
+    from tvm.driver import build as tvm_build
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    from .target import is_cpu
+
+    if not is_cpu(target):
+        import tvm.s_tir.tensor_intrin  # noqa: F401 - registers tensor intrinsics
+
+    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+    return tvm_build(mod, target=target)
+
+
 def _drop_unnamed_handlers() -> None:
     """MetaSchedule rebuilds its logging config from the names of the handlers its logger
     holds; an unnamed one (pytest's capture handler, a user's ``addHandler``) makes a second
@@ -216,7 +236,7 @@ def tune(
                     session_timeout_sec=120,
                 )
             )
-        builder = ms.builder.LocalBuilder(timeout_sec=build_timeout)
+        builder = ms.builder.LocalBuilder(timeout_sec=build_timeout, f_build=build_candidate)
         callbacks = [*ms.measure_callback.MeasureCallback.create("default"), _Progress(names, say)]
         ms.tune.tune_tasks(
             tasks=contexts,
