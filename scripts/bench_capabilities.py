@@ -14,6 +14,8 @@ All in one process, medians of repeated runs, written to ``bench/capabilities.js
   FuseCrossEntropy run before Gradient) vs PyTorch, and the largest buffer each allocates;
 - ``views``: the gelu with bookend views vs the same gelu without views, and the MHA transpose
   with views vs a plain transpose of the same bytes, both compiled by tvm_fusion;
+- ``tuned``: the #2890 gate after same-budget tuning runs of ours and stock's (when
+  ``tune/gate_2890_tvm_fusion`` and ``tune/gate_2890_stock`` exist);
 - ``gates``: the gate workloads at the issue's shapes vs stock TVM and ONNX Runtime (LSTM at
   x(1, 1024), the #2890 gate at x(64, 1024), SwiGLU 2048 -> 2x5632 at 64 rows).
 
@@ -296,6 +298,45 @@ def bench_gates(target, repeat: int, budget: float, size: str) -> list[dict]:
     return rows
 
 
+def bench_tuned(target, repeat: int, budget: float, size: str) -> list[dict]:
+    """The #2890 gate at x(64, 1024) after tuning runs of the same budget, ours and stock's:
+    ``tune/gate_2890_tvm_fusion`` and ``tune/gate_2890_stock`` (``scripts/tune.py gate_2890
+    --trials N --work-dir ... [--pipeline stock]``), with the untuned pipelines and ONNX
+    Runtime beside them."""
+    from tvm_fusion import engine, models
+
+    inst = models.build("gate_2890", size)
+    ours_db, stock_db = Path("tune/gate_2890_tvm_fusion"), Path("tune/gate_2890_stock")
+    row = {"case": "gate_2890 x(64,1024)"}
+    for label, pipeline, db in (
+        ("stock", "stock", None),
+        ("stock_tuned", "stock", stock_db),
+        ("ours", "tvm_fusion", None),
+        ("ours_tuned", "tvm_fusion", ours_db),
+    ):
+        if db is not None and not db.is_dir():
+            row[label] = None
+            continue
+        options = {"tuning_db": str(db)} if db is not None else {}
+        compiled = engine.compile_module(inst.mod, target, pipeline, **options)
+        runner = engine.TvmRunner(compiled, inst.input_list())
+        err = engine.max_error(runner.outputs(), inst.reference(*inst.input_list()))
+        row[label] = _time(runner, repeat, budget) if err < 1e-3 else f"wrong ({err:.2g})"
+    row["trials"] = {str(db): _trials(db) for db in (ours_db, stock_db) if db.is_dir()}
+    try:
+        run = engine.onnxruntime_runner(inst.onnx_model, inst.inputs, engine.threads_for(target))
+        row["onnxruntime"] = _time(run, repeat, budget)
+    except ImportError:
+        row["onnxruntime"] = None
+    return [row]
+
+
+def _trials(work_dir: Path) -> int:
+    from tvm_fusion.tuning import _attempts
+
+    return _attempts(work_dir)
+
+
 def _markdown(section: str, rows: list[dict]) -> str:
     if not rows:
         return ""
@@ -315,6 +356,7 @@ SECTIONS = {
     "cross_entropy": bench_cross_entropy,
     "views": bench_views,
     "gates": bench_gates,
+    "tuned": bench_tuned,
 }
 
 

@@ -29,20 +29,28 @@ def _tiny():
     return bb.get(), [rng.standard_normal((8, 16)).astype("float32")], w
 
 
+def _expect(x, w):
+    return np.maximum(x @ w, 0)
+
+
 def test_tune_resume_and_apply(tmp_path):
-    mod, inputs, w = _tiny()
+    from tvm_fusion import models
+
+    inst = models.build("gate_2890", "small")
+    mod, inputs = inst.mod, inst.input_list()
     target = tvm_fusion.host_target()
     lines = []
     report = tuning.tune(mod, target, tmp_path, trials=4, progress=lines.append)
     assert report.trials_before == 0 and report.trials_after == 4
     assert report.tasks and any(line.startswith("task 1/") for line in lines)
+    assert any(line.startswith("seeded ") for line in lines), lines  # our schedule recorded
     assert (tmp_path / "database_tuning_record.json").stat().st_size > 0
     # resumable: the budget is spent, a second run measures nothing more
     again = tuning.tune(mod, target, tmp_path, trials=4, progress=lines.append)
     assert again.trials_before == 4 and again.trials_after == 4
     # applied by the pipeline, same numbers
     (out,), compiled = run(mod, inputs, "tvm_fusion", tuning_db=str(tmp_path))
-    np.testing.assert_allclose(out, np.maximum(inputs[0] @ w, 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, inst.reference(*inputs)[0], rtol=1e-4, atol=1e-5)
     tuned = [
         gv.name_hint
         for gv, f in compiled.lowered.functions_items()
@@ -101,3 +109,17 @@ def test_tune_through_rpc_tracker(tmp_path):
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=10)
+
+
+def test_stock_pipeline_tuned_with_the_same_budget(tmp_path):
+    """--pipeline stock tunes stock's own groups; the stock engine applies that database."""
+    mod, inputs, w = _tiny()
+    report = tuning.tune(mod, tvm_fusion.host_target(), tmp_path, trials=2, pipeline="stock")
+    assert report.trials_after == 2
+    (out,), compiled = run(mod, inputs, "stock", tuning_db=str(tmp_path))
+    np.testing.assert_allclose(out, _expect(inputs[0], w), rtol=1e-5, atol=1e-5)
+    assert any(
+        f.attrs and f.attrs.get("tirx.is_scheduled", False)
+        for f in compiled.lowered.functions.values()
+        if hasattr(f, "attrs")
+    )

@@ -50,9 +50,9 @@ def compile_module(
     """
     tgt = parse_target(target)
     if pipeline == "stock":
-        if options:
+        if set(options) - {"tuning_db"}:
             raise UsageError(f"the stock pipeline takes no options, got {sorted(options)}")
-        passes = stock_pipeline(tgt)
+        passes = stock_pipeline(tgt, options.get("tuning_db"))
     elif pipeline == "tvm_fusion":
         passes = build_pipeline(tgt, **options)
     else:

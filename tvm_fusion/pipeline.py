@@ -272,9 +272,36 @@ def build_pipeline(
     return _pipeline
 
 
-def stock_pipeline(target: Target) -> tvm.transform.Pass:
-    """Stock TVM's fusing pipeline for ``target`` (what we compare against)."""
-    return relax.get_default_pipeline(target)
+def stock_pipeline(target: Target, tuning_db: str | None = None) -> tvm.transform.Pass:
+    """Stock TVM's fusing pipeline for ``target`` (what we compare against).
+
+    With ``tuning_db`` (a work dir of ``tvm-fusion tune --pipeline stock``): stock's grouping,
+    then the tuned schedules, the way stock's ``static_shape_tuning`` pipeline applies them.
+    """
+    if not tuning_db:
+        return relax.get_default_pipeline(target)
+    from .schedule import finish_passes, prepare_passes
+    from .tuning import apply_database_pass
+
+    backend = _backend(target)
+    seq = tvm.transform.Sequential(
+        [
+            *backend.library_dispatch_passes(target),
+            *backend.legalize_passes(target),
+            *prepare_passes(),
+            apply_database_pass(tuning_db),
+            *finish_passes(),
+            *backend.dataflow_lower_passes(target),
+            *backend.finalize_passes(target),
+        ]
+    )
+
+    @tvm.transform.module_pass(opt_level=0, name="stock_tuned")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            return seq(mod)
+
+    return _pipeline
 
 
 def register() -> None:

@@ -9,6 +9,9 @@ database in ``work_dir`` (``database_workload.json``, ``database_tuning_record.j
 - resumable: a second run with the same ``work_dir`` counts the trials already spent there
   (MetaSchedule's task logs, failed trials included) and only spends what is left of
   ``trials``; the search starts from the best records found so far. Use one work dir per model;
+- before the search, our default schedule of each task (the rules of
+  :mod:`tvm_fusion.schedule`) is measured and recorded: the search starts from it, and the
+  database's best is never worse than the untuned pipeline;
 - candidates are built by :func:`build_candidate` (the stock build function spends 32 s here
   importing every tensor intrinsic, in each builder process of each batch); builds time out
   after ``build_timeout`` seconds and such candidates are skipped;
@@ -30,7 +33,7 @@ from tvm import relax
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from .errors import UsageError
+from .errors import UsageError, first_line
 from .target import num_cores, parse_target
 
 logger = logging.getLogger(__name__)
@@ -169,6 +172,67 @@ def build_candidate(mod: tvm.IRModule, target, _params=None):
     return tvm_build(mod, target=target)
 
 
+def seed_default_schedules(tasks, target, database, builder, runner, say) -> int:
+    """Measure our default schedule (the rules of :mod:`tvm_fusion.schedule`) of every task
+    and commit it to ``database`` as a tuning record, so the search starts from it and the
+    database's best is never worse than what the pipeline does untuned. Returns how many."""
+    from tvm.s_tir.dlight.base.transform import _apply_rules
+
+    from .schedule import default_rules
+    from .target import is_cpu
+
+    rules = default_rules(target)
+    device = "cpu" if is_cpu(target) else target.kind.name
+    seeded = 0
+    for task in tasks:
+        workload = task.dispatched[0]
+        func = workload["main"]
+        try:
+            spaces = _apply_rules(func, target, rules, tunable=False)
+        except Exception as err:  # noqa: BLE001 - MetaSchedule's copy of the PrimFunc may differ
+            say(f"default schedule of {task.task_name} not seeded: {first_line(err)}")
+            continue
+        if not spaces:
+            continue
+        sch = spaces[0]
+        try:
+            replayed = tvm.s_tir.Schedule(workload)
+            sch.trace.apply_to_schedule(replayed, remove_postproc=False)
+        except Exception as err:  # noqa: BLE001 - a trace that does not replay is not seeded
+            say(f"default schedule of {task.task_name} not seeded: {first_line(err)}")
+            continue
+        from .schedule import _has_preproc
+
+        if _has_preproc(replayed.mod["main"]):
+            # a packed-weight schedule: its records need the layout rewrite of the weights,
+            # which MetaScheduleApplyDatabase does not replay the same way (runtime failure)
+            say(f"default schedule of {task.task_name} not seeded: it packs weights")
+            continue
+        (built,) = builder.build([ms.builder.BuilderInput(replayed.mod, target)])
+        if built.error_msg:
+            say(f"default schedule of {task.task_name} does not build: {built.error_msg[:200]}")
+            continue
+        args_info = ms.arg_info.ArgInfo.from_entry_func(replayed.mod, remove_preproc=True)
+        (future,) = runner.run([ms.runner.RunnerInput(built.artifact_path, device, args_info)])
+        result = future.result()
+        if result.error_msg or not result.run_secs:
+            say(f"default schedule of {task.task_name} did not run: {result.error_msg[-300:]}")
+            continue
+        database.commit_tuning_record(
+            ms.database.TuningRecord(
+                replayed.trace,
+                database.commit_workload(workload),
+                result.run_secs,
+                target,
+                args_info,
+            )
+        )
+        secs = sum(float(t) for t in result.run_secs) / len(result.run_secs)
+        say(f"seeded {task.task_name} with the default schedule: {secs * 1e3:.4f} ms")
+        seeded += 1
+    return seeded
+
+
 def _drop_unnamed_handlers() -> None:
     """MetaSchedule rebuilds its logging config from the names of the handlers its logger
     holds; an unnamed one (pytest's capture handler, a user's ``addHandler``) makes a second
@@ -225,7 +289,7 @@ def tune(
         contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
             tasks, str(work_dir), strategy=strategy, num_threads=num_cores(tgt), seed=seed
         )
-        runner = "local"
+        runner = ms.runner.LocalRunner()
         if tracker:
             host, port = tracker
             runner = ms.runner.RPCRunner(
@@ -237,6 +301,8 @@ def tune(
                 )
             )
         builder = ms.builder.LocalBuilder(timeout_sec=build_timeout, f_build=build_candidate)
+        if before == 0 and pipeline == "tvm_fusion":  # stock's groups get no rules of ours
+            seed_default_schedules(tasks, tgt, database, builder, runner, say)
         callbacks = [*ms.measure_callback.MeasureCallback.create("default"), _Progress(names, say)]
         ms.tune.tune_tasks(
             tasks=contexts,
