@@ -33,23 +33,6 @@ from pathlib import Path
 import numpy as np
 
 
-def _runner(compiled, fn: str, inputs):
-    import tvm
-
-    from tvm_fusion.engine import as_list
-
-    dev = tvm.cpu(0)
-    vm = compiled.vm(dev)
-    args = [tvm.runtime.tensor(a, dev) for a in inputs]
-    func = vm[fn]
-
-    def run():
-        return func(*args)
-
-    run.outputs = lambda: as_list(run())
-    return run
-
-
 def _time(run, repeat: int, budget: float) -> float:
     from tvm_fusion.engine import time_runs
 
@@ -60,18 +43,19 @@ def bench_take(target, repeat: int, budget: float, size: str) -> list[dict]:
     from tvm import relax
 
     from tvm_fusion import analysis, engine, models
+    from tvm_fusion.models.take_arange import xlnet_loss
 
     inst = models.build("take_arange", size)
     inputs = inst.input_list()
     bd, ac = inputs
-    grad_mod = relax.transform.Gradient("main")(_xlnet_loss(bd.shape, ac.shape))
+    grad_mod = relax.transform.Gradient("main")(xlnet_loss(bd.shape, ac.shape))
     rows = []
     for phase, mod, fn in (("forward", inst.mod, "main"), ("fwd+bwd", grad_mod, "main_adjoint")):
         row = {"case": f"take {phase}"}
         outs = {}
         for pipeline in ("stock", "tvm_fusion"):
             compiled = engine.compile_module(mod, target, pipeline)
-            run = _runner(compiled, fn, inputs)
+            run = engine.TvmRunner(compiled, inputs, fn)
             outs[pipeline] = run.outputs()
             row[pipeline] = _time(run, repeat, budget)
             row[f"{pipeline}_kernels"] = analysis.kernel_count(compiled.lowered)
@@ -79,24 +63,6 @@ def bench_take(target, repeat: int, budget: float, size: str) -> list[dict]:
         row["torch"] = _torch_take(inst, phase == "fwd+bwd", repeat, budget)
         rows.append(row)
     return rows
-
-
-def _xlnet_loss(bd_shape, ac_shape):
-    """``sum(((ac + take(bd, arange(klen), axis=3)) * 0.125) ** 2)``: a scalar loss."""
-    from tvm import relax
-    from tvm.relax import op as R
-
-    bd = relax.Var("bd", relax.TensorType(bd_shape, "float32"))
-    ac = relax.Var("ac", relax.TensorType(ac_shape, "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [bd, ac]):
-        with bb.dataflow():
-            idx = bb.emit(R.arange(0, ac_shape[-1], 1, "int64"))
-            picked = bb.emit(R.take(bd, idx, axis=3))
-            out = bb.emit(R.multiply(bb.emit(R.add(ac, picked)), relax.const(0.125, "float32")))
-            loss = bb.emit_output(R.sum(bb.emit(R.multiply(out, out))))
-        bb.emit_func_output(loss)
-    return bb.get()
 
 
 def _torch_take(inst, backward: bool, repeat: int, budget: float) -> float | None:
@@ -130,33 +96,19 @@ def _threads() -> int:
     return int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))
 
 
-def _nll_module(n: int, v: int):
-    from tvm import relax
-    from tvm.relax import op as R
-
-    x = relax.Var("logits", relax.TensorType((n, v), "float32"))
-    t = relax.Var("targets", relax.TensorType((n,), "int64"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x, t]):
-        with bb.dataflow():
-            lsm = bb.emit(R.nn.log_softmax(x, axis=-1))
-            loss = bb.emit_output(R.nn.nll_loss(lsm, t, None, "mean", -100))
-        bb.emit_func_output(loss)
-    return bb.get()
-
-
 def bench_cross_entropy(target, repeat: int, budget: float, size: str) -> list[dict]:
     """F.cross_entropy(x, t, ignore_index=-100) as log_softmax + nll_loss at (512, 32768):
     forward, and forward+backward (d loss / d logits), with peak extra memory."""
     from tvm import relax
 
     from tvm_fusion import analysis, engine, models
+    from tvm_fusion.models.cross_entropy import nll_module
     from tvm_fusion.transform import FuseCrossEntropy
 
     inst = models.build("cross_entropy", size)
     x, t = inst.input_list()
     n, v = x.shape
-    mod = _nll_module(n, v)
+    mod = nll_module(n, v)
     rows = []
     for phase in ("forward", "fwd+bwd"):
         row = {"case": f"cross entropy {phase}"}
@@ -168,7 +120,7 @@ def bench_cross_entropy(target, repeat: int, budget: float, size: str) -> list[d
                 m = relax.transform.Gradient("main", require_grads=m["main"].params[0])(m)
                 fn = "main_adjoint"
             compiled = engine.compile_module(m, target, pipeline)
-            run = _runner(compiled, fn, [x, t])
+            run = engine.TvmRunner(compiled, [x, t], fn)
             outs[pipeline] = run.outputs()
             row[pipeline] = _time(run, repeat, budget)
             largest = max(a.elements or 0 for a in analysis.allocations(compiled.lowered))
@@ -250,7 +202,7 @@ def _compare_two(case, mod, plain, inputs, target, repeat, budget, plain_inputs=
 
     a = engine.compile_module(mod, target, "tvm_fusion")
     b = engine.compile_module(plain, target, "tvm_fusion")
-    ra, rb = _runner(a, "main", inputs), _runner(b, "main", plain_inputs or inputs)
+    ra, rb = engine.TvmRunner(a, inputs), engine.TvmRunner(b, plain_inputs or inputs)
     out_a, out_b = ra.outputs()[0], rb.outputs()[0]
     same = np.allclose(out_a.reshape(-1), out_b.reshape(-1), rtol=1e-5, atol=1e-6)
     # interleave the two so that drift on a noisy machine hits both alike
@@ -304,6 +256,7 @@ def bench_tuned(target, repeat: int, budget: float, size: str) -> list[dict]:
     --trials N --work-dir ... [--pipeline stock]``), with the untuned pipelines and ONNX
     Runtime beside them."""
     from tvm_fusion import engine, models
+    from tvm_fusion.tuning import trials_spent
 
     inst = models.build("gate_2890", size)
     ours_db, stock_db = Path("tune/gate_2890_tvm_fusion"), Path("tune/gate_2890_stock")
@@ -322,19 +275,13 @@ def bench_tuned(target, repeat: int, budget: float, size: str) -> list[dict]:
         runner = engine.TvmRunner(compiled, inst.input_list())
         err = engine.max_error(runner.outputs(), inst.reference(*inst.input_list()))
         row[label] = _time(runner, repeat, budget) if err < 1e-3 else f"wrong ({err:.2g})"
-    row["trials"] = {str(db): _trials(db) for db in (ours_db, stock_db) if db.is_dir()}
+    row["trials"] = {str(db): trials_spent(db) for db in (ours_db, stock_db) if db.is_dir()}
     try:
         run = engine.onnxruntime_runner(inst.onnx_model, inst.inputs, engine.threads_for(target))
         row["onnxruntime"] = _time(run, repeat, budget)
     except ImportError:
         row["onnxruntime"] = None
     return [row]
-
-
-def _trials(work_dir: Path) -> int:
-    from tvm_fusion.tuning import _attempts
-
-    return _attempts(work_dir)
 
 
 def _markdown(section: str, rows: list[dict]) -> str:

@@ -16,27 +16,12 @@ Run it::
 import argparse
 
 import numpy as np
-import tvm
 from tvm import relax
-from tvm.relax import op as R
 
 import tvm_fusion
 from tvm_fusion import analysis, engine, models
+from tvm_fusion.models.cross_entropy import nll_module
 from tvm_fusion.transform import FuseCrossEntropy
-
-
-def cross_entropy_module(n: int, v: int, weighted: bool):
-    """``F.cross_entropy(x, t, weight=w, ignore_index=-100)`` as PyTorch exports it."""
-    x = relax.Var("x", relax.TensorType((n, v), "float32"))
-    t = relax.Var("t", relax.TensorType((n,), "int64"))
-    w = relax.Var("w", relax.TensorType((v,), "float32")) if weighted else None
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x, t] + ([w] if weighted else [])):
-        with bb.dataflow():
-            lsm = bb.emit(R.nn.log_softmax(x, axis=-1))
-            loss = bb.emit_output(R.nn.nll_loss(lsm, t, w, "mean", -100))
-        bb.emit_func_output(loss)
-    return bb.get()
 
 
 def main(size: str = "seed", repeat: int = 5) -> dict:
@@ -45,7 +30,7 @@ def main(size: str = "seed", repeat: int = 5) -> dict:
     x, t = inst.input_list()
     n, v = x.shape
     w = np.random.default_rng(0).uniform(0.5, 1.5, v).astype("float32")
-    mod = cross_entropy_module(n, v, weighted=True)
+    mod = nll_module(n, v, weights=True)  # F.cross_entropy(x, t, weight=w) as exported
 
     # 1. The rewrite: one kernel for the rows, (N,) vectors for the rest.
     print(FuseCrossEntropy(target)(mod)["main"])
@@ -62,11 +47,9 @@ def main(size: str = "seed", repeat: int = 5) -> dict:
                 m = relax.transform.Gradient("main", require_grads=m["main"].params[0])(m)
                 fn = "main_adjoint"
             compiled = engine.compile_module(m, target, pipeline)
-            vm = compiled.vm(tvm.cpu())
-            func = vm[fn]
-            args = [tvm.runtime.tensor(a) for a in (x, t, w)]
-            outputs[pipeline] = engine.as_list(func(*args))
-            timing = engine.time_runs(lambda f=func, a=args: f(*a), repeat=repeat)
+            runner = engine.TvmRunner(compiled, [x, t, w], fn)
+            outputs[pipeline] = runner.outputs()
+            timing = engine.time_runs(runner, repeat=repeat)
             largest = max(a.elements or 0 for a in analysis.allocations(compiled.lowered))
             row[pipeline] = {"median_ms": timing["median_ms"], "largest_buffer_MB": largest / 2**18}
         diff = abs(float(outputs["tvm_fusion"][0]) - float(outputs["stock"][0]))

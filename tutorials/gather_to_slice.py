@@ -16,28 +16,12 @@ Run it::
 import argparse
 
 import numpy as np
-import tvm
 from tvm import relax
-from tvm.relax import op as R
 
 import tvm_fusion
 from tvm_fusion import analysis, engine, models
+from tvm_fusion.models.take_arange import xlnet_loss
 from tvm_fusion.transform import GatherToSlice
-
-
-def xlnet_loss(bd_shape, ac_shape, scale=0.125):
-    """``sum(((ac + take(bd, arange(klen), axis=3)) * scale) ** 2)``, a scalar to differentiate."""
-    bd = relax.Var("bd", relax.TensorType(bd_shape, "float32"))
-    ac = relax.Var("ac", relax.TensorType(ac_shape, "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [bd, ac]):
-        with bb.dataflow():
-            idx = bb.emit(R.arange(0, ac_shape[-1], 1, "int64"))
-            picked = bb.emit(R.take(bd, idx, axis=3))
-            out = bb.emit(R.multiply(bb.emit(R.add(ac, picked)), relax.const(scale, "float32")))
-            loss = bb.emit_output(R.sum(bb.emit(R.multiply(out, out))))
-        bb.emit_func_output(loss)
-    return bb.get()
 
 
 def main(size: str = "seed", repeat: int = 5) -> dict:
@@ -59,11 +43,9 @@ def main(size: str = "seed", repeat: int = 5) -> dict:
         outputs = {}
         for pipeline in ("stock", "tvm_fusion"):
             compiled = engine.compile_module(mod, target, pipeline)
-            vm = compiled.vm(tvm.cpu())
-            args = [tvm.runtime.tensor(a) for a in (bd, ac)]
-            func = vm[fn]
-            outputs[pipeline] = engine.as_list(func(*args))
-            timing = engine.time_runs(lambda f=func, a=args: f(*a), repeat=repeat)
+            runner = engine.TvmRunner(compiled, [bd, ac], fn)
+            outputs[pipeline] = runner.outputs()
+            timing = engine.time_runs(runner, repeat=repeat)
             row[pipeline] = {
                 "kernels": analysis.kernel_count(compiled.lowered),
                 "median_ms": timing["median_ms"],

@@ -79,13 +79,14 @@ def as_list(out) -> list[np.ndarray]:
 
 
 class TvmRunner:
-    """Runs ``main`` of a compiled module on fixed inputs; ``__call__`` returns when done."""
+    """Runs ``function`` (default ``main``; ``main_adjoint`` after Gradient) of a compiled
+    module on fixed inputs; ``__call__`` returns when done."""
 
-    def __init__(self, compiled: Compiled, inputs: Sequence[np.ndarray]):
+    def __init__(self, compiled: Compiled, inputs: Sequence[np.ndarray], function: str = "main"):
         self.device = _device(compiled.target)
         self.vm = compiled.vm(self.device)
         self.args = [tvm.runtime.tensor(a, self.device) for a in inputs]
-        self._main = self.vm["main"]
+        self._main = self.vm[function]
         self._sync = is_gpu(compiled.target)
 
     def __call__(self):

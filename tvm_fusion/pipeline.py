@@ -272,6 +272,14 @@ def build_pipeline(
     return _pipeline
 
 
+def stock_fused_passes(target: Target) -> list:
+    """Stock's passes up to one unscheduled PrimFunc per fused group (library dispatch,
+    legalisation, FuseOps, FuseTIR): what ``tune --pipeline stock`` tunes and what the stock
+    pipeline with a tuning database applies it to, so that both see the same PrimFuncs."""
+    backend = _backend(target)
+    return [*backend.library_dispatch_passes(target), *backend.legalize_passes(target)]
+
+
 def stock_pipeline(target: Target, tuning_db: str | None = None) -> tvm.transform.Pass:
     """Stock TVM's fusing pipeline for ``target`` (what we compare against).
 
@@ -286,8 +294,7 @@ def stock_pipeline(target: Target, tuning_db: str | None = None) -> tvm.transfor
     backend = _backend(target)
     seq = tvm.transform.Sequential(
         [
-            *backend.library_dispatch_passes(target),
-            *backend.legalize_passes(target),
+            *stock_fused_passes(target),
             *prepare_passes(),
             apply_database_pass(tuning_db),
             *finish_passes(),

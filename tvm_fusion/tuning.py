@@ -53,7 +53,7 @@ def apply_database_pass(work_dir: str) -> tvm.transform.Pass:
 
 def fused_module(mod: tvm.IRModule, target, pipeline: str = "tvm_fusion", **flags) -> tvm.IRModule:
     """``mod`` lowered to one unscheduled PrimFunc per fused group, as ``pipeline`` groups it."""
-    from .pipeline import fused_passes
+    from .pipeline import fused_passes, stock_fused_passes
     from .schedule import prepare_passes
 
     tgt = parse_target(target)
@@ -62,13 +62,7 @@ def fused_module(mod: tvm.IRModule, target, pipeline: str = "tvm_fusion", **flag
     elif pipeline == "stock":
         if flags:
             raise UsageError(f"the stock pipeline takes no flags, got {sorted(flags)}")
-        passes = [
-            relax.transform.LegalizeOps(),
-            relax.transform.AnnotateTIROpPattern(),
-            relax.transform.FoldConstant(),
-            relax.transform.FuseOps(),
-            relax.transform.FuseTIR(),
-        ]
+        passes = stock_fused_passes(tgt)
     else:
         raise UsageError(f"unknown pipeline {pipeline!r}; known: stock, tvm_fusion")
     with tgt:
@@ -109,10 +103,10 @@ def _records(database: ms.database.JSONDatabase, mod: tvm.IRModule, limit: int) 
     return list(database.get_top_k(database.commit_workload(mod), limit))
 
 
-def _attempts(work_dir: Path) -> int:
+def trials_spent(work_dir: str | Path) -> int:
     """Trials spent so far, failed ones included: MetaSchedule's per-task logs count them."""
     total = 0
-    for log in (work_dir / "logs").glob("*task_*.log"):
+    for log in (Path(work_dir) / "logs").glob("*task_*.log"):
         total += sum(
             1 for line in log.read_text(errors="replace").splitlines() if "] Trial #" in line
         )
@@ -273,7 +267,7 @@ def tune(
         raise UsageError("nothing to tune: the module has no kernels")
     names = [t.task_name for t in tasks]
     database = ms.database.JSONDatabase(work_dir=str(work_dir))
-    before = _attempts(work_dir)
+    before = trials_spent(work_dir)
     start = time.perf_counter()
     remaining = trials - before
     say = progress or (lambda line: logger.info("%s", line))
@@ -318,7 +312,7 @@ def tune(
         )
     else:
         say(f"nothing left to tune: {before} record(s) for a budget of {trials}")
-    after = _attempts(work_dir)
+    after = trials_spent(work_dir)
     best = {t.task_name: _best_ms(_records(database, t.dispatched[0], 1)) for t in tasks}
     return TuneReport(
         str(work_dir),

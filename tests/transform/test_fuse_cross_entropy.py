@@ -18,6 +18,7 @@ from tvm.script import relax as RS
 import tvm_fusion
 from tvm_fusion import analysis, engine, models
 from tvm_fusion.models.cross_entropy import cross_entropy_np
+from tvm_fusion.models.cross_entropy import nll_module as _nll_module
 from tvm_fusion.transform import FuseCrossEntropy, collect_rewrites
 from tvm_fusion.transform.fuse_cross_entropy import GRAD_NAME, cross_entropy_rows
 
@@ -157,23 +158,6 @@ class TestNoFireNllSpatial(CEBase):
 # Numerics
 
 
-def _nll_module(n, v, dtype="float32", weights=False, reduction="mean", ignore=-100):
-    x = relax.Var("x", relax.TensorType((n, v), dtype))
-    t = relax.Var("t", relax.TensorType((n,), "int64"))
-    params = [x, t]
-    w = None
-    if weights:
-        w = relax.Var("w", relax.TensorType((v,), dtype))
-        params.append(w)
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        with bb.dataflow():
-            lsm = bb.emit(R.nn.log_softmax(x, axis=-1))
-            out = bb.emit_output(R.nn.nll_loss(lsm, t, w, reduction, ignore))
-        bb.emit_func_output(out)
-    return bb.get()
-
-
 def _nll_np(x, t, w=None, reduction="mean", ignore=-100):
     """PyTorch's F.cross_entropy(x, t, weight=w, reduction=..., ignore_index=...) in float64."""
     xd = x.astype("float64")
@@ -232,7 +216,7 @@ def test_nll_options_match_pytorch_semantics(weights, reduction):
 def test_nll_custom_ignore_index():
     args = _inputs(9, 11, False)
     args[1][::3] = 4  # ignore class 4 instead of -100
-    mod = _nll_module(9, 11, ignore=4)
+    mod = _nll_module(9, 11, ignore_index=4)
     compare_pipelines(mod, args, rtol=1e-5, atol=1e-5, reference=[_nll_np(*args, ignore=4)])
 
 

@@ -100,3 +100,22 @@ def cross_entropy(size: str = "seed", dynamic: bool = False) -> Instance:
         atol=1e-5,
         expect="FuseCrossEntropy: one pass over the logits, no (N, V) log-probs",
     )
+
+
+def nll_module(n, v, dtype="float32", weights=False, reduction="mean", ignore_index=IGNORE_INDEX):
+    """``F.cross_entropy(x, t, weight=w, reduction=..., ignore_index=...)`` as PyTorch exports
+    it: ``nll_loss(log_softmax(x), t, w)``; params ``x``, ``t`` and, with weights, ``w``."""
+    x = relax.Var("x", relax.TensorType((n, v), dtype))
+    t = relax.Var("t", relax.TensorType((n,), "int64"))
+    params = [x, t]
+    w = None
+    if weights:
+        w = relax.Var("w", relax.TensorType((v,), dtype))
+        params.append(w)
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            lsm = bb.emit(R.nn.log_softmax(x, axis=-1))
+            out = bb.emit_output(R.nn.nll_loss(lsm, t, w, reduction, ignore_index))
+        bb.emit_func_output(out)
+    return bb.get()

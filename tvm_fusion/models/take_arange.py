@@ -82,3 +82,19 @@ def take_arange(size: str = "seed", dynamic: bool = False) -> Instance:
         atol=1e-5,
         expect="GatherToSlice: take(arange) -> strided_slice, fused with add and multiply",
     )
+
+
+def xlnet_loss(bd_shape, ac_shape, scale: float = 0.125):
+    """``sum(((ac + take(bd, arange(klen), axis=3)) * scale) ** 2)``: the workload as a scalar
+    loss whose gradient depends on the inputs (for ``relax.transform.Gradient``)."""
+    bd = relax.Var("bd", relax.TensorType(tuple(bd_shape), "float32"))
+    ac = relax.Var("ac", relax.TensorType(tuple(ac_shape), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [bd, ac]):
+        with bb.dataflow():
+            idx = bb.emit(R.arange(0, ac_shape[-1], 1, "int64"))
+            picked = bb.emit(R.take(bd, idx, axis=3))
+            out = bb.emit(R.multiply(bb.emit(R.add(ac, picked)), relax.const(scale, "float32")))
+            loss = bb.emit_output(R.sum(bb.emit(R.multiply(out, out))))
+        bb.emit_func_output(loss)
+    return bb.get()

@@ -48,8 +48,19 @@ _FLOATS = ("float32", "float16", "bfloat16")
 ACC = "float32"
 
 
-def _exp(value, fast: bool):
-    return topi.fast_exp(value) if fast else te.exp(value)
+def _acc(x: te.Tensor):
+    """``x[i, j]`` read in the float32 accumulation type."""
+    if x.dtype == ACC:
+        return lambda i, j: x[i, j]
+    return lambda i, j: x[i, j].astype(ACC)
+
+
+def _exp_at(value: te.Tensor, fast: bool):
+    """``exp(value[i, j])``: TVM's polynomial ``fast_exp`` (CPU), else the exact intrinsic."""
+    if fast:
+        ex = topi.fast_exp(value)
+        return lambda i, j: ex[i, j]
+    return lambda i, j: te.exp(value[i, j])
 
 
 def cross_entropy_rows(x: te.Tensor, t: te.Tensor, fast_exp: bool = False) -> te.Tensor:
@@ -58,21 +69,13 @@ def cross_entropy_rows(x: te.Tensor, t: te.Tensor, fast_exp: bool = False) -> te
     A target outside ``[0, V)`` (an ignored row) picks column 0; callers mask such rows.
     """
     n, v = x.shape
-
-    def xf(i, j):
-        return x[i, j] if x.dtype == ACC else x[i, j].astype(ACC)
-
+    xf = _acc(x)
     k = te.reduce_axis((0, v), "k")
     row_max = te.compute((n,), lambda i: te.max(xf(i, k), axis=k), name="ce_max")
     shifted = te.compute((n, v), lambda i, j: xf(i, j) - row_max[i], name="ce_shifted")
-    ex = _exp(shifted, fast_exp) if fast_exp else None
+    exp = _exp_at(shifted, fast_exp)
     k2 = te.reduce_axis((0, v), "k2")
-    if ex is not None:
-        sum_exp = te.compute((n,), lambda i: te.sum(ex[i, k2], axis=k2), name="ce_sumexp")
-    else:
-        sum_exp = te.compute(
-            (n,), lambda i: te.sum(te.exp(shifted[i, k2]), axis=k2), name="ce_sumexp"
-        )
+    sum_exp = te.compute((n,), lambda i: te.sum(exp(i, k2), axis=k2), name="ce_sumexp")
 
     def pick(i):
         ti = t[i].astype("int64")
@@ -92,20 +95,13 @@ def cross_entropy_grad(
     """d/dx of ``rows = cross_entropy_rows(x, t)``: ``g_lse * softmax(x) + g_xt * onehot(t)``,
     one elementwise pass over the logits, ``softmax = exp(x - lse)`` from the saved lse."""
     n, v = x.shape
-
-    def xf(i, j):
-        return x[i, j] if x.dtype == ACC else x[i, j].astype(ACC)
-
+    xf = _acc(x)
     shifted = te.compute((n, v), lambda i, j: xf(i, j) - rows[i, 0], name="ce_grad_shifted")
-    prob = (
-        _exp(shifted, fast_exp)
-        if fast_exp
-        else te.compute((n, v), lambda i, j: te.exp(shifted[i, j]), name="ce_grad_prob")
-    )
+    prob = _exp_at(shifted, fast_exp)
 
     def grad(i, j):
         hit = j.astype("int64") == t[i].astype("int64")
-        value = output_grad[i, 0] * prob[i, j] + tirx.Select(
+        value = output_grad[i, 0] * prob(i, j) + tirx.Select(
             hit, output_grad[i, 1], tirx.const(0.0, ACC)
         )
         return value if x.dtype == ACC else value.astype(x.dtype)

@@ -348,7 +348,7 @@ class _Rewriter(PyExprMutator):
         found = self._analyse(what, x, indices, call.attrs.axis, str(call.attrs.mode))
         if found is None:
             return None
-        axis, _dim, prog, analyzer = found
+        axis, dim, prog, analyzer = found
         g_sinfo = grad.ty
         if not isinstance(g_sinfo, relax.TensorType) or not isinstance(
             g_sinfo.shape, relax.ShapeExpr
@@ -362,7 +362,6 @@ class _Rewriter(PyExprMutator):
             new_grad = self.builder_.emit(relax.op.flip(new_grad, axis))
             first, last, step = last, first, -step
         start, stop = analyzer.simplify(first), analyzer.simplify(last + 1)
-        dim = _i64(x.ty.shape.values[axis])
         after = analyzer.simplify(dim - stop)
         if step == 1 and isinstance(start, tirx.IntImm) and isinstance(after, tirx.IntImm):
             # A contiguous range: zero padding around the gradient, one injective kernel that
