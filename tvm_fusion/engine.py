@@ -60,7 +60,8 @@ def compile_module(
     start = time.perf_counter()
     with tgt:
         lowered = passes(mod)
-    executable = tvm.compile(lowered, tgt, relax_pipeline=None)
+        # inside the target scope: TVM's nvcc/NVRTC callback reads the arch from it
+        executable = tvm.compile(lowered, tgt, relax_pipeline=None)
     return Compiled(executable, lowered, tgt, pipeline, time.perf_counter() - start)
 
 

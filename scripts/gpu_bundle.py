@@ -1,0 +1,382 @@
+"""Build a GPU bundle: every workload compiled here for CUDA (stock TVM and tvm_fusion), plus
+TVM's runtime, packed so that a GPU machine without apache-tvm can run and time them.
+
+    python scripts/gpu_bundle.py --out gpu_bundle            # compile, pack gpu_bundle.tar.gz
+    # on the GPU machine (Python 3.12 there by default, numpy; torch for the peer column):
+    tar xzf gpu_bundle.tar.gz && python3 gpu_bundle/run_gpu.py --out results
+
+What is in the bundle (``--out`` directory, then ``<out>.tar.gz``):
+
+- ``site/``: the ``tvm`` Python package without ``libtvm_compiler.so`` (imported with
+  ``TVM_USE_RUNTIME_LIB=1``: libtvm_runtime, libtvm_runtime_cuda and _extra only) and
+  ``tvm_ffi`` unpacked from the apache-tvm-ffi wheel for the GPU machine's Python
+  (``--python-version``, downloaded with pip).
+- ``modules/``: one exported library per case and pipeline. Device code is compiled here with
+  nvcc (``TVM_CUDA_COMPILE_MODE=nvcc``) for ``--arch``, so nothing is compiled there.
+- ``data/``: for the ``check`` cases (small sizes, weights inside the module): inputs and the
+  reference outputs: NumPy's, or for the backward graphs stock TVM's on this CPU.
+- ``manifest.json``: the cases. ``time`` cases use the benchmark (seed) sizes; their weights
+  would make the bundle hundreds of MB, so every constant of at least ``--lift-min`` elements
+  is lifted from the *compiled* ``main`` into an extra parameter after the whole pipeline ran
+  (our packed gate weights stay packed, stock's stay as stock left them), and the runner feeds
+  random values of the recorded shapes. Timing does not depend on the values; correctness is
+  what the ``check`` cases are for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+
+HERE = Path(__file__).resolve().parent
+RUNNER = HERE / "gpu_run.py"
+SKIP_IN_SITE = {"lib", "3rdparty", "src", "include", "web", "__pycache__"}
+RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_runtime_cuda.so", "libtvm_runtime_extra.so")
+
+# Peer shapes for the torch column on the GPU (the runner builds the same computation with
+# random weights of these shapes).
+GATE_DIMS = {"swiglu": "inter", "geglu": "inter"}
+
+
+def _load_cuda_runtime(work: Path) -> None:
+    """Let TVM compile device code here, on a machine without a GPU driver.
+
+    TVM's CUDA codegen hands the source to nvcc (``tvm_callback_cuda_compile``) only when
+    libtvm_runtime_cuda.so is loaded; otherwise it keeps the source, which the GPU machine's
+    runtime cannot load. That library needs libcudart.so.13 (the CUDA toolkit's, present with
+    nvcc) and libcuda.so.1 (the driver, absent here). A stub libcuda.so.1 that defines the
+    driver symbols the library links against satisfies the loader; nothing here calls them:
+    compiling and exporting never touch the device. Must run before ``import tvm``.
+    """
+    import ctypes
+    import glob
+
+    runtime = Path(_tvm_package_dir()) / "lib" / "libtvm_runtime_cuda.so"
+    nm = subprocess.run(
+        ["nm", "-D", "--undefined-only", str(runtime)], capture_output=True, text=True, check=True
+    ).stdout
+    symbols = sorted(
+        {
+            line.split()[-1].split("@")[0]
+            for line in nm.splitlines()
+            if line.split()
+            and line.split()[-1].startswith("cu")
+            and line.split()[-1][2:3].isupper()
+        }
+    )
+    work.mkdir(parents=True, exist_ok=True)
+    source = work / "cuda_stub.c"
+    source.write_text("".join(f"int {name}(void) {{ return 999; }}\n" for name in symbols))
+    stub = work / "libcuda.so.1"
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-o", str(stub), "-Wl,-soname,libcuda.so.1", str(source)],
+        check=True,
+    )
+    cudart = sorted(glob.glob("/usr/local/cuda*/lib64/libcudart.so.13*"))
+    if not cudart:
+        raise SystemExit("libcudart.so.13 not found: install the CUDA 13 toolkit (nvcc)")
+    ctypes.CDLL(str(stub), mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(cudart[0], mode=ctypes.RTLD_GLOBAL)
+
+
+def _tvm_package_dir() -> str:
+    from importlib.util import find_spec
+
+    spec = find_spec("tvm")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("apache-tvm is not installed")
+    return list(spec.submodule_search_locations)[0]
+
+
+def _lift_constants(lowered, min_elements: int, function: str = "main"):
+    """``function`` of a finalised module with every large constant made a trailing parameter."""
+    from tvm import relax
+    from tvm.ir.expr import GenericConst
+
+    @relax.expr_functor.mutator
+    class Lift(relax.PyExprMutator):
+        def __init__(self, mod):
+            super().__init__(mod)
+            self.params: list[relax.Var] = []
+            self.seen: list[tuple[GenericConst, relax.Var]] = []
+
+        def visit_generic_const_(self, op):
+            value = op.value
+            if not hasattr(value, "shape") or int(np.prod(value.shape)) < min_elements:
+                return op
+            for const, var in self.seen:
+                if const.same_as(op):
+                    return var
+            var = relax.Var(f"lifted{len(self.params)}", op.ty)
+            self.params.append(var)
+            self.seen.append((op, var))
+            return var
+
+    main = lowered[function]
+    lift = Lift(lowered)
+    body = lift.visit_expr(main.body)
+    specs = [
+        {"shape": [int(d) for d in const.value.shape], "dtype": str(const.value.dtype)}
+        for const, _ in lift.seen
+    ]
+    func = relax.Function(
+        list(main.params) + lift.params, body, main.ret_ty, main.is_pure, main.attrs, main.span
+    )
+    mod = lowered.shallow_copy() if hasattr(lowered, "shallow_copy") else lowered
+    mod[function] = func
+    return mod, specs
+
+
+def _describe(err: Exception) -> str:
+    """One line: the error and the innermost Python frame that raised it."""
+    import traceback
+
+    message = (str(err).strip().splitlines() or [""])[-1]
+    frames = traceback.extract_tb(err.__traceback__)
+    where = ""
+    if frames:
+        last = frames[-1]
+        where = f" in {last.name} ({'/'.join(Path(last.filename).parts[-3:])}:{last.lineno})"
+    return f"{type(err).__name__}{': ' + message if message else ''}{where}"
+
+
+def _input_spec(name: str, arr: np.ndarray) -> dict:
+    spec = {"name": name, "shape": list(arr.shape), "dtype": str(arr.dtype)}
+    if arr.dtype.kind in "iub":
+        # labels, indices: small, saved exactly (their range matters)
+        spec["values"] = arr.reshape(-1).tolist()
+    else:
+        spec["std"] = float(arr.std()) if arr.size else 1.0
+    return spec
+
+
+def _compile_case(
+    mod, target, pipeline: str, lift_min: int | None, path: Path, function: str
+) -> dict:
+    import tvm
+
+    from tvm_fusion import analysis, engine
+
+    start = time.perf_counter()
+    compiled = engine.compile_module(mod, target, pipeline)
+    lowered, lifted = compiled.lowered, []
+    if lift_min:
+        lowered, lifted = _lift_constants(compiled.lowered, lift_min, function)
+    with target:  # nvcc's callback reads the arch from the current target
+        executable = tvm.compile(lowered, target, relax_pipeline=None)
+    executable.export_library(str(path))
+    return {
+        "file": f"modules/{path.name}",
+        "kernels": analysis.kernel_count(compiled.lowered),
+        "lifted": lifted,
+        "compile_s": round(time.perf_counter() - start, 2),
+        "MB": round(path.stat().st_size / 2**20, 2),
+    }
+
+
+def _cases(names: list[str]):
+    """(case, module, inputs, function, reference-or-None, peer) for every workload and the two
+    training graphs (take and cross entropy forward+backward)."""
+    from tvm import relax
+
+    from tvm_fusion import models
+    from tvm_fusion.models.cross_entropy import nll_module
+    from tvm_fusion.models.take_arange import xlnet_loss
+    from tvm_fusion.transform import FuseCrossEntropy
+
+    for name in names:
+        for size in ("small", "seed"):
+            inst = models.build(name, size)
+            ref = inst.reference(*inst.input_list()) if size == "small" else None
+            peer = {"workload": name}
+            if name in GATE_DIMS and size == "seed":
+                peer["inter"] = 5632
+            yield f"{name}.{size}", inst.mod, inst.mod, inst.inputs, "main", ref, peer, size
+            if name == "take_arange":
+                bd, ac = inst.input_list()
+                grad = relax.transform.Gradient("main")(xlnet_loss(bd.shape, ac.shape))
+                yield (
+                    f"take_fwd_bwd.{size}",
+                    grad,
+                    grad,
+                    inst.inputs,
+                    "main_adjoint",
+                    None,
+                    {"workload": "take_fwd_bwd"},
+                    size,
+                )
+            if name == "cross_entropy":
+                x, t = inst.input_list()
+                base = nll_module(*x.shape)
+                ours = FuseCrossEntropy()(base)
+                grads = [
+                    relax.transform.Gradient("main", require_grads=m["main"].params[0])(m)
+                    for m in (base, ours)
+                ]
+                yield (
+                    f"ce_fwd_bwd.{size}",
+                    grads[0],
+                    grads[1],
+                    inst.inputs,
+                    "main_adjoint",
+                    None,
+                    {"workload": "ce_fwd_bwd"},
+                    size,
+                )
+
+
+def _site(out: Path, python_version: str) -> None:
+    import tvm
+
+    site = out / "site"
+    tvm_dir = Path(tvm.__file__).parent
+    shutil.copytree(
+        tvm_dir,
+        site / "tvm",
+        ignore=lambda d, names: [
+            n for n in names if Path(d) == tvm_dir and n in SKIP_IN_SITE or n == "__pycache__"
+        ],
+    )
+    (site / "tvm" / "lib").mkdir()
+    for lib in RUNTIME_LIBS:
+        shutil.copy2(tvm_dir / "lib" / lib, site / "tvm" / "lib" / lib)
+    from importlib.metadata import version
+
+    ffi = f"apache-tvm-ffi=={version('apache-tvm-ffi')}"
+    wheels = out / "_wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            python_version,
+            "--implementation",
+            "cp",
+            "--platform",
+            "manylinux_2_28_x86_64",
+            "--platform",
+            "manylinux_2_24_x86_64",
+            "-d",
+            str(wheels),
+            ffi,
+        ],
+        check=True,
+    )
+    for wheel in wheels.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as zf:
+            for member in zf.namelist():
+                if member.startswith("tvm_ffi/") and not member.startswith(
+                    ("tvm_ffi/include", "tvm_ffi/3rdparty", "tvm_ffi/src")
+                ):
+                    zf.extract(member, site)
+    shutil.rmtree(wheels)
+    for so in site.rglob("*.so"):
+        so.chmod(0o755)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu_bundle")
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python")
+    parser.add_argument("--only", default="", help="comma-separated workload names")
+    parser.add_argument("--lift-min", type=int, default=1 << 16)
+    parser.add_argument(
+        "--no-runtime",
+        action="store_true",
+        help="skip packing TVM's runtime (site/) and the archive (for tests)",
+    )
+    args = parser.parse_args(argv)
+    if shutil.which("nvcc") is None:
+        raise SystemExit("nvcc not found: the bundle compiles device code here")
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)
+    _load_cuda_runtime(out / "_stub")
+
+    import tvm
+
+    from tvm_fusion import models
+
+    for sub in ("modules", "data"):
+        (out / sub).mkdir(parents=True)
+    from tvm_fusion.target import host_target
+
+    target = tvm.target.Target({"kind": "cuda", "arch": args.arch})
+    host = host_target()
+    names = [n for n in args.only.split(",") if n] or models.names()
+    manifest = {"arch": args.arch, "tvm": tvm.__version__, "cases": []}
+    for case, stock_mod, ours_mod, inputs, function, ref, peer, size in _cases(names):
+        # small: weights inside, saved inputs, checked against NumPy (or stock vs ours where
+        # there is no NumPy reference); seed: lifted weights, random inputs, timed.
+        check = size == "small"
+        entry = {
+            "case": case,
+            "function": function,
+            "check": check,
+            "peer": peer,
+            "inputs": [_input_spec(k, v) for k, v in inputs.items()],
+            "pipelines": {},
+        }
+        if check and ref is None:
+            # backward graphs: stock TVM's result on this CPU is the reference
+            from tvm_fusion import engine
+
+            compiled = engine.compile_module(stock_mod, host, "stock")
+            ref = engine.TvmRunner(compiled, list(inputs.values()), function).outputs()
+        if check:
+            np.savez(
+                out / "data" / f"{case}.npz",
+                **{f"in{i}": v for i, v in enumerate(inputs.values())},
+                **{f"ref{i}": np.asarray(r) for i, r in enumerate(ref or [])},
+            )
+            entry["data"] = f"data/{case}.npz"
+        for pipeline, mod in (("stock", stock_mod), ("tvm_fusion", ours_mod)):
+            path = out / "modules" / f"{case}.{pipeline}.so"
+            try:
+                info = _compile_case(
+                    mod, target, pipeline, None if check else args.lift_min, path, function
+                )
+            except Exception as err:  # a compiler failure is a result too (stock's, mostly)
+                entry.setdefault("errors", {})[pipeline] = _describe(err)
+                print(f"{case:28s} {pipeline:10s} FAILED {entry['errors'][pipeline]}", flush=True)
+                continue
+            entry["pipelines"][pipeline] = info
+            print(
+                f"{case:28s} {pipeline:10s} kernels {info['kernels']:3d}  "
+                f"{info['MB']:6.2f} MB  {info['compile_s']:6.1f} s",
+                flush=True,
+            )
+        manifest["cases"].append(entry)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    shutil.copy2(RUNNER, out / "run_gpu.py")
+    shutil.rmtree(out / "_stub")
+    if args.no_runtime:
+        return 0
+    _site(out, args.python_version)
+    archive = out.with_suffix(".tar.gz")
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(out, arcname=out.name)
+    print(f"wrote {archive} ({archive.stat().st_size / 2**20:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
