@@ -16,6 +16,9 @@ All in one process, medians of repeated runs, written to ``bench/capabilities.js
   with views vs a plain transpose of the same bytes, both compiled by tvm_fusion;
 - ``tuned``: the #2890 gate after same-budget tuning runs of ours and stock's (when
   ``tune/gate_2890_tvm_fusion`` and ``tune/gate_2890_stock`` exist);
+- ``shapes``: the shape idioms of ONNX exporters (issue #8): shape-only kernels and shape
+  copies in the CUDA build, stock vs ours, and llvm times (run it with
+  ``--only shapes --output bench/shapes.json``);
 - ``gates``: the gate workloads at the issue's shapes vs stock TVM and ONNX Runtime (LSTM at
   x(1, 1024), the #2890 gate at x(64, 1024), SwiGLU 2048 -> 2x5632 at 64 rows).
 
@@ -284,6 +287,49 @@ def bench_tuned(target, repeat: int, budget: float, size: str) -> list[dict]:
     return [row]
 
 
+def bench_shapes(target, repeat: int, budget: float, size: str) -> list[dict]:
+    """The shape idioms (tvm_fusion.models.shape_idioms): per model, shape-only kernels and
+    shape copies of the CUDA build (inspected here, no GPU needed), stock vs ours, and the llvm
+    end-to-end time of stock, ours and ONNX Runtime."""
+    import tvm
+
+    from tvm_fusion import analysis, engine, load_onnx
+    from tvm_fusion.models import shape_idioms
+
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    batch, seq = (8, 128) if size == "seed" else (2, 5)
+    rows = []
+    for name in shape_idioms.names():
+        idiom = shape_idioms.build(name, batch, seq)
+        mod = load_onnx(idiom.model)
+        row: dict = {"model": name}
+        for pipeline, label in (("stock", "stock"), ("tvm_fusion", "ours")):
+            try:
+                work = analysis.shape_work(engine.compile_module(mod, cuda, pipeline).lowered, cuda)
+                row[f"{label} cuda shape kernels/copies"] = f"{len(work.kernels)}/{work.copies}"
+            except Exception:  # stock cannot compile several of these
+                row[f"{label} cuda shape kernels/copies"] = "fails to compile"
+        for pipeline, label in (("stock", "stock ms"), ("tvm_fusion", "ours ms")):
+            try:
+                compiled = engine.compile_module(mod, target, pipeline)
+                run = engine.TvmRunner(compiled, list(idiom.inputs.values()))
+                row[label] = _time(run, repeat, budget)
+                row[label.replace("ms", "kernels")] = analysis.kernel_count(compiled.lowered)
+            except Exception:
+                row[label] = None
+                row[label.replace("ms", "kernels")] = "fails"
+        try:
+            from tvm_fusion.engine import onnxruntime_runner
+
+            row["onnxruntime ms"] = _time(
+                onnxruntime_runner(idiom.model, idiom.inputs, _threads()), repeat, budget
+            )
+        except ImportError:
+            row["onnxruntime ms"] = None
+        rows.append(row)
+    return rows
+
+
 def _markdown(section: str, rows: list[dict]) -> str:
     if not rows:
         return ""
@@ -304,6 +350,7 @@ SECTIONS = {
     "views": bench_views,
     "gates": bench_gates,
     "tuned": bench_tuned,
+    "shapes": bench_shapes,
 }
 
 

@@ -397,3 +397,145 @@ def to_dot(mod: tvm.IRModule, title: str = "tvm_fusion") -> str:
                     lines.append(f"  {names[src]} -> {nid};")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+@dataclasses.dataclass
+class ShapeWork:
+    """What a compiled module spends on shape arithmetic held in tensors (see
+    :func:`shape_work`)."""
+
+    kernels: list[str]  # kernel launches whose outputs are only ever shape data
+    copies: int  # device-to-host reads of shape tensors (tensor_to_shape of a device tensor)
+
+    def as_dict(self) -> dict:
+        return {"shape_kernels": len(self.kernels), "shape_copies": self.copies}
+
+
+_ALLOC_OPS = {"relax.vm.alloc_tensor", "relax.builtin.alloc_tensor", "relax.memory.alloc_tensor"}
+_TO_SHAPE = {"vm.builtin.tensor_to_shape"}
+
+
+def _is_shape_data(sinfo) -> bool:
+    return (
+        isinstance(sinfo, relax.TensorType)
+        and 0 <= sinfo.ndim <= 1
+        and (str(sinfo.dtype).startswith(("int", "uint")) or str(sinfo.dtype) == "bool")
+    )
+
+
+def _on_host(sinfo) -> bool:
+    vdevice = getattr(sinfo, "vdevice", None)
+    return vdevice is not None and vdevice.target.kind.name in ("llvm", "c")
+
+
+def shape_work(lowered: tvm.IRModule, target=None) -> ShapeWork:
+    """Shape-only device kernels and device-to-host shape copies in a compiled module (the
+    ``lowered`` of :func:`tvm_fusion.engine.compile_module`, after VM lowering).
+
+    A kernel is shape-only when every tensor it writes is a short int/bool tensor (rank <= 1)
+    read only by ``tensor_to_shape`` or by other shape-only kernels. On a GPU target each
+    ``tensor_to_shape`` of a tensor not declared on the host is a copy to the host plus a
+    synchronisation; on a CPU target there are no copies (the kernels still run).
+    """
+    gpu = target is not None and "gpu" in tvm.target.Target(target).keys
+    found: list[str] = []
+    copies = 0
+    for _name, func in _host_functions(lowered):
+        values: dict = {}  # binding var -> value
+        users: dict = {}  # var -> binding vars whose value reads it (None: returned)
+        order: list = []
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                var, value = binding.var, binding.value
+                values[var] = value
+                order.append(var)
+
+                def visit(expr, owner=var, users=users):
+                    if isinstance(expr, relax.Var):
+                        users.setdefault(expr, []).append(owner)
+
+                relax.analysis.post_order_visit(value, visit)
+
+        def returned(expr, users=users):
+            if isinstance(expr, relax.Var):
+                users.setdefault(expr, []).append(None)
+
+        relax.analysis.post_order_visit(func.body.body, returned)
+        kernels: dict = {}  # binding var of a kernel call -> (name, output vars)
+        written: set = set()
+        for var in order:
+            value = values[var]
+            if not isinstance(value, relax.Call):
+                continue
+            op = value.op
+            if _is_to_shape(value):
+                if gpu and not _on_host(value.args[0].ty):
+                    copies += 1
+                continue
+            if not (isinstance(op, relax.GlobalVar) and op in lowered.get_global_vars()):
+                continue
+            callee = lowered[op]
+            if not isinstance(callee, tirx.PrimFunc) or callee.attrs.get("tirx.is_host_func"):
+                continue
+            # destination-passing style: an allocation's first user is the kernel writing it
+            outs = []
+            for arg in value.args:
+                alloc = values.get(arg) if isinstance(arg, relax.Var) else None
+                if (
+                    isinstance(alloc, relax.Call)
+                    and isinstance(alloc.op, tvm.ir.Op)
+                    and alloc.op.name in _ALLOC_OPS
+                    and arg not in written
+                ):
+                    written.add(arg)
+                    outs.append(arg)
+            kernels[var] = (op.name_hint, outs)
+        shape_only = {
+            var
+            for var, (_, outs) in kernels.items()
+            if outs and all(_is_shape_data(o.ty) for o in outs)
+        }
+        changed = True
+        while changed:
+            changed = False
+            for var in list(shape_only):
+                for out in kernels[var][1]:
+                    for user in users.get(out, []):
+                        if user is not None and user.same_as(var):
+                            continue
+                        user_value = values.get(user) if user is not None else None
+                        ok = user is not None and (
+                            user in shape_only
+                            or _is_to_shape(user_value)
+                            or _op_name(user_value) in _SHAPE_SIDE_OPS
+                        )
+                        if not ok:
+                            shape_only.discard(var)
+                            changed = True
+                            break
+                    if var not in shape_only:
+                        break
+        found += [kernels[var][0] for var in order if var in shape_only]
+    return ShapeWork(found, copies)
+
+
+_SHAPE_SIDE_OPS = {
+    "relax.vm.kill_object",
+    "relax.memory.kill_tensor",
+    "vm.builtin.check_tensor_info",
+    "vm.builtin.match_shape",
+}
+
+
+def _op_name(value) -> str | None:
+    if not isinstance(value, relax.Call):
+        return None
+    if isinstance(value.op, tvm.ir.Op):
+        return value.op.name
+    if isinstance(value.op, relax.ExternFunc):
+        return value.op.global_symbol
+    return None
+
+
+def _is_to_shape(value) -> bool:
+    return _op_name(value) in ("relax.tensor_to_shape", "vm.builtin.tensor_to_shape")

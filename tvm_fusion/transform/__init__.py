@@ -11,9 +11,11 @@ from ._common import collect_rewrites
 from .fuse_cross_entropy import FuseCrossEntropy
 from .fuse_split_gates import FuseSplitGates
 from .gather_to_slice import GatherToSlice
+from .place_shape_on_host import PlaceShapeOnHost
 from .strip_bookend_views import StripBookendViews
 
 GRAPH_PASSES: list[tuple[str, type]] = [
+    ("place_shape_on_host", PlaceShapeOnHost),
     ("gather_to_slice", GatherToSlice),
     ("fuse_split_gates", FuseSplitGates),
     ("fuse_cross_entropy", FuseCrossEntropy),
@@ -28,6 +30,7 @@ __all__ = [
     "FuseSplitGates",
     "POST_FUSION_PASSES",
     "GatherToSlice",
+    "PlaceShapeOnHost",
     "StripBookendViews",
     "collect_rewrites",
 ]

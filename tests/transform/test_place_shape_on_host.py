@@ -1,0 +1,238 @@
+"""PlaceShapeOnHost: shape arithmetic on int tensors becomes symbolic shapes (no kernels, no
+device-to-host copies); shape tensors that are graph inputs are read once, on the host.
+
+Must not fire: a reshape target computed from data (argmax), a shape value that also feeds
+arithmetic on data keeps its kernel. The corpus (tvm_fusion.models.shape_idioms, ONNX models as
+exporters write them) is checked against ONNX Runtime on llvm, and its CUDA build is inspected:
+zero shape-only kernels and zero shape copies with the pass.
+"""
+
+import numpy as np
+import pytest
+import tvm
+from helpers import Base
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+from tvm_fusion import analysis, engine, host_target, load_onnx
+from tvm_fusion.models import shape_idioms
+from tvm_fusion.transform import PlaceShapeOnHost, collect_rewrites
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+
+
+class ShapeBase(Base):
+    transform = PlaceShapeOnHost(tvm.target.Target("llvm"))
+
+
+class TestReshapeTarget(ShapeBase):
+    """Shape -> Gather -> Mul -> Concat -> Reshape (symbolic batch and seq): the target becomes
+    R.shape([batch * seq, 3, 4]) and the int64 chain disappears."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("batch", "seq", 12), "float32")):
+            batch, seq = T.int64(), T.int64()
+            m = T.int64()
+            with R.dataflow():
+                shp = R.shape_to_tensor(R.shape_of(x))
+                b = R.take(shp, R.const([0], "int64"), axis=0)
+                s = R.take(shp, R.const([1], "int64"), axis=0)
+                bs = R.multiply(b, s)
+                target = R.concat((bs, R.const([3, 4], "int64")), axis=0)
+                new_shape = R.tensor_to_shape(target)
+                cast = R.match_cast(new_shape, R.Shape([m, 3, 4]))
+                y = R.reshape(x, R.shape([m, 3, 4]))
+                z = R.nn.relu(y)
+                R.output(z)
+            return z
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor(("batch", "seq", 12), "float32")):
+            batch, seq = T.int64(), T.int64()
+            with R.dataflow():
+                new_shape = R.shape([batch * seq, 3, 4])
+                cast = R.match_cast(new_shape, R.Shape([batch * seq, 3, 4]))
+                y = R.reshape(x, R.shape([batch * seq, 3, 4]))
+                z = R.nn.relu(y)
+                R.output(z)
+            return z
+
+
+class TestSliceBounds(ShapeBase):
+    """dynamic_strided_slice with ends = shape / 2 becomes strided_slice with symbolic bounds
+    (provably within the input: 0 <= n // 2 <= n)."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("n", 8), "float32")) -> R.Tensor(dtype="float32", ndim=2):
+            n = T.int64()
+            with R.dataflow():
+                shp = R.shape_to_tensor(R.shape_of(x))
+                half = R.floor_divide(shp, R.const(2, "int64"))
+                y = R.dynamic_strided_slice(
+                    x, R.const([0, 0], "int64"), half, R.const([1, 1], "int64")
+                )
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor(("n", 8), "float32")) -> R.Tensor(dtype="float32", ndim=2):
+            n = T.int64()
+            with R.dataflow():
+                y = R.strided_slice(x, [0, 1], [0, 0], [n // 2, 4], [1, 1], assume_inbound=True)
+                R.output(y)
+            return y
+
+
+class TestDataDependentTarget(ShapeBase):
+    """A reshape target read from data (argmax) is not shape arithmetic: left alone."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 6), "float32"), k: R.Tensor((2, 3), "float32")):
+            a, b = T.int64(), T.int64()
+            with R.dataflow():
+                idx = R.argmax(k, axis=1)
+                target = R.add(idx, R.const([4, 6], "int64"))
+                new_shape = R.tensor_to_shape(target)
+                cast = R.match_cast(new_shape, R.Shape([a, b]))
+                y = R.reshape(x, R.shape([a, b]))
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+class TestShapeFeedsData(ShapeBase):
+    """size(x) divides data: there is no shape consumer, nothing to rewrite."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("n", 4), "float32")):
+            with R.dataflow():
+                size = R.astype(R.size(x), "float32")
+                y = R.divide(x, size)
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+class TestArangeLimit(ShapeBase):
+    """Range(0, seq) via tensor_to_shape + match_cast to a fresh dim: the dim is bound to seq
+    and the ops after it get known shapes (the importer left R.Tensor(ndim=2))."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("batch", "seq"), "float32")):
+            batch, seq = T.int64(), T.int64()
+            r = T.int64()
+            with R.dataflow():
+                s = R.take(R.shape_to_tensor(R.shape_of(x)), R.const([1], "int64"), axis=0)
+                limit = R.tensor_to_shape(s)
+                cast = R.match_cast(limit, R.Shape([r]))
+                pos = R.astype(R.arange(0, r, 1, dtype="int64"), "float32")
+                y: R.Tensor(dtype="float32", ndim=2) = R.add(x, pos)
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor(("batch", "seq"), "float32")):
+            batch, seq = T.int64(), T.int64()
+            with R.dataflow():
+                limit = R.shape([seq])
+                cast = R.match_cast(limit, R.Shape([seq]))
+                lv = R.arange(0, seq, 1, dtype="int64")
+                pos = R.astype(lv, "float32")
+                y: R.Tensor((batch, seq), dtype="float32") = R.add(x, pos)
+                R.output(y)
+            return y
+
+
+def _shape_input_module():
+    @I.ir_module
+    class Module:
+        @R.function
+        def main(x: R.Tensor(("n", 12), "float32"), target: R.Tensor((2,), "int64")):
+            a, b = T.int64(), T.int64()
+            with R.dataflow():
+                doubled = R.multiply(target, R.const([1, 2], "int64"))
+                shape = R.tensor_to_shape(doubled)
+                cast = R.match_cast(shape, R.Shape([a, b]))
+                y = R.reshape(x, R.shape([a, b]))
+                R.output(y)
+            return y
+
+    return Module
+
+
+def test_shape_input_read_once_on_host():
+    """A shape tensor that is a graph input: read once (tensor_to_shape + fresh dims), the
+    arithmetic on it becomes symbolic, and on CUDA the input is declared a host tensor."""
+    mod = _shape_input_module()
+    with collect_rewrites() as counts:
+        cpu = PlaceShapeOnHost(tvm.target.Target("llvm"))(mod)
+    assert counts["PlaceShapeOnHost"] == 1
+    text = cpu["main"].script()
+    assert "R.multiply" not in text and text.count("tensor_to_shape") == 1
+    assert "target_0, target_1 * 2" in text.replace("T.int64(2)", "2")
+    gpu = PlaceShapeOnHost(CUDA)(mod)
+    vdevice = gpu["main"].params[1].ty.vdevice
+    assert vdevice is not None and vdevice.target.kind.name == "llvm"
+    # numerics on llvm: (6, 12) read as (3, 2 * 12)
+    x = np.arange(72, dtype="float32").reshape(6, 12)
+    compiled = engine.compile_module(mod, host_target(), "tvm_fusion")
+    out = engine.TvmRunner(compiled, [x, np.array([3, 12], "int64")]).outputs()[0]
+    np.testing.assert_array_equal(out, x.reshape(3, 24))
+    copies = analysis.shape_work(engine.compile_module(mod, CUDA, "tvm_fusion").lowered, CUDA)
+    assert copies.copies == 0 and not copies.kernels
+    stock = analysis.shape_work(engine.compile_module(mod, CUDA, "stock").lowered, CUDA)
+    assert stock.copies == 1 and len(stock.kernels) == 1
+
+
+def test_pipeline_flag_switches_it_off():
+    mod = TestReshapeTarget.Before
+    seq = relax.get_pipeline("tvm_fusion", target=host_target(), place_shape_on_host=False)
+    with host_target():
+        lowered = seq(mod)
+    assert analysis.shape_work(lowered).kernels  # the int64 chain is kernels again
+
+
+@pytest.mark.parametrize("name", shape_idioms.names())
+def test_corpus_matches_onnxruntime_and_leaves_no_shape_work(name):
+    """Every idiom: ours on llvm equals ONNX Runtime (also where stock TVM cannot compile it),
+    and the CUDA build has no shape-only kernel and no shape copy."""
+    ort = pytest.importorskip("onnxruntime")
+    idiom = shape_idioms.build(name, batch=3, seq=4)
+    ref = ort.InferenceSession(
+        idiom.model.SerializeToString(), providers=["CPUExecutionProvider"]
+    ).run(None, idiom.inputs)
+    mod = load_onnx(idiom.model)
+    compiled = engine.compile_module(mod, host_target(), "tvm_fusion")
+    out = engine.TvmRunner(compiled, list(idiom.inputs.values())).outputs()
+    for got, want in zip(out, ref, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    work = analysis.shape_work(engine.compile_module(mod, CUDA, "tvm_fusion").lowered, CUDA)
+    assert work.kernels == [] and work.copies == 0, work
+
+
+def test_stock_leaves_shape_work_we_remove():
+    """The figures the pass is for: stock's CUDA build of merge_heads runs the shape chain as
+    kernels and copies the target to the host; ours does neither."""
+    mod = load_onnx(shape_idioms.build("merge_heads").model)
+    stock = analysis.shape_work(engine.compile_module(mod, CUDA, "stock").lowered, CUDA)
+    assert len(stock.kernels) >= 5 and stock.copies == 1

@@ -1,0 +1,676 @@
+"""PlaceShapeOnHost: shape arithmetic on int tensors becomes symbolic shape arithmetic on the host
+(ONNX Runtime PR #19769).
+
+Exporters compute shapes on int64 tensors (``Shape -> Gather -> Mul -> Concat -> Reshape``,
+``Range`` with a limit read from a shape, ``Slice`` ends from ``Shape / 2``, ``Tile`` repeats from
+another input's batch); the ONNX importer folds the simplest chains and leaves the rest as
+``shape_of -> shape_to_tensor -> take/concat/multiply/where/scatter_elements -> tensor_to_shape``
+(or ``dynamic_strided_slice``). Each op of such a chain is a device kernel on CUDA, and the
+``tensor_to_shape`` at its end copies the result back to the host and synchronises.
+
+The pass walks backwards from every shape-consuming operand:
+
+- ``tensor_to_shape(t)`` (what Reshape, Expand, Tile, ConstantOfShape and Range targets become),
+- ``dynamic_strided_slice(x, begin, end, strides)``,
+
+through the int tensor ops that produce ``t`` (shape_to_tensor of a shape or of ``shape_of``,
+int constants, take/strided_slice on axis 0, concat, reshape/squeeze/expand_dims/astype,
+elementwise add/subtract/multiply/divide/floor_divide/floor_mod/minimum/maximum/negative,
+comparisons, logical ops, where, scatter_elements at constant indices, sum/prod), evaluating
+every element as a ``PrimExpr`` over the function's symbolic dims. When every element is known,
+the consumer is rewritten: ``tensor_to_shape(t)`` becomes ``R.shape([...])`` and
+``dynamic_strided_slice`` becomes ``strided_slice`` with PrimValue bounds. The VM computes these
+expressions on the host from the shapes it already has, so the chain costs no kernel and no copy.
+Tensors of the chain that nothing else uses are removed; a value that also feeds a non-shape
+consumer (``Size(x)`` divided into data, say) keeps its device computation for that consumer.
+
+Shape tensors that are graph inputs (dynamo-captured models pass them) cannot be made symbolic
+by reading the graph: their values exist only at run time. The pass reads each such input once,
+at the top of the function (``tensor_to_shape`` + ``match_cast`` to fresh dims ``<name>_0..``),
+evaluates everything downstream symbolically from those dims, and on GPU targets declares the
+input a host tensor (its struct info gets the host VDevice): the caller passes it as a CPU
+tensor, and reading it is no device-to-host copy. Anything the evaluator does not understand is
+left as it was, with the reason at debug level.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import IRModule, relax, tirx
+from tvm.ir import PrimType
+from tvm.ir.expr import GenericConst
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ._common import get_logger, record_rewrite, skip
+
+logger = get_logger(__name__)
+NAME = "PlaceShapeOnHost"
+_INT = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+_MAX_ELEMS = 16  # shape tensors are short; longer int tensors are data
+
+_BINARY = {
+    "relax.add": lambda a, b: a + b,
+    "relax.subtract": lambda a, b: a - b,
+    "relax.multiply": lambda a, b: a * b,
+    "relax.floor_divide": tirx.floordiv,
+    "relax.floor_mod": tirx.floormod,
+    "relax.minimum": tirx.min,
+    "relax.maximum": tirx.max,
+}
+_COMPARE = {
+    "relax.less": lambda a, b: a < b,
+    "relax.less_equal": lambda a, b: a <= b,
+    "relax.greater": lambda a, b: a > b,
+    "relax.greater_equal": lambda a, b: a >= b,
+    "relax.equal": lambda a, b: a == b,
+    "relax.not_equal": lambda a, b: a != b,
+}
+_LOGICAL = {
+    "relax.logical_and": tirx.And,
+    "relax.logical_or": tirx.Or,
+}
+_PASS_THROUGH = ("relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.flatten")
+
+
+def _op_name(expr) -> str | None:
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return expr.op.name
+    return None
+
+
+def _is_to_shape(expr) -> bool:
+    """``R.tensor_to_shape(t)`` or the importer's ``call_packed("vm.builtin.tensor_to_shape")``."""
+    if _op_name(expr) == "relax.tensor_to_shape":
+        return True
+    return (
+        isinstance(expr, relax.Call)
+        and isinstance(expr.op, relax.ExternFunc)
+        and expr.op.global_symbol == "vm.builtin.tensor_to_shape"
+        and len(expr.args) == 1
+    )
+
+
+def _i64(value) -> tirx.Expr:
+    if isinstance(value, bool):
+        return tirx.const(value, "bool")
+    if isinstance(value, int):
+        return tirx.IntImm("int64", value)
+    dtype = str(value.ty.dtype)
+    if dtype == "bool" or dtype == "int64":
+        return value
+    return tirx.Cast("int64", value)
+
+
+class _Value:
+    """A small int/bool tensor: its elements as PrimExprs and its rank (0 or 1)."""
+
+    __slots__ = ("elems", "rank")
+
+    def __init__(self, elems: list, rank: int):
+        self.elems = elems
+        self.rank = rank
+
+    def broadcast(self, n: int) -> list | None:
+        if len(self.elems) == n:
+            return self.elems
+        if len(self.elems) == 1:
+            return self.elems * n
+        return None
+
+
+def _is_bool(value: tirx.Expr) -> bool:
+    return str(value.ty.dtype) == "bool"
+
+
+class _Evaluator:
+    """Evaluates int tensor expressions element by element, looking through bindings."""
+
+    def __init__(self, var2val: dict, inputs: dict, analyzer):
+        self.var2val = var2val
+        self.inputs = inputs  # param -> list of fresh dims (shape tensors that are graph inputs)
+        self.analyzer = analyzer
+        self.memo: dict = {}
+        self.why = ""
+
+    def resolve(self, expr):
+        seen = 0
+        while isinstance(expr, relax.Var) and expr in self.var2val and seen < 256:
+            expr = self.var2val[expr]
+            seen += 1
+        return expr
+
+    def fail(self, why: str) -> None:
+        if not self.why:
+            self.why = why
+        return None
+
+    def value(self, expr) -> _Value | None:
+        if isinstance(expr, relax.Var) and expr in self.inputs:
+            return _Value(list(self.inputs[expr]), 1)
+        key = expr
+        if key in self.memo:
+            return self.memo[key]
+        result = self._value(self.resolve(expr))
+        if result is not None:
+            result = _Value([self.analyzer.simplify(e) for e in result.elems], result.rank)
+        self.memo[key] = result
+        return result
+
+    def _value(self, expr) -> _Value | None:
+        if isinstance(expr, relax.Var) and expr in self.inputs:
+            return _Value(list(self.inputs[expr]), 1)
+        if isinstance(getattr(expr, "ty", None), PrimType):
+            return _Value([_i64(expr)], 0)
+        if isinstance(expr, GenericConst):
+            return self._const(expr)
+        sinfo = getattr(expr, "ty", None)
+        if isinstance(sinfo, relax.TensorType):
+            if sinfo.dtype not in (*_INT, "bool"):
+                return self.fail(f"{sinfo.dtype} tensor")
+            if sinfo.ndim not in (0, 1):
+                return self.fail(f"rank-{sinfo.ndim} tensor")
+        name = _op_name(expr)
+        if name is None:
+            return self.fail(f"{type(expr).__name__} is not an op")
+        handler = getattr(self, "_" + name.removeprefix("relax.").replace(".", "_"), None)
+        if name in _BINARY or name in _COMPARE or name in _LOGICAL or name == "relax.divide":
+            return self._binary(expr, name)
+        if name in _PASS_THROUGH:
+            return self._reshape_like(expr)
+        if handler is None:
+            return self.fail(f"{name} is not shape arithmetic this pass knows")
+        return handler(expr)
+
+    # -- leaves
+    def _const(self, expr) -> _Value | None:
+        arr = expr.value.numpy()
+        if arr.ndim > 1 or arr.size > _MAX_ELEMS:
+            return self.fail("constant too large for a shape")
+        if arr.dtype.name == "bool":
+            return _Value([tirx.const(bool(v), "bool") for v in arr.reshape(-1)], arr.ndim)
+        if arr.dtype.name not in _INT:
+            return self.fail(f"{arr.dtype} constant")
+        return _Value([_i64(int(v)) for v in arr.reshape(-1)], arr.ndim)
+
+    def shape_values(self, shape) -> list | None:
+        shape = self.resolve(shape)
+        if isinstance(shape, relax.ShapeExpr):
+            return list(shape.values)
+        if _op_name(shape) == "relax.shape_of":
+            sinfo = shape.args[0].ty
+            if isinstance(sinfo, relax.TensorType) and isinstance(sinfo.shape, relax.ShapeExpr):
+                return list(sinfo.shape.values)
+        sinfo = getattr(shape, "ty", None)
+        if isinstance(sinfo, relax.ShapeType) and sinfo.values is not None:
+            return list(sinfo.values)
+        return self.fail("shape with unknown dims")
+
+    def _shape_to_tensor(self, expr) -> _Value | None:
+        values = self.shape_values(expr.args[0])
+        return None if values is None else _Value([_i64(v) for v in values], 1)
+
+    def _size(self, expr) -> _Value | None:
+        sinfo = expr.args[0].ty
+        if not isinstance(sinfo, relax.TensorType) or not isinstance(sinfo.shape, relax.ShapeExpr):
+            return self.fail("size of a tensor of unknown shape")
+        total = _i64(1)
+        for dim in sinfo.shape.values:
+            total = total * _i64(dim)
+        return _Value([total], 0)
+
+    # -- structure
+    def _reshape_like(self, expr) -> _Value | None:
+        inner = self.value(expr.args[0])
+        if inner is None:
+            return None
+        sinfo = expr.ty
+        rank = sinfo.ndim if isinstance(sinfo, relax.TensorType) else -1
+        if rank not in (0, 1) or (rank == 0 and len(inner.elems) != 1):
+            return self.fail("reshape to a rank this pass does not track")
+        return _Value(inner.elems, rank)
+
+    def _astype(self, expr) -> _Value | None:
+        inner = self.value(expr.args[0])
+        if inner is None:
+            return None
+        dtype = str(expr.attrs.dtype)
+        if dtype in _INT:
+            return _Value(
+                [tirx.Cast("int64", e) if _is_bool(e) else e for e in inner.elems], inner.rank
+            )
+        if dtype == "bool":
+            return _Value([e if _is_bool(e) else e != 0 for e in inner.elems], inner.rank)
+        return self.fail(f"astype to {dtype}")
+
+    def _take(self, expr) -> _Value | None:
+        data, index = self.value(expr.args[0]), self.value(expr.args[1])
+        if data is None or index is None:
+            return None
+        axis = expr.attrs.axis
+        if data.rank != 1 or (axis is not None and int(axis) not in (0, -1)):
+            return self.fail("take on a tensor that is not a 1-D shape")
+        mode = str(expr.attrs.mode)
+        n = len(data.elems)
+        picked = []
+        for idx in index.elems:
+            if not isinstance(idx, tirx.IntImm):
+                return self.fail("take at a run-time index")
+            i = int(idx.value)
+            if mode == "wrap":
+                i %= n
+            elif mode == "clip":
+                i = min(max(i, 0), n - 1)
+            elif not 0 <= i < n:
+                return self.fail(f"take index {i} out of range {n}")
+            picked.append(data.elems[i])
+        return _Value(picked, index.rank)
+
+    def _strided_slice(self, expr) -> _Value | None:
+        data = self.value(expr.args[0])
+        if data is None or data.rank != 1:
+            return self.fail("strided_slice of a non-1-D shape") if data is not None else None
+        axes, begin, end = expr.args[1], expr.args[2], expr.args[3]
+        strides = expr.args[4] if len(expr.args) > 4 else None
+
+        def ints(tup):
+            if tup is None:
+                return None
+            out = []
+            for item in tup.fields if isinstance(tup, relax.Tuple) else tup:
+                value = item
+                if not isinstance(value, tirx.IntImm):
+                    return None
+                out.append(int(value.value))
+            return out
+
+        axes_v, begin_v, end_v = ints(axes), ints(begin), ints(end)
+        strides_v = ints(strides) if strides is not None else [1]
+        if None in (axes_v, begin_v, end_v, strides_v) or axes_v != [0]:
+            return self.fail("strided_slice with run-time bounds")
+        return _Value(data.elems[slice(begin_v[0], end_v[0], strides_v[0])], 1)
+
+    def _concat(self, expr) -> _Value | None:
+        fields = self.resolve(expr.args[0])
+        if not isinstance(fields, relax.Tuple):
+            return self.fail("concat of a tuple variable")
+        elems = []
+        for field in fields.fields:
+            value = self.value(field)
+            if value is None:
+                return None
+            elems += value.elems
+        return _Value(elems, 1)
+
+    def _scatter_elements(self, expr) -> _Value | None:
+        data, index, updates = (self.value(a) for a in expr.args[:3])
+        if data is None or index is None or updates is None:
+            return None
+        if str(expr.attrs.reduction) != "update" or int(expr.attrs.axis) != 0:
+            return self.fail("scatter_elements with a reduction")
+        elems = list(data.elems)
+        for pos, idx in enumerate(index.elems):
+            if not isinstance(idx, tirx.IntImm) or not -len(elems) <= int(idx.value) < len(elems):
+                return self.fail("scatter_elements at a run-time index")
+            elems[int(idx.value)] = updates.elems[pos if len(updates.elems) > 1 else 0]
+        return _Value(elems, data.rank)
+
+    def _where(self, expr) -> _Value | None:
+        cond, lhs, rhs = (self.value(a) for a in expr.args)
+        if cond is None or lhs is None or rhs is None:
+            return None
+        n = max(len(cond.elems), len(lhs.elems), len(rhs.elems))
+        c, a, b = cond.broadcast(n), lhs.broadcast(n), rhs.broadcast(n)
+        if c is None or a is None or b is None:
+            return self.fail("where with mismatched lengths")
+        elems = []
+        for ci, ai, bi in zip(c, a, b, strict=True):
+            ci = self.analyzer.simplify(ci)
+            if isinstance(ci, tirx.IntImm):
+                elems.append(ai if int(ci.value) else bi)
+            else:
+                elems.append(tirx.Select(ci, ai, bi))
+        return _Value(elems, max(cond.rank, lhs.rank, rhs.rank))
+
+    def _negative(self, expr) -> _Value | None:
+        inner = self.value(expr.args[0])
+        return None if inner is None else _Value([-e for e in inner.elems], inner.rank)
+
+    def _abs(self, expr) -> _Value | None:
+        inner = self.value(expr.args[0])
+        if inner is None:
+            return None
+        return _Value([tirx.Select(e < 0, -e, e) for e in inner.elems], inner.rank)
+
+    def _logical_not(self, expr) -> _Value | None:
+        inner = self.value(expr.args[0])
+        return None if inner is None else _Value([tirx.Not(e) for e in inner.elems], inner.rank)
+
+    def _reduce(self, expr, combine, start) -> _Value | None:
+        inner = self.value(expr.args[0])
+        if inner is None:
+            return None
+        total = _i64(start)
+        for elem in inner.elems:
+            total = combine(total, elem)
+        keep = bool(expr.attrs.keepdims) and inner.rank == 1
+        return _Value([total], 1 if keep else 0)
+
+    def _sum(self, expr) -> _Value | None:
+        return self._reduce(expr, lambda a, b: a + b, 0)
+
+    def _prod(self, expr) -> _Value | None:
+        return self._reduce(expr, lambda a, b: a * b, 1)
+
+    def _binary(self, expr, name) -> _Value | None:
+        lhs, rhs = self.value(expr.args[0]), self.value(expr.args[1])
+        if lhs is None or rhs is None:
+            return None
+        n = max(len(lhs.elems), len(rhs.elems))
+        a, b = lhs.broadcast(n), rhs.broadcast(n)
+        if a is None or b is None:
+            return self.fail("elementwise op with mismatched lengths")
+        rank = max(lhs.rank, rhs.rank)
+        if name in _COMPARE:
+            return _Value([_COMPARE[name](x, y) for x, y in zip(a, b, strict=True)], rank)
+        if name in _LOGICAL:
+            return _Value([_LOGICAL[name](x, y) for x, y in zip(a, b, strict=True)], rank)
+        if any(_is_bool(x) for x in a + b):
+            return self.fail(f"{name} on booleans")
+        if name == "relax.divide":  # integer Div truncates (ONNX and TIR alike)
+            return _Value([tirx.truncdiv(x, y) for x, y in zip(a, b, strict=True)], rank)
+        return _Value([_BINARY[name](x, y) for x, y in zip(a, b, strict=True)], rank)
+
+
+def _at_most(analyzer, expr, bound) -> bool:
+    """``expr <= bound``, also for ``x // c`` (c >= 1, 0 <= x <= bound), which the analyzer
+    does not prove on its own (``n // 2 <= n``)."""
+    if analyzer.can_prove(expr <= bound):
+        return True
+    if isinstance(expr, tirx.FloorDiv) and isinstance(expr.b, tirx.IntImm) and expr.b.value >= 1:
+        return analyzer.can_prove(expr.a >= 0) and _at_most(analyzer, expr.a, bound)
+    return False
+
+
+def _is_gpu(target) -> bool:
+    return target is not None and "gpu" in target.keys
+
+
+def _host_vdevice(target) -> relax.VDevice | None:
+    host = target.host if target is not None and target.host is not None else None
+    if host is None:
+        host = tvm.target.Target("llvm")
+    return relax.VDevice(host, 0, "global")
+
+
+_POS_INF = tvm.sym.ConstIntBound.POS_INF
+
+
+def _tir_vars(sinfo) -> list:
+    if isinstance(sinfo, relax.TensorType) and isinstance(sinfo.shape, relax.ShapeExpr):
+        values = sinfo.shape.values
+    elif isinstance(sinfo, relax.ShapeType) and sinfo.values is not None:
+        values = sinfo.values
+    else:
+        return []
+    found: list = []
+    for value in values:
+        found += [v for v in tirx.analysis.undefined_vars(value) if v not in found]
+    return found
+
+
+def _propagate(func: relax.Function, analyzer) -> relax.Function:
+    """Let the new symbolic shapes flow: a ``match_cast`` of a shape we computed to fresh dims
+    (``Shape([range_len_0])``) binds those dims to our expressions, then every op after it is
+    re-inferred, so shapes the importer left unknown (``R.Tensor(ndim=3)``) become known."""
+    binding: dict = {}
+    var2val = relax.analysis.get_var2val(func)
+    for block in func.body.blocks:
+        for bind in block.bindings:
+            if not isinstance(bind, relax.MatchCast):
+                continue
+            value = var2val.get(bind.value, bind.value)
+            if not isinstance(value, relax.ShapeExpr):
+                continue
+            pattern = bind.ty
+            if not isinstance(pattern, relax.ShapeType) or pattern.values is None:
+                continue
+            for dim, expr in zip(pattern.values, value.values, strict=False):
+                if isinstance(dim, tirx.Var) and dim not in binding and not dim.same_as(expr):
+                    binding[dim] = analyzer.simplify(expr)
+    if not binding:
+        return func
+    return relax.analysis.remove_all_unused(
+        _Reinfer(analyzer).visit_expr(func.bind_symbolic_vars(binding))
+    )
+
+
+@mutator
+class _Reinfer(PyExprMutator):
+    """Re-derives the struct info of every op call (rebuilt calls are normalised anew)."""
+
+    def __init__(self, analyzer):
+        super().__init__()
+        self.analyzer = analyzer
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        new = super().visit_call_(call)
+        if isinstance(new, relax.Call) and isinstance(new.op, tvm.ir.Op):
+            args = [self._simplified(a) for a in new.args]
+            return relax.Call(new.op, args, new.attrs, new.ty_args, new.span)
+        return new
+
+    def _simplified(self, arg):
+        """Shapes written with ONNX's 0/-1 rules (Select(d == -1, ...)) read plainly once the
+        dims are known: ``Select(batch == -1, ..., batch)`` is ``batch``."""
+        if isinstance(arg, relax.ShapeExpr):
+            return relax.ShapeExpr([self.analyzer.simplify(v) for v in arg.values])
+        return arg
+
+
+def _uses(func: relax.Function) -> dict:
+    """var -> the values (call expressions) of the bindings that use it; None: returned."""
+    uses: dict = {}
+
+    def add(var, value):
+        uses.setdefault(var, []).append(value)
+
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+
+            def visit(expr, value=value):
+                if isinstance(expr, relax.Var):
+                    add(expr, value)
+
+            relax.analysis.post_order_visit(value, visit)
+
+    def visit_ret(expr):
+        if isinstance(expr, relax.Var):
+            add(expr, None)
+
+    relax.analysis.post_order_visit(func.body.body, visit_ret)
+    return uses
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: IRModule, target):
+        super().__init__(mod)
+        self.mod_ = mod
+        self.target = target
+        self.count = 0
+        self.analyzer = tvm.sym.Analyzer()
+
+    def transform(self) -> IRModule:
+        for gv, func in self.mod_.functions_items():
+            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
+                continue
+            new = self.rewrite_function(func, gv.name_hint)
+            if new is not None:
+                self.builder_.update_func(gv, new)
+        return self.builder_.get()
+
+    def rewrite_function(self, func: relax.Function, name: str):
+        self.analyzer = tvm.sym.Analyzer()
+        for param in func.params:  # dims of inputs are never negative
+            for dim in _tir_vars(param.ty):
+                self.analyzer.update(dim, tvm.sym.ConstIntBound(0, _POS_INF), override=True)
+        self.var2val = dict(relax.analysis.get_var2val(func))
+        for block in func.body.blocks:  # match_cast bindings too: cast(reshape(t), (1,))
+            for bind in block.bindings:
+                if isinstance(bind, relax.MatchCast):
+                    self.var2val.setdefault(bind.var, bind.value)
+        self._var_of = {bound: var for var, bound in self.var2val.items()}
+        inputs = self._shape_inputs(func, name)
+        self.eval = _Evaluator(self.var2val, inputs, self.analyzer)
+        self.before = self.count
+        self.unread = dict(inputs)  # shape inputs whose one host read is not emitted yet
+        body = self.visit_expr(func.body)
+        if self.count == self.before:
+            return None
+        new = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
+        new = _propagate(relax.analysis.remove_all_unused(new), self.analyzer)
+        if _is_gpu(self.target) and inputs:
+            new = self._inputs_on_host(new, [p for p in inputs if p not in self.unread], name)
+        return new
+
+    def _inputs_on_host(self, func: relax.Function, params: list, name: str) -> relax.Function:
+        """Declare shape inputs that are now only read by ``tensor_to_shape`` host tensors."""
+        uses = _uses(func)
+        host = {}
+        for param in params:
+            users = uses.get(param, [])
+            if all(_is_to_shape(value) for value in users):
+                sinfo = param.ty
+                host[param] = relax.Var(
+                    param.name,
+                    relax.TensorType(sinfo.shape, sinfo.dtype, _host_vdevice(self.target)),
+                )
+            else:
+                skip(logger, f"{name}: input {param.name}", "still used by a kernel")
+        if not host:
+            return func
+        new_params = [host.get(p, p) for p in func.params]
+        bound = func.bind_params(dict(host))
+        return relax.Function(
+            new_params, bound.body, func.ret_ty, func.is_pure, func.attrs, func.span
+        )
+
+    def _shape_inputs(self, func, name) -> dict:
+        """Graph inputs that are short int tensors used only where shapes are consumed."""
+        inputs: dict = {}
+        uses = _uses(func)
+        for param in func.params:
+            sinfo = param.ty
+            if not isinstance(sinfo, relax.TensorType) or sinfo.dtype not in _INT:
+                continue
+            if sinfo.ndim != 1 or not isinstance(sinfo.shape, relax.ShapeExpr):
+                continue
+            length = sinfo.shape.values[0]
+            if not isinstance(length, tirx.IntImm) or int(length.value) > _MAX_ELEMS:
+                continue
+            if not self._only_shape_uses(param, uses, set()):
+                skip(logger, f"{name}: input {param.name}", "also used as data")
+                continue
+            inputs[param] = [
+                tirx.Var(f"{param.name}_{k}", "int64") for k in range(int(length.value))
+            ]
+        return inputs
+
+    def _only_shape_uses(self, var, uses, seen) -> bool:
+        """Every use of ``var`` is a shape consumer or int arithmetic that only feeds them."""
+        if var in seen:
+            return True
+        seen.add(var)
+        for value in uses.get(var, []):
+            if value is None:  # returned from the function
+                return False
+            name = _op_name(value)
+            if _is_to_shape(value):
+                continue
+            if name == "relax.dynamic_strided_slice" and not value.args[0].same_as(var):
+                continue
+            user = self._bound_var(value)
+            sinfo = getattr(user, "ty", None)
+            if user is None or not isinstance(sinfo, relax.TensorType):
+                return False
+            if sinfo.dtype not in (*_INT, "bool") or not self._only_shape_uses(user, uses, seen):
+                return False
+        return True
+
+    def _bound_var(self, value):
+        if not hasattr(self, "_var_of"):
+            self._var_of = {bound: var for var, bound in self.var2val.items()}
+        return self._var_of.get(value)
+
+    def _read_inputs(self) -> None:
+        """Emit the one host read of every shape input (before the first rewrite uses its dims)."""
+        inputs, self.unread = self.unread, {}
+        for param, dims in inputs.items():
+            shape = self.builder_.emit(relax.op.tensor_to_shape(param))
+            self.builder_.match_cast(shape, relax.ShapeType(dims))
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        name = _op_name(call)
+        if _is_to_shape(call):
+            value = self._evaluate(call.args[0], "tensor_to_shape")
+            if value is not None and value.rank == 1 and not any(map(_is_bool, value.elems)):
+                self.count += 1
+                self._read_inputs()
+                return relax.ShapeExpr(value.elems)
+        elif name == "relax.dynamic_strided_slice":
+            rewritten = self._slice(call)
+            if rewritten is not None:
+                self.count += 1
+                return rewritten
+        return super().visit_call_(call)
+
+    def _evaluate(self, expr, what: str) -> _Value | None:
+        self.eval.why = ""
+        value = self.eval.value(expr)
+        if value is None:
+            skip(logger, what, self.eval.why or "not shape arithmetic")
+        return value
+
+    def _slice(self, call: relax.Call) -> relax.Expr | None:
+        data = call.args[0]
+        sinfo = data.ty
+        if not isinstance(sinfo, relax.TensorType) or sinfo.ndim < 0:
+            return None
+        parts = [self._evaluate(a, "dynamic_strided_slice") for a in call.args[1:4]]
+        if any(p is None for p in parts):
+            return None
+        begin, end, strides = (p.elems for p in parts)
+        if not len(begin) == len(end) == len(strides) <= sinfo.ndim:
+            return skip(logger, "dynamic_strided_slice", "bounds of different lengths") or None
+        if any(not isinstance(s, tirx.IntImm) or int(s.value) == 0 for s in strides):
+            return skip(logger, "dynamic_strided_slice", "run-time or zero strides") or None
+        axes = list(range(len(begin)))
+        dims = list(sinfo.shape.values) if isinstance(sinfo.shape, relax.ShapeExpr) else None
+        inbound = dims is not None and all(
+            isinstance(st, tirx.IntImm)
+            and int(st.value) > 0
+            and self.analyzer.can_prove(b >= 0)
+            and self.analyzer.can_prove(b <= e)
+            and _at_most(self.analyzer, e, _i64(d))
+            for b, e, st, d in zip(begin, end, strides, dims, strict=False)
+        )
+        self._read_inputs()
+        return relax.op.strided_slice(
+            self.visit_expr(data), axes, begin, end, strides, assume_inbound=inbound
+        )
+
+
+@tvm.transform.module_pass(opt_level=0, name=NAME)
+class PlaceShapeOnHost:
+    """Makes shape arithmetic on int tensors symbolic (see the module docstring)."""
+
+    def __init__(self, target=None):
+        self.target = target
+
+    def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
+        target = self.target or tvm.target.Target.current(allow_none=True)
+        rewriter = _Rewriter(mod, target)
+        mod = rewriter.transform()
+        record_rewrite(NAME, rewriter.count)
+        return mod
