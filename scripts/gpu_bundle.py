@@ -237,6 +237,41 @@ def _cases(names: list[str]):
                 )
 
 
+def _llama_cases():
+    """The Llama-style block of issue #8 (torch.onnx export, dynamic batch and sequence), when
+    torch is installed here: small checked against ONNX Runtime, a larger one timed."""
+    try:
+        import onnxruntime as ort
+
+        from tvm_fusion import load_onnx
+        from tvm_fusion.models.shape_idioms import llama_block
+    except ImportError:
+        return
+    try:
+        model = llama_block()
+    except ImportError:
+        return
+    mod = load_onnx(model)
+    gen = np.random.default_rng(0)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    # LLAMA_VARIANTS=1: more sequence lengths and a static-shape build, to locate a failure
+    checks = [("small", (2, 5), None)]
+    if os.environ.get("LLAMA_VARIANTS") == "1":
+        checks += [
+            ("small_s8", (2, 8), None),
+            ("small_s128", (2, 128), None),
+            ("small_static", (2, 5), {"x": [2, 5, 64]}),
+        ]
+    for label, (batch, seq), shapes in checks:
+        x = gen.standard_normal((batch, seq, 64)).astype("float32")
+        ref = session.run(None, {"x": x})
+        variant = load_onnx(model, shapes=shapes) if shapes else mod
+        peer = {"workload": "llama_block"}
+        yield f"llama_block.{label}", variant, variant, {"x": x}, "main", ref, peer, "small"
+    x = gen.standard_normal((8, 256, 64)).astype("float32")
+    yield "llama_block.seed", mod, mod, {"x": x}, "main", None, {"workload": "llama_block"}, "seed"
+
+
 def _site(out: Path, python_version: str) -> None:
     import tvm
 
@@ -323,7 +358,12 @@ def main(argv=None) -> int:
     host = host_target()
     names = [n for n in args.only.split(",") if n] or models.names()
     manifest = {"arch": args.arch, "tvm": tvm.__version__, "cases": []}
-    for case, stock_mod, ours_mod, inputs, function, ref, peer, size in _cases(names):
+    import itertools
+
+    llama = _llama_cases() if not args.only or "llama_block" in names else iter(())
+    for case, stock_mod, ours_mod, inputs, function, ref, peer, size in itertools.chain(
+        _cases([n for n in names if n != "llama_block"]), llama
+    ):
         # small: weights inside, saved inputs, checked against NumPy (or stock vs ours where
         # there is no NumPy reference); seed: lifted weights, random inputs, timed.
         check = size == "small"

@@ -211,7 +211,14 @@ def _run_pipeline(entry: dict, pipeline: str, repeat: int) -> dict:
         for g, r in zip(got, against, strict=True)
     )
     scale = max(float(np.abs(np.asarray(r, "float64")).max()) for r in against)
-    return {"err": err, "ok": bool(err <= 1e-3 * max(1.0, scale))}
+    result = {"err": err, "ok": bool(err <= 1e-3 * max(1.0, scale))}
+    if not result["ok"]:  # where it goes wrong, for the log
+        first = np.asarray(got[0], "float64")
+        bad = ~np.isclose(first, np.asarray(against[0], "float64"), rtol=1e-3, atol=1e-3)
+        result["bad_fraction"] = float(bad.mean())
+        result["nan_fraction"] = float(np.isnan(first).mean())
+        result["first_bad"] = [int(i) for i in np.argwhere(bad)[0]] if bad.any() else []
+    return result
 
 
 def _child(entry: dict, engine: str, repeat: int) -> dict:
@@ -268,6 +275,9 @@ def main(argv=None) -> int:
                 failures += pipeline == "tvm_fusion"
             elif entry["check"]:
                 row[f"{pipeline}_err"], row[f"{pipeline}_ok"] = result["err"], result["ok"]
+                for key in ("bad_fraction", "nan_fraction", "first_bad"):
+                    if key in result:
+                        row[f"{pipeline}_{key}"] = result[key]
                 failures += not result["ok"]
             else:
                 row[pipeline] = result["ms"]

@@ -74,3 +74,34 @@ def test_other_dtypes_keep_stock_legalization():
     names = [gv.name_hint for gv in lowered.get_global_vars()]
     assert not any("fast" in n for n in names), names
     assert isinstance(lowered, tvm.IRModule)
+
+
+@pytest.mark.parametrize("exponent", [2.0, 3.0, -2.0, 0.5])
+def test_integer_power_is_multiplication(exponent):
+    """power(x, n) for integral |n| <= 4 lowers to multiplications on every target (CUDA's
+    --use_fast_math turns powf into exp2(n * log2(x)): NaN for negative x); 0.5 stays powf."""
+    shape = (3, 8)
+    mod = _unary_module(lambda v: R.power(v, relax.const(exponent, "float32")), shape)
+    x = np.linspace(-2, 2, 24, dtype="float32").reshape(shape)
+    out, compiled = run(mod, [x], "tvm_fusion")
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_allclose(out[0], np.power(x, exponent), rtol=1e-6, equal_nan=True)
+    names = [gv.name_hint for gv in compiled.lowered.get_global_vars()]
+    assert any("integer_power" in n for n in names) == (exponent != 0.5), names
+    if exponent != 0.5:
+        cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+        from tvm_fusion import engine
+
+        source = engine.compile_module(mod, cuda, "tvm_fusion").executable.mod
+        text = _cuda_text(source)
+        assert text and "powf(" not in text and "__powf" not in text
+
+
+def _cuda_text(mod) -> str:
+    if mod.kind == "cuda":
+        return mod.inspect_source("")
+    for imported in mod.imports:
+        found = _cuda_text(imported)
+        if found:
+            return found
+    return ""

@@ -9,6 +9,12 @@ most 4e-7 (a few ulp; erf measures 3.2e-7) wherever |f| > 1e-3 for exp on [-80, 
 on [-8, 8] (erf's error times |x|/2 in ``1 + erf(x)``; stock's float32 gelu measures 4.4e-7).
 Only float32 is rewritten; other dtypes keep the stock legalisation.
 
+Integer powers (every target, :func:`legalize_map`): ``power(x, c)`` with a constant integral
+exponent ``|c| <= 4`` becomes multiplications. Exact, faster, and needed on CUDA: TVM builds
+device code with ``nvcc --use_fast_math``, which turns ``powf`` into ``__powf`` =
+``exp2(c * log2(x))``, NaN for every negative ``x`` (a Llama block's RMSNorm ``x.pow(2)`` gave
+an all-NaN output on an H100 until this).
+
 Stock ``FastMathTransform`` covers only ``R.exp``/``R.erf``/``R.tanh`` and rewrites them before
 legalisation into opaque ``call_te``; doing it as a legalisation keeps one PrimFunc per op, so
 FuseOps sees the same graph as without fast math.
@@ -95,6 +101,43 @@ def _with_fallback(funcs: dict[str, LegalizeFunc]) -> dict[str, LegalizeFunc]:
         return legalize
 
     return {name: wrap(name, fn) for name, fn in funcs.items()}
+
+
+def _integer_power(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr | None:
+    from tvm.ir.expr import GenericConst
+
+    x, y = call.args
+    if not isinstance(y, GenericConst) or str(x.ty.dtype) not in ("float16", "float32", "float64"):
+        return None
+    value = y.value.numpy()
+    if value.size != 1 or value.reshape(-1)[0] != round(float(value.reshape(-1)[0])):
+        return None
+    n = int(round(float(value.reshape(-1)[0])))
+    if n == 0 or abs(n) > 4:
+        return None
+
+    def compute(t: te.Tensor) -> te.Tensor:
+        def element(*idx):
+            v = t(*idx)
+            out = v
+            for _ in range(abs(n) - 1):
+                out = out * v
+            return out if n > 0 else tirx.const(1.0, t.dtype) / out
+
+        return te.compute(t.shape, element, name="T_power")
+
+    if list(y.ty.shape.values if hasattr(y.ty.shape, "values") else []) not in ([], [1]):
+        return None
+    return bb.call_te(compute, x, primfunc_name_hint="integer_power")
+
+
+def legalize_map(fast_math: bool) -> dict[str, LegalizeFunc]:
+    """``customize_legalize_map`` for ``LegalizeOps``: integer powers everywhere, and the fast
+    exp/erf/tanh family when ``fast_math``."""
+    table = {"relax.power": _integer_power}
+    if fast_math:
+        table.update(fast_math_legalize_map())
+    return _with_fallback(table)
 
 
 def fast_math_legalize_map() -> dict[str, LegalizeFunc]:

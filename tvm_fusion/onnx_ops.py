@@ -13,7 +13,10 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
   Shape"): ``tensor_to_shape`` of the target, ``match_cast`` to fresh dims, ONNX's 0 (copy the
   input dim) and -1 (infer) rules written as symbolic expressions over them;
 - ``ConstantOfShape`` with a computed shape: the same, so the result has a (symbolic) shape
-  instead of none (stock's breaks a later ``Expand``: "'NoneType' object is not iterable").
+  instead of none (stock's breaks a later ``Expand``: "'NoneType' object is not iterable");
+- ``Expand`` to a constant shape of an input with symbolic dims (stock reads ``dim.value`` of
+  every input dim: "'Var' object has no attribute 'value'", as in a Llama block's rotary
+  tables).
 
 Both leave a ``tensor_to_shape`` that :class:`~tvm_fusion.transform.PlaceShapeOnHost` then
 evaluates symbolically (no kernel, no copy) when the target is computed from shapes, and that
@@ -132,6 +135,35 @@ class ConstantOfShape(_frontend.ConstantOfShape):
         return relax.op.broadcast_to(scalar, relax.ShapeExpr(dims))
 
 
+class Expand(_frontend.Expand):
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        data, shape = inputs[0], _frontend.get_constant(inputs[1], params)
+        sinfo = getattr(data, "ty", None)
+        symbolic = (
+            isinstance(shape, GenericConst)
+            and isinstance(sinfo, relax.TensorType)
+            and isinstance(sinfo.shape, relax.ShapeExpr)
+            and not all(isinstance(d, tirx.IntImm) for d in sinfo.shape.values)
+        )
+        if not symbolic:
+            return super()._impl_v13(bb, inputs, attr, params)
+        target = [int(t) for t in shape.value.numpy().reshape(-1)]
+        dims = list(sinfo.shape.values)
+        rank = max(len(target), len(dims))
+        dims = [tirx.IntImm("int64", 1)] * (rank - len(dims)) + dims
+        target = [1] * (rank - len(target)) + target
+        out = []
+        for d, t in zip(dims, target, strict=True):
+            if t in (-1, 1):
+                out.append(d)  # keep the input's dim (it is 1 or broadcasts itself)
+            elif isinstance(d, tirx.IntImm) and int(d.value) not in (1, t):
+                raise ValueError(f"Expand: cannot broadcast dim {int(d.value)} to {t}")
+            else:
+                out.append(tirx.IntImm("int64", t))  # a symbolic input dim must be 1 or t
+        return relax.op.broadcast_to(data, relax.ShapeExpr(out))
+
+
 def _i64(value):
     if isinstance(value, int):
         return tirx.IntImm("int64", value)
@@ -139,7 +171,7 @@ def _i64(value):
 
 
 # Stock converters we replace (ours fall back to them for everything but the cases above).
-OVERRIDES = {"Reshape": Reshape, "ConstantOfShape": ConstantOfShape}
+OVERRIDES = {"Reshape": Reshape, "ConstantOfShape": ConstantOfShape, "Expand": Expand}
 
 CONVERTERS = {
     "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss,

@@ -82,11 +82,11 @@ def lowering_passes(fast_math: bool = False) -> list[tvm.transform.Pass]:
     approximations (see :mod:`tvm_fusion.legalize`). FuseTIR is not part of this phase: Phase 3
     works on the grouped Relax functions, then :func:`fuse_tir_passes` makes one PrimFunc each.
     """
-    from .legalize import fast_math_legalize_map
+    from .legalize import legalize_map
 
     return [
         LowerCallTIRWithGrad(),
-        relax.transform.LegalizeOps(fast_math_legalize_map() if fast_math else None),
+        relax.transform.LegalizeOps(legalize_map(fast_math)),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),

@@ -236,3 +236,24 @@ def test_stock_leaves_shape_work_we_remove():
     mod = load_onnx(shape_idioms.build("merge_heads").model)
     stock = analysis.shape_work(engine.compile_module(mod, CUDA, "stock").lowered, CUDA)
     assert len(stock.kernels) >= 5 and stock.copies == 1
+
+
+def test_llama_block_export():
+    """A Llama-style block as torch.onnx exports it (dynamic batch and sequence; float Range for
+    the rotary tables, ConstantOfShape + Trilu mask, view/transpose): stock TVM cannot compile
+    it; with the pass it compiles, equals ONNX Runtime and leaves no shape work on CUDA."""
+    pytest.importorskip("torch")
+    ort = pytest.importorskip("onnxruntime")
+    model = shape_idioms.llama_block()
+    x = np.random.default_rng(0).standard_normal((3, 6, 64)).astype("float32")
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
+    mod = load_onnx(model)
+    with pytest.raises(Exception, match="ShapeExpr shape"):
+        engine.compile_module(mod, host_target(), "stock")
+    compiled = engine.compile_module(mod, host_target(), "tvm_fusion")
+    out = engine.TvmRunner(compiled, [x]).outputs()[0]
+    np.testing.assert_allclose(out, ref[0], rtol=1e-4, atol=1e-5)
+    work = analysis.shape_work(engine.compile_module(mod, CUDA, "tvm_fusion").lowered, CUDA)
+    assert work.kernels == [] and work.copies == 0

@@ -273,3 +273,67 @@ def _tile_batch(batch, seq, gen):
     inits = {"zero": _i64(0), "ones": _i64(1, 1)}
     feed = {"x": _x(batch, seq, gen), "row": gen.standard_normal((1, seq, HIDDEN)).astype("f4")}
     return nodes, [X, row], [_output("y", ["batch", "seq", HIDDEN])], inits, feed
+
+
+def llama_block(hidden: int = 64, heads: int = 4, inter: int = 128, seed: int = 0):
+    """A Llama-style decoder block (RMSNorm, rotary positions from ``arange(seq)``, causal mask
+    built from the sequence length, attention with view/transpose, SwiGLU MLP) exported by
+    torch.onnx's TorchScript exporter with dynamic batch and sequence: the shape code a real
+    export emits. Needs torch; returns the ONNX model (``ModelProto``)."""
+    import io
+
+    import onnx
+    import torch
+
+    torch.manual_seed(seed)
+    head_dim = hidden // heads
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+            self.o = torch.nn.Linear(hidden, hidden, bias=False)
+            self.gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
+            self.down = torch.nn.Linear(inter, hidden, bias=False)
+            self.norm1 = torch.nn.Parameter(torch.ones(hidden))
+            self.norm2 = torch.nn.Parameter(torch.ones(hidden))
+
+        @staticmethod
+        def rms(x, w):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(self.rms(x, self.norm1)).chunk(3, dim=-1)
+            q, k, v = (t.view(b, s, heads, head_dim).transpose(1, 2) for t in (q, k, v))
+            pos = torch.arange(s, dtype=torch.float32)
+            inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+            ang = pos[:, None] * inv[None, :]
+            cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
+
+            def rotate(t):
+                t1, t2 = t[..., : head_dim // 2], t[..., head_dim // 2 :]
+                return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+            q, k = rotate(q), rotate(k)
+            scores = q @ k.transpose(-1, -2) / head_dim**0.5
+            mask = torch.full((s, s), float("-inf")).triu(1)
+            att = torch.softmax(scores + mask, dim=-1) @ v
+            x = x + self.o(att.transpose(1, 2).reshape(b, s, hidden))
+            gate, up = self.gate_up(self.rms(x, self.norm2)).chunk(2, dim=-1)
+            return x + self.down(torch.nn.functional.silu(gate) * up)
+
+    block = Block().eval()
+    buf = io.BytesIO()
+    example = torch.randn(2, 7, hidden)
+    torch.onnx.export(
+        block,
+        (example,),
+        buf,
+        input_names=["x"],
+        output_names=["y"],
+        dynamic_axes={"x": {0: "batch", 1: "seq"}, "y": {0: "batch", 1: "seq"}},
+        opset_version=17,
+        dynamo=False,
+    )
+    return onnx.load_from_string(buf.getvalue())

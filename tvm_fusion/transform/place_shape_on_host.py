@@ -35,6 +35,7 @@ left as it was, with the reason at debug level.
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import IRModule, relax, tirx
 from tvm.ir import PrimType
@@ -47,6 +48,10 @@ logger = get_logger(__name__)
 NAME = "PlaceShapeOnHost"
 _INT = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 _MAX_ELEMS = 16  # shape tensors are short; longer int tensors are data
+# Float shape arithmetic (the importer's Range: ceil((limit - start) / delta) in float64) is
+# followed only while every value is an exact integer: int casts, integral constants, + - *,
+# min/max, and ceil/floor of a division by a positive integer constant.
+_FLOAT = ("float16", "float32", "float64")
 
 _BINARY = {
     "relax.add": lambda a, b: a + b,
@@ -118,6 +123,36 @@ class _Value:
         return None
 
 
+def _float_op(expr) -> bool:
+    sinfo = getattr(expr, "ty", None)
+    return isinstance(sinfo, relax.TensorType) and str(sinfo.dtype) in _FLOAT
+
+
+def _strip_casts(expr):
+    """``int64(float32(n))`` is ``n`` for the dims this pass sees (exact below 2**24)."""
+    if isinstance(expr, tirx.Cast):
+        inner = expr.value
+        if (
+            isinstance(inner, tirx.Cast)
+            and str(expr.ty.dtype).startswith("int")
+            and str(inner.value.ty.dtype).startswith("int")
+        ):
+            return _strip_casts(inner.value)
+        return tirx.Cast(str(expr.ty.dtype), _strip_casts(inner))
+    for kind, build in (
+        (tirx.Add, tirx.Add),
+        (tirx.Sub, tirx.Sub),
+        (tirx.Mul, tirx.Mul),
+        (tirx.FloorDiv, tirx.FloorDiv),
+        (tirx.FloorMod, tirx.FloorMod),
+        (tirx.Max, tirx.Max),
+        (tirx.Min, tirx.Min),
+    ):
+        if isinstance(expr, kind):
+            return build(_strip_casts(expr.a), _strip_casts(expr.b))
+    return expr
+
+
 def _is_bool(value: tirx.Expr) -> bool:
     return str(value.ty.dtype) == "bool"
 
@@ -152,7 +187,9 @@ class _Evaluator:
             return self.memo[key]
         result = self._value(self.resolve(expr))
         if result is not None:
-            result = _Value([self.analyzer.simplify(e) for e in result.elems], result.rank)
+            result = _Value(
+                [self.analyzer.simplify(_strip_casts(e)) for e in result.elems], result.rank
+            )
         self.memo[key] = result
         return result
 
@@ -165,7 +202,7 @@ class _Evaluator:
             return self._const(expr)
         sinfo = getattr(expr, "ty", None)
         if isinstance(sinfo, relax.TensorType):
-            if sinfo.dtype not in (*_INT, "bool"):
+            if sinfo.dtype not in (*_INT, "bool", *_FLOAT):
                 return self.fail(f"{sinfo.dtype} tensor")
             if sinfo.ndim not in (0, 1):
                 return self.fail(f"rank-{sinfo.ndim} tensor")
@@ -188,6 +225,8 @@ class _Evaluator:
             return self.fail("constant too large for a shape")
         if arr.dtype.name == "bool":
             return _Value([tirx.const(bool(v), "bool") for v in arr.reshape(-1)], arr.ndim)
+        if arr.dtype.name in _FLOAT and np.all(np.mod(arr, 1) == 0) and np.all(abs(arr) < 2**24):
+            arr = arr.astype("int64")  # an exact integer held in a float
         if arr.dtype.name not in _INT:
             return self.fail(f"{arr.dtype} constant")
         return _Value([_i64(int(v)) for v in arr.reshape(-1)], arr.ndim)
@@ -207,7 +246,7 @@ class _Evaluator:
 
     def _shape_to_tensor(self, expr) -> _Value | None:
         values = self.shape_values(expr.args[0])
-        return None if values is None else _Value([_i64(v) for v in values], 1)
+        return None if values is None else _Value([_i64(_strip_casts(v)) for v in values], 1)
 
     def _size(self, expr) -> _Value | None:
         sinfo = expr.args[0].ty
@@ -240,6 +279,8 @@ class _Evaluator:
             )
         if dtype == "bool":
             return _Value([e if _is_bool(e) else e != 0 for e in inner.elems], inner.rank)
+        if dtype in _FLOAT and not any(map(_is_bool, inner.elems)):
+            return inner  # exact integers (see _FLOAT)
         return self.fail(f"astype to {dtype}")
 
     def _take(self, expr) -> _Value | None:
@@ -331,6 +372,28 @@ class _Evaluator:
                 elems.append(tirx.Select(ci, ai, bi))
         return _Value(elems, max(cond.rank, lhs.rank, rhs.rank))
 
+    def _rounded(self, expr, up: bool) -> _Value | None:
+        inner = self.resolve(expr.args[0])
+        if _op_name(inner) != "relax.divide":
+            return self.value(expr.args[0])  # exact integers round to themselves
+        lhs, rhs = self.value(inner.args[0]), self.value(inner.args[1])
+        if lhs is None or rhs is None:
+            return None
+        if len(rhs.elems) != 1 or not isinstance(rhs.elems[0], tirx.IntImm):
+            return self.fail("division by a run-time value")
+        d = int(rhs.elems[0].value)
+        if d <= 0:
+            return self.fail("division by a non-positive constant")
+        if up:
+            return _Value([tirx.floordiv(x + (d - 1), d) for x in lhs.elems], lhs.rank)
+        return _Value([tirx.floordiv(x, d) for x in lhs.elems], lhs.rank)
+
+    def _ceil(self, expr) -> _Value | None:
+        return self._rounded(expr, up=True)
+
+    def _floor(self, expr) -> _Value | None:
+        return self._rounded(expr, up=False)
+
     def _negative(self, expr) -> _Value | None:
         inner = self.value(expr.args[0])
         return None if inner is None else _Value([-e for e in inner.elems], inner.rank)
@@ -376,7 +439,12 @@ class _Evaluator:
             return _Value([_LOGICAL[name](x, y) for x, y in zip(a, b, strict=True)], rank)
         if any(_is_bool(x) for x in a + b):
             return self.fail(f"{name} on booleans")
-        if name == "relax.divide":  # integer Div truncates (ONNX and TIR alike)
+        if name == "relax.divide":
+            if _float_op(expr):  # exact only when dividing by 1; ceil/floor handle the rest
+                if all(isinstance(y, tirx.IntImm) and int(y.value) == 1 for y in b):
+                    return _Value(a, rank)
+                return self.fail("float division outside ceil/floor")
+            # integer Div truncates (ONNX and TIR alike)
             return _Value([tirx.truncdiv(x, y) for x, y in zip(a, b, strict=True)], rank)
         return _Value([_BINARY[name](x, y) for x, y in zip(a, b, strict=True)], rank)
 
