@@ -299,8 +299,14 @@ def bench_shapes(target, repeat: int, budget: float, size: str) -> list[dict]:
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
     batch, seq = (8, 128) if size == "seed" else (2, 5)
     rows = []
-    for name in shape_idioms.names():
-        idiom = shape_idioms.build(name, batch, seq)
+    cases = [(name, shape_idioms.build(name, batch, seq)) for name in shape_idioms.names()]
+    try:  # the Llama-style block as torch.onnx exports it (torch is optional)
+        model = shape_idioms.llama_block()
+        x = np.random.default_rng(0).standard_normal((batch, seq, 64)).astype("float32")
+        cases.append(("llama_block", shape_idioms.Idiom("llama_block", "", model, {"x": x})))
+    except ImportError:
+        pass
+    for name, idiom in cases:
         mod = load_onnx(idiom.model)
         row: dict = {"model": name}
         for pipeline, label in (("stock", "stock"), ("tvm_fusion", "ours")):

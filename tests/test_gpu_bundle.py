@@ -3,6 +3,7 @@ machine to compile), weights lifted out of the timed modules, manifest complete.
 
 from __future__ import annotations
 
+import glob
 import json
 import shutil
 import subprocess
@@ -13,7 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+pytestmark = pytest.mark.skipif(
+    shutil.which("nvcc") is None or not glob.glob("/usr/local/cuda*/lib64/libcudart.so.13*"),
+    reason="CUDA 13 toolkit (nvcc, libcudart) not installed",
+)
 
 
 def test_bundle_compiles_device_code_and_lifts_weights(tmp_path):

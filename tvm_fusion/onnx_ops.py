@@ -12,8 +12,12 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
 - ``Reshape`` with a computed target (stock: "Reshape requires the input new shape to be
   Shape"): ``tensor_to_shape`` of the target, ``match_cast`` to fresh dims, ONNX's 0 (copy the
   input dim) and -1 (infer) rules written as symbolic expressions over them;
-- ``ConstantOfShape`` with a computed shape: the same, so the result has a (symbolic) shape
-  instead of none (stock's breaks a later ``Expand``: "'NoneType' object is not iterable");
+- ``ConstantOfShape`` with an empty shape (a scalar; transformers' attention-mask code): stock
+  fails with "broadcast_to expects the input shape to have the number of ndim at least as the
+  input tensor's";
+- ``ConstantOfShape`` with a computed shape: the same as Reshape, so the result has a
+  (symbolic) shape instead of none (stock's breaks a later ``Expand``: "'NoneType' object is
+  not iterable");
 - ``Expand`` to a constant shape of an input with symbolic dims (stock reads ``dim.value`` of
   every input dim: "'Var' object has no attribute 'value'", as in a Llama block's rotary
   tables).
@@ -117,20 +121,32 @@ class Reshape(_frontend.Reshape):
         for d in dims:
             known = known * tirx.Select(d == -1, _i64(1), d)
         dims = [tirx.Select(d == -1, tirx.floordiv(total, known), d) for d in dims]
-        return relax.op.reshape(data, relax.ShapeExpr(dims))
+        # the chosen dims as plain variables (computed once by the VM), so kernels after the
+        # reshape do not carry the Selects; PlaceShapeOnHost binds them when they simplify
+        out = [tirx.Var(f"reshape_out_{i}", "int64") for i in range(len(dims))]
+        bb.match_cast(bb.emit(relax.ShapeExpr(dims)), relax.ShapeType(out))
+        return relax.op.reshape(data, relax.ShapeExpr(out))
+
+
+def _fill_value(attr) -> np.ndarray:
+    value = attr.get("value")
+    return _frontend.get_numpy(value) if value is not None else np.zeros(1, "float32")
 
 
 class ConstantOfShape(_frontend.ConstantOfShape):
     @classmethod
     def _impl_v9(cls, bb, inputs, attr, params):
         shape = _frontend.get_constant(inputs[0], params)
+        if isinstance(shape, GenericConst) and shape.value.numpy().size == 0:
+            # an empty shape is a scalar (transformers' attention-mask code); stock
+            # broadcasts the 1-element value to rank 0 and fails
+            return relax.const(_fill_value(attr).reshape(-1)[0])
         if not _is_runtime(shape):
             return super()._impl_v9(bb, inputs, attr, params)
         dims = _fresh_shape(bb, shape, "fill_dim")
         if dims is None:
             return super()._impl_v9(bb, inputs, attr, params)
-        value = attr.get("value")
-        array = _frontend.get_numpy(value) if value is not None else np.zeros(1, "float32")
+        array = _fill_value(attr)
         scalar = relax.const(array.reshape(-1)[0], str(array.dtype))
         return relax.op.broadcast_to(scalar, relax.ShapeExpr(dims))
 

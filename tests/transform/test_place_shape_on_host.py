@@ -257,3 +257,30 @@ def test_llama_block_export():
     np.testing.assert_allclose(out, ref[0], rtol=1e-4, atol=1e-5)
     work = analysis.shape_work(engine.compile_module(mod, CUDA, "tvm_fusion").lowered, CUDA)
     assert work.kernels == [] and work.copies == 0
+
+
+def test_constant_of_shape_empty_is_a_scalar():
+    """ConstantOfShape of an empty shape (transformers' mask code) is a scalar; stock's
+    importer fails on it."""
+    from onnx import TensorProto, helper
+
+    from tvm_fusion.models._build import onnx_input, onnx_model
+
+    model = onnx_model(
+        [
+            helper.make_node(
+                "ConstantOfShape",
+                ["empty"],
+                ["c"],
+                value=helper.make_tensor("v", TensorProto.FLOAT, [1], [-3.5]),
+            ),
+            helper.make_node("Add", ["x", "c"], ["y"]),
+        ],
+        [onnx_input("x", "float32", ["n", 4])],
+        [onnx_input("y", "float32", ["n", 4])],
+        {"empty": np.zeros((0,), "int64")},
+    )
+    mod = load_onnx(model)
+    x = np.ones((2, 4), "float32")
+    out = engine.TvmRunner(engine.compile_module(mod, host_target(), "tvm_fusion"), [x])
+    np.testing.assert_array_equal(out.outputs()[0], x - 3.5)

@@ -486,6 +486,16 @@ def _tir_vars(sinfo) -> list:
     return found
 
 
+def _has_select(expr) -> bool:
+    if isinstance(expr, tirx.Select):
+        return True
+    return any(
+        _has_select(getattr(expr, field))
+        for field in ("a", "b", "value")
+        if isinstance(getattr(expr, field, None), tirx.Expr)
+    )
+
+
 def _propagate(func: relax.Function, analyzer) -> relax.Function:
     """Let the new symbolic shapes flow: a ``match_cast`` of a shape we computed to fresh dims
     (``Shape([range_len_0])``) binds those dims to our expressions, then every op after it is
@@ -503,8 +513,15 @@ def _propagate(func: relax.Function, analyzer) -> relax.Function:
             if not isinstance(pattern, relax.ShapeType) or pattern.values is None:
                 continue
             for dim, expr in zip(pattern.values, value.values, strict=False):
-                if isinstance(dim, tirx.Var) and dim not in binding and not dim.same_as(expr):
-                    binding[dim] = analyzer.simplify(expr)
+                if not isinstance(dim, tirx.Var) or dim in binding or dim.same_as(expr):
+                    continue
+                expr = analyzer.simplify(expr)  # earlier bindings substituted (analyzer.bind)
+                if _has_select(expr):
+                    # still a run-time choice (ONNX Reshape's 0/-1 rules on a shape input):
+                    # keep the match_cast; the VM evaluates it once, kernels see a plain dim
+                    continue
+                binding[dim] = expr
+                analyzer.bind(dim, expr)
     if not binding:
         return func
     return relax.analysis.remove_all_unused(
@@ -526,6 +543,9 @@ class _Reinfer(PyExprMutator):
             args = [self._simplified(a) for a in new.args]
             return relax.Call(new.op, args, new.attrs, new.ty_args, new.span)
         return new
+
+    def visit_shape_expr_(self, op: relax.ShapeExpr) -> relax.Expr:
+        return self._simplified(op)
 
     def _simplified(self, arg):
         """Shapes written with ONNX's 0/-1 rules (Select(d == -1, ...)) read plainly once the
@@ -599,7 +619,9 @@ class _Rewriter(PyExprMutator):
         new = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
         new = _propagate(relax.analysis.remove_all_unused(new), self.analyzer)
         if _is_gpu(self.target) and inputs:
-            new = self._inputs_on_host(new, [p for p in inputs if p not in self.unread], name)
+            # by position: rewriting symbolic dims may have rebuilt the parameter vars
+            read = [i for i, p in enumerate(func.params) if p in inputs and p not in self.unread]
+            new = self._inputs_on_host(new, [new.params[i] for i in read], name)
         return new
 
     def _inputs_on_host(self, func: relax.Function, params: list, name: str) -> relax.Function:
