@@ -177,9 +177,17 @@ def _compile_case(
     with target:  # nvcc's callback reads the arch from the current target
         executable = tvm.compile(lowered, target, relax_pipeline=None)
     executable.export_library(str(path))
+    params = compiled.lowered[function].params
+    host_inputs = [
+        i
+        for i, param in enumerate(params)
+        if getattr(param.ty, "vdevice", None) is not None
+        and param.ty.vdevice.target.kind.name == "llvm"
+    ]
     return {
         "file": f"modules/{path.name}",
         "kernels": analysis.kernel_count(compiled.lowered),
+        "host_inputs": host_inputs,
         "lifted": lifted,
         "compile_s": round(time.perf_counter() - start, 2),
         "MB": round(path.stat().st_size / 2**20, 2),
@@ -272,6 +280,30 @@ def _llama_cases():
     yield "llama_block.seed", mod, mod, {"x": x}, "main", None, {"workload": "llama_block"}, "seed"
 
 
+def _shape_cases():
+    """Shape idioms of issue #8 whose CUDA build differs: a shape input that PlaceShapeOnHost
+    declares a host tensor (passed as a CPU array there), and a head merge."""
+    try:
+        from tvm_fusion import load_onnx
+        from tvm_fusion.models import shape_idioms
+    except ImportError:
+        return
+    for name in ("shape_input", "merge_heads"):
+        for size, (batch, seq) in (("small", (2, 5)), ("seed", (8, 256))):
+            idiom = shape_idioms.build(name, batch, seq)
+            mod = load_onnx(idiom.model)
+            ref = None
+            if size == "small":
+                import onnxruntime as ort
+
+                session = ort.InferenceSession(
+                    idiom.model.SerializeToString(), providers=["CPUExecutionProvider"]
+                )
+                ref = session.run(None, idiom.inputs)
+            peer = {"workload": name}
+            yield f"{name}.{size}", mod, mod, idiom.inputs, "main", ref, peer, size
+
+
 def _site(out: Path, python_version: str) -> None:
     import tvm
 
@@ -361,8 +393,10 @@ def main(argv=None) -> int:
     import itertools
 
     llama = _llama_cases() if not args.only or "llama_block" in names else iter(())
+    shapes = _shape_cases() if not args.only or "shape_idioms" in names else iter(())
+    workloads = [n for n in names if n not in ("llama_block", "shape_idioms")]
     for case, stock_mod, ours_mod, inputs, function, ref, peer, size in itertools.chain(
-        _cases([n for n in names if n != "llama_block"]), llama
+        _cases(workloads), llama, shapes
     ):
         # small: weights inside, saved inputs, checked against NumPy (or stock vs ours where
         # there is no NumPy reference); seed: lifted weights, random inputs, timed.

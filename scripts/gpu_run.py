@@ -193,7 +193,10 @@ def _run_pipeline(entry: dict, pipeline: str, repeat: int) -> dict:
     else:
         arrays = _inputs(entry["inputs"], rng)
         arrays += _inputs([dict(s, std=0.02) for s in info["lifted"]], rng)
-    dev_args = [tvm.runtime.tensor(a, dev) for a in arrays]
+    host = set(info.get("host_inputs", []))  # declared host tensors (PlaceShapeOnHost)
+    dev_args = [
+        tvm.runtime.tensor(a, tvm.cpu() if i in host else dev) for i, a in enumerate(arrays)
+    ]
     got = _flatten(tvm, func(*dev_args))
     dev.sync()
     if not entry["check"]:

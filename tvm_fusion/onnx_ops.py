@@ -121,11 +121,9 @@ class Reshape(_frontend.Reshape):
         for d in dims:
             known = known * tirx.Select(d == -1, _i64(1), d)
         dims = [tirx.Select(d == -1, tirx.floordiv(total, known), d) for d in dims]
-        # the chosen dims as plain variables (computed once by the VM), so kernels after the
-        # reshape do not carry the Selects; PlaceShapeOnHost binds them when they simplify
-        out = [tirx.Var(f"reshape_out_{i}", "int64") for i in range(len(dims))]
-        bb.match_cast(bb.emit(relax.ShapeExpr(dims)), relax.ShapeType(out))
-        return relax.op.reshape(data, relax.ShapeExpr(out))
+        # Not match_cast to fresh dims: VMShapeLower then checks the Selects under the
+        # assumption that dims are >= 0 and rejects a -1 target (seen with flatten_tokens).
+        return relax.op.reshape(data, relax.ShapeExpr(dims))
 
 
 def _fill_value(attr) -> np.ndarray:
