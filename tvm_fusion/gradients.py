@@ -7,6 +7,8 @@ rewrites emit ops that stock TVM has no gradient for:
   into zeros of the input's shape with ``slice_scatter``, one sliced axis at a time; a negative
   stride is the positive-stride slice of the flipped gradient. No scatter-add: slice indices
   never repeat.
+- ``relax.squeeze`` (what PyTorch's decompositions emit after every gather): the output gradient
+  reshaped to the input's shape.
 
 A gradient that TVM itself registers later wins: ours is only added where none exists.
 """
@@ -83,6 +85,15 @@ def strided_slice_grad(orig_var, orig_call, output_grad, ctx: relax.BlockBuilder
     return [grad] + [no_grad(arg) for arg in orig_call.args[1:]]
 
 
+def squeeze_grad(orig_var, orig_call, output_grad, ctx: relax.BlockBuilder):
+    """Gradient of ``y = squeeze(x, axis)``: the output gradient in x's shape."""
+    return [ctx.emit(relax.op.reshape(output_grad, orig_call.args[0].ty.shape))]
+
+
+_GRADIENTS = {
+    "relax.strided_slice": strided_slice_grad,
+    "relax.squeeze": squeeze_grad,
+}
 _REGISTERED = False
 
 
@@ -91,6 +102,6 @@ def register() -> None:
     if _REGISTERED:
         return
     _REGISTERED = True
-    op = tvm.ir.Op.get("relax.strided_slice")
-    if op.get_attr("FPrimalGradient") is None:
-        relax.op.base.register_gradient("relax.strided_slice", strided_slice_grad)
+    for name, grad in _GRADIENTS.items():
+        if tvm.ir.Op.get(name).get_attr("FPrimalGradient") is None:
+            relax.op.base.register_gradient(name, grad)

@@ -160,6 +160,15 @@ def test_sliced_epilogue_regression(target):
     np.testing.assert_allclose(out[0], (x @ w)[:, 2:5], rtol=1e-5, atol=1e-5)
 
 
+def test_row_mean_with_keepdims_regression(target):
+    """mean(x, -1, keepdims=True): the row loop is the last block's innermost loop; vectorising
+    it split the loop the reductions are computed at ("The loop no longer exists")."""
+    x = np.random.default_rng(5).standard_normal((6, 9)).astype("float32")
+    mod = _module(lambda bb, v: R.mean(v, axis=[-1], keepdims=True), (6, 9))
+    out, _ = run(mod, [x], "tvm_fusion")
+    np.testing.assert_allclose(out[0], x.mean(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+
+
 def test_inlining_does_not_blow_up(target):
     """Chained fast-math ops each read their input many times: inlining all of them grew the
     IR exponentially; the rule keeps the expressions small and compiles quickly."""

@@ -2,7 +2,8 @@
 
 Structural cases run the pass for CUDA (exact exp, no fast-math polynomial in the kernel).
 Must not fire: log-probs also returned, log_softmax over the batch axis, 3-D logits, an index
-that is not (N, 1), nll_loss over (N, C, d) predictions.
+that is not (N, 1), nll_loss over (N, C, d) predictions, a sum over the rows, a use that is no
+row statistic (exp of the log-probs).
 """
 
 import numpy as np
@@ -17,7 +18,11 @@ from tvm.script import relax as RS
 
 import tvm_fusion
 from tvm_fusion import analysis, engine, models
-from tvm_fusion.models.cross_entropy import cross_entropy_np
+from tvm_fusion.models.cross_entropy import (
+    cross_entropy_np,
+    cross_entropy_torch_np,
+    smoothed_module,
+)
 from tvm_fusion.models.cross_entropy import nll_module as _nll_module
 from tvm_fusion.transform import FuseCrossEntropy, collect_rewrites
 from tvm_fusion.transform.fuse_cross_entropy import GRAD_NAME, cross_entropy_rows
@@ -154,6 +159,90 @@ class TestNoFireNllSpatial(CEBase):
     Expected = Before
 
 
+def _row_sum_module(n, v, fused=False, keepdims=False):
+    """``sum(log_softmax(x), axis=1)`` (the label-smoothing term) before / after the pass."""
+    x = relax.Var("x", relax.TensorType((n, v), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            if not fused:
+                lsm = bb.emit(R.nn.log_softmax(x, axis=-1))
+                out = bb.emit_output(R.sum(lsm, axis=[1], keepdims=keepdims))
+            else:
+                t = bb.emit(R.zeros(relax.ShapeExpr([n]), "int64"))
+                packed = bb.emit(
+                    bb.call_te_with_grad(
+                        cross_entropy_rows,
+                        x,
+                        t,
+                        False,
+                        te_grad_name=GRAD_NAME,
+                        te_grad_kwargs={"fast_exp": False, "row_sum": True},
+                        primfunc_name_hint="cross_entropy_rows",
+                        row_sum=True,
+                    )
+                )
+                parts = bb.emit(R.split(packed, 3, axis=1))
+                lse = bb.emit(R.reshape(relax.TupleGetItem(parts, 0), [n]))
+                bb.emit(R.reshape(relax.TupleGetItem(parts, 1), [n]))
+                total = bb.emit(R.reshape(relax.TupleGetItem(parts, 2), [n]))
+                scaled = bb.emit(R.multiply(relax.const(float(v), "float32"), lse))
+                res = R.subtract(total, scaled)
+                if keepdims:
+                    res = R.reshape(bb.emit(res), [n, 1])
+                out = bb.emit_output(res)
+        bb.emit_func_output(out)
+    mod = bb.get()
+    mod["main"] = relax.analysis.remove_all_unused(mod["main"])  # the unused x_t column
+    return mod
+
+
+class TestRowSum(CEBase):
+    """sum_j log_softmax(x)_ij = sum_j x_ij - V * lse_i: a third column of the same kernel."""
+
+    Before = _row_sum_module(4, 10)
+    Expected = _row_sum_module(4, 10, fused=True)
+
+
+class TestRowSumDynamicRows(CEBase):
+    n = tirx.Var("n", "int64")
+    Before = _row_sum_module(n, 10, keepdims=True)
+    Expected = _row_sum_module(n, 10, fused=True, keepdims=True)
+
+
+class TestNoFireColumnSum(CEBase):
+    """A sum over the rows is no row statistic."""
+
+    @I.ir_module
+    class Before:
+        @RS.function
+        def main(x: RS.Tensor((4, 10), "float32")):
+            with RS.dataflow():
+                lsm = RS.nn.log_softmax(x, axis=-1)
+                s = RS.sum(lsm, axis=[0])
+                RS.output(s)
+            return s
+
+    Expected = Before
+
+
+class TestNoFireOneUseUnknown(CEBase):
+    """One of two uses (an exp of the log-probs) is no row statistic: both stay."""
+
+    @I.ir_module
+    class Before:
+        @RS.function
+        def main(x: RS.Tensor((4, 10), "float32"), t: RS.Tensor((4, 1), "int64")):
+            with RS.dataflow():
+                lsm = RS.nn.log_softmax(x, axis=-1)
+                g = RS.gather_elements(lsm, t, axis=1)
+                e = RS.exp(lsm)
+                RS.output(g, e)
+            return (g, e)
+
+    Expected = Before
+
+
 # ---------------------------------------------------------------------------------------------
 # Numerics
 
@@ -224,6 +313,89 @@ def test_every_row_ignored_gives_nan_like_pytorch():
     args = _inputs(6, 8, True, all_ignored=True)
     (out,), _ = _run(_nll_module(6, 8, weights=True), args)
     assert np.isnan(out)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("weights", [False, True])
+def test_label_smoothing_as_pytorch_decomposes_it(weights, reduction):
+    """torch.export's decomposition of F.cross_entropy(..., label_smoothing=0.1): one kernel
+    serves the target gather (of L * w when weighted) and the row sum (of L * w)."""
+    args = _inputs(12, 37, weights, seed=7)
+    mod = smoothed_module(12, 37, 0.1, weights=weights, reduction=reduction)
+    ref = cross_entropy_torch_np(
+        *args[:2], args[2] if weights else None, reduction, label_smoothing=0.1
+    )
+    with collect_rewrites() as counts:
+        ours, _ = compare_pipelines(mod, args, rtol=1e-5, atol=1e-5, reference=[ref])
+    assert counts["FuseCrossEntropy"] == 1
+    kernels = [gv.name_hint for gv in ours.lowered.get_global_vars()]
+    assert not any("log_softmax" in name for name in kernels)
+    assert max(a.elements for a in analysis.allocations(ours.lowered)) <= 3 * 12
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_label_smoothing_reference_is_pytorch(weights):
+    """The NumPy reference above is F.cross_entropy itself (when torch is installed)."""
+    torch = pytest.importorskip("torch")
+    args = _inputs(9, 11, weights, seed=4)
+    for reduction in ("none", "sum", "mean"):
+        expect = torch.nn.functional.cross_entropy(
+            torch.from_numpy(args[0]),
+            torch.from_numpy(args[1]),
+            weight=torch.from_numpy(args[2]) if weights else None,
+            reduction=reduction,
+            label_smoothing=0.25,
+        ).numpy()
+        got = cross_entropy_torch_np(
+            *args[:2], args[2] if weights else None, reduction, label_smoothing=0.25
+        )
+        np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-6)
+
+
+def test_label_smoothing_gradient_matches_finite_differences():
+    args = _inputs(5, 7, True, seed=8)
+    mod = smoothed_module(5, 7, 0.2, weights=True, reduction="mean")
+    loss, grad, grad_mod = _adjoint(mod, args, fuse=True)
+    assert "log_softmax" not in grad_mod["main_adjoint"].script()
+    ref = lambda xv: cross_entropy_torch_np(xv, args[1], args[2], "mean", label_smoothing=0.2)
+    np.testing.assert_allclose(loss, ref(args[0]), rtol=1e-5)
+    x = args[0].astype("float64")
+    eps = 1e-6
+    numeric = np.zeros_like(x)
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            xp, xm = x.copy(), x.copy()
+            xp[i, j] += eps
+            xm[i, j] -= eps
+            numeric[i, j] = (ref(xp) - ref(xm)) / (2 * eps)
+    np.testing.assert_allclose(grad, numeric, rtol=1e-3, atol=1e-5)
+
+
+def test_one_hot_product_and_row_mean():
+    """-sum(L * one_hot(t), 1) and mean(L, 1): the other spellings of the same two terms."""
+    n, v = 6, 9
+    x = relax.Var("x", relax.TensorType((n, v), "float32"))
+    t = relax.Var("t", relax.TensorType((n,), "int64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, t]):
+        with bb.dataflow():
+            lsm = bb.emit(R.nn.log_softmax(x, axis=-1))
+            on, off = (relax.prim_value(tirx.FloatImm("float32", f)) for f in (1.0, 0.0))
+            hot = bb.emit(R.one_hot(t, on, off, v))
+            nll = bb.emit(R.negative(bb.emit(R.sum(bb.emit(R.multiply(lsm, hot)), axis=[1]))))
+            smooth = bb.emit(R.mean(lsm, axis=[-1], keepdims=True))
+            out = bb.emit_output(R.add(nll, R.squeeze(smooth, [1])))
+        bb.emit_func_output(out)
+    xs, ts = _inputs(n, v, False, seed=9)
+    ts[0] = -100  # out of range: a zero one-hot row
+    lsm_np = x_np = xs.astype("float64")
+    lsm_np = x_np - x_np.max(1, keepdims=True)
+    lsm_np = lsm_np - np.log(np.exp(lsm_np).sum(1, keepdims=True))
+    hot_np = (ts[:, None] == np.arange(v)[None, :]).astype("float64")
+    ref = -(lsm_np * hot_np).sum(1) + lsm_np.mean(1)
+    with collect_rewrites() as counts:
+        compare_pipelines(bb.get(), [xs, ts], rtol=1e-5, atol=1e-5, reference=[ref])
+    assert counts["FuseCrossEntropy"] == 1
 
 
 def _run(mod, args, pipeline="tvm_fusion"):

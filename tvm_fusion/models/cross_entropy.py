@@ -119,3 +119,86 @@ def nll_module(n, v, dtype="float32", weights=False, reduction="mean", ignore_in
             out = bb.emit_output(R.nn.nll_loss(lsm, t, w, reduction, ignore_index))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def cross_entropy_torch_np(
+    x, t, w=None, reduction="mean", ignore_index=IGNORE_INDEX, label_smoothing=0.0
+) -> np.ndarray:
+    """PyTorch's ``F.cross_entropy`` with class-index targets, in float64 NumPy.
+
+    ``(1 - eps) * nll + eps / V * smooth`` where ``smooth_i = -sum_j w_j log_softmax(x)_ij``,
+    ignored rows count 0, and ``mean`` divides both terms by ``sum_i w[t_i]`` over the rows
+    that are not ignored (PyTorch's ``cross_entropy_loss_label_smoothing``).
+    """
+    lsm = _log_softmax_np(x)
+    v = x.shape[1]
+    wv = np.ones(v) if w is None else w.astype("float64")
+    valid = t != ignore_index
+    safe = np.where(valid, t, 0)
+    w_t = wv[safe] * valid
+    nll = -lsm[np.arange(len(t)), safe] * w_t
+    smooth = np.where(valid, -(lsm * wv[None, :]).sum(1), 0.0)
+    if reduction == "none":
+        nll_r, smooth_r = nll, smooth
+    elif reduction == "sum":
+        nll_r, smooth_r = nll.sum(), smooth.sum()
+    else:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            nll_r, smooth_r = nll.sum() / w_t.sum(), smooth.sum() / w_t.sum()
+    eps = label_smoothing
+    return np.asarray((1 - eps) * nll_r + eps / v * smooth_r)
+
+
+def smoothed_module(
+    n, v, label_smoothing=0.1, weights=False, reduction="mean", ignore_index=IGNORE_INDEX
+):
+    """``F.cross_entropy(x, t, weight=w, label_smoothing=eps, reduction=...)`` as
+    ``torch.export(...).run_decompositions()`` writes it (torch 2.13): the log-softmax is read
+    by a gather of the target column (of ``L * w`` when weighted) and by the row sum
+    ``sum(L * w, 1)`` (``sum(L, 1)`` unweighted); params ``x``, ``t`` and, weighted, ``w``."""
+    x = relax.Var("x", relax.TensorType((n, v), "float32"))
+    t = relax.Var("t", relax.TensorType((n,), "int64"))
+    params = [x, t]
+    if weights:
+        w = relax.Var("w", relax.TensorType((v,), "float32"))
+        params.append(w)
+    zero_i = relax.const(0, "int64")
+    zero_f = relax.const(0.0, "float32")
+    ignore = relax.const(ignore_index, "int64")
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            lsm = bb.emit(R.nn.log_softmax(x, axis=1))
+            valid = bb.emit(R.not_equal(t, ignore))
+            idx = bb.emit(R.expand_dims(bb.emit(R.where(valid, t, zero_i)), 1))
+            source = lsm
+            if weights:
+                source = bb.emit(R.multiply(lsm, bb.emit(R.reshape(w, [1, v]))))
+            picked = bb.emit(R.squeeze(bb.emit(R.gather_elements(source, idx, axis=1)), [1]))
+            nll = bb.emit(R.where(valid, bb.emit(R.negative(picked)), zero_f))
+            if weights:
+                smooth_src = bb.emit(R.multiply(lsm, bb.emit(R.reshape(w, [1, v]))))
+                denom = bb.emit(
+                    R.where(valid, bb.emit(R.take(w, R.where(valid, t, zero_i))), zero_f)
+                )
+            else:
+                smooth_src = lsm
+                denom = bb.emit(R.astype(valid, "float32"))
+            smooth = bb.emit(R.negative(bb.emit(R.sum(smooth_src, axis=[1]))))
+            smooth = bb.emit(R.where(valid, smooth, zero_f))
+            if reduction == "none":
+                nll_r, smooth_r = nll, smooth
+            elif reduction == "sum":
+                nll_r, smooth_r = bb.emit(R.sum(nll)), bb.emit(R.sum(smooth))
+            else:
+                total = bb.emit(R.sum(denom))
+                nll_r = bb.emit(R.divide(bb.emit(R.sum(nll)), total))
+                smooth_r = bb.emit(R.divide(bb.emit(R.sum(smooth)), total))
+            eps = label_smoothing
+            out = R.add(
+                bb.emit(R.multiply(nll_r, relax.const(1.0 - eps, "float32"))),
+                bb.emit(R.multiply(smooth_r, relax.const(eps / v, "float32"))),
+            )
+            out = bb.emit_output(out)
+        bb.emit_func_output(out)
+    return bb.get()

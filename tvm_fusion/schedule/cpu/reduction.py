@@ -86,7 +86,8 @@ class RowReduction(CPURule):
         row_loop = sch.fuse(*loops[:rows]) if rows > 1 else loops[0]
         if work >= MIN_PARALLEL_WORK and cores > 1:
             sch.parallel(row_loop)
-        vectorize_innermost(sch, last, lanes)
+        if len(loops) > rows:  # else the innermost loop is the row loop (mean with keepdims)
+            vectorize_innermost(sch, last, lanes)
 
         for info in reversed(infos[:-1]):
             block = info.block_rv
