@@ -387,6 +387,26 @@ def test_workloads_numerics_and_kernels(name, dynamic, target):
         assert analysis.kernel_count(stock.lowered) == 2
 
 
+def test_group_returning_a_split_regression(target):
+    """reshape -> split in one group returns one tuple-typed value: the call site took it for a
+    tuple of outputs and crashed (zip of 1 returned value with 3 fields)."""
+    from tvm import relax
+    from tvm.relax import op as ops
+
+    x = relax.Var("x", relax.TensorType((2, 6, 4), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            parts = bb.emit(ops.split(bb.emit(ops.reshape(x, [12, 4])), [4, 8], axis=0))
+            a = bb.emit(ops.multiply(relax.TupleGetItem(parts, 0), relax.const(2.0)))
+            c = bb.emit(ops.add(relax.TupleGetItem(parts, 2), relax.TupleGetItem(parts, 1)))
+            out = bb.emit_output(relax.Tuple([a, c]))
+        bb.emit_func_output(out)
+    xs = np.random.default_rng(0).standard_normal((2, 6, 4)).astype("float32")
+    flat = xs.reshape(12, 4)
+    compare_pipelines(bb.get(), [xs], reference=[flat[:4] * 2, flat[8:] + flat[4:8]])
+
+
 def test_no_copy_kernel_for_views_after_lowering(target):
     """The peeled reshapes lower to vm.builtin.reshape (metadata only), not kernels."""
     compiled = engine.compile_module(TestBookends.Before, target, "tvm_fusion")
