@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Capability benchmarks: the figures of issues #5 and #7 that the workload table does not show.
+"""Capability benchmarks: the figures of issues #5, #6 and #7 that the workload table does not show.
 
 All in one process, medians of repeated runs, written to ``bench/capabilities.json`` and
 ``bench/capabilities.md``:
@@ -12,6 +12,9 @@ All in one process, medians of repeated runs, written to ``bench/capabilities.js
 - ``cross_entropy``: ``nll_loss(log_softmax(x), t, ignore_index=-100)`` at (512, 32768),
   forward and forward+backward (``Gradient`` w.r.t. the logits), stock vs tvm_fusion (with
   FuseCrossEntropy run before Gradient) vs PyTorch, and the largest buffer each allocates;
+- ``linear_ce``: the LM head ``hidden @ W^T -> cross entropy`` at N 2048, hidden 1024,
+  V 32000 (issue #6's fused linear cross entropy): planned peak memory of stock's unfused
+  graph vs ours, forward and forward+backward, with ONNX Runtime and PyTorch times;
 - ``views``: the gelu with bookend views vs the same gelu without views, and the MHA transpose
   with views vs a plain transpose of the same bytes, both compiled by tvm_fusion;
 - ``tuned``: the #2890 gate after same-budget tuning runs of ours and stock's (when
@@ -152,6 +155,91 @@ def _torch_ce(x, t, backward: bool, repeat: int, budget: float) -> float | None:
         xg = xt.detach().requires_grad_(True)
         torch.nn.functional.cross_entropy(xg, tt, ignore_index=-100).backward()
         return xg.grad
+
+    return time_runs(fwd_bwd if backward else fwd, repeat=repeat, budget_s=budget)["median_ms"]
+
+
+def bench_linear_ce(target, repeat: int, budget: float, size: str) -> list[dict]:
+    """The LM head ``hidden @ W^T -> cross entropy`` (workload ``linear_cross_entropy``: N 2048,
+    hidden 1024, V 32000 at seed), forward and forward+backward (``Gradient`` w.r.t. hidden
+    and weight): planned peak memory (``analysis.peak_bytes``) of stock's unfused graph, of
+    ours with FuseCrossEntropy alone, and of ours with FuseLinearCrossEntropy; times of ours,
+    ONNX Runtime (forward) and PyTorch. Stock is compiled, not run, at seed: its unscheduled
+    134 GFLOP GEMM takes minutes a call."""
+    import tvm
+    from tvm import relax
+
+    from tvm_fusion import analysis, engine, models
+    from tvm_fusion.pipeline import fusion_passes
+
+    inst = models.build("linear_cross_entropy", size)
+    inputs = inst.input_list()
+    run_stock = "tvm-stock" not in inst.skip
+    variants = (
+        ("stock", "stock", {}),
+        ("ours_ce_only", "tvm_fusion", {"fuse_linear_cross_entropy": False}),
+        ("ours", "tvm_fusion", {}),
+    )
+    rows = []
+    for phase in ("forward", "fwd+bwd"):
+        row = {"case": f"linear+CE {phase}"}
+        outs = {}
+        for name, pipeline, flags in variants:
+            mod, fn = inst.mod, "main"
+            if phase == "fwd+bwd":
+                if pipeline == "tvm_fusion":  # our graph passes before Gradient
+                    mod = tvm.transform.Sequential(fusion_passes(target, **flags))(mod)
+                params = mod["main"].params
+                mod = relax.transform.Gradient("main", require_grads=params[:2])(mod)
+                fn = "main_adjoint"
+            compiled = engine.compile_module(mod, target, pipeline, **flags)
+            peak = analysis.peak_bytes(compiled.lowered, fn)
+            row[f"{name}_peak_MB"] = None if peak is None else peak / 2**20
+            if name == "stock" and not run_stock:
+                continue
+            if name in ("stock", "ours"):
+                runner = engine.TvmRunner(compiled, inputs, fn)
+                outs[name] = runner.outputs()
+                row[f"{name}_ms"] = _time(runner, repeat, budget)
+        if row.get("stock_peak_MB") and row.get("ours_peak_MB"):
+            row["ours/stock_peak"] = row["ours_peak_MB"] / row["stock_peak_MB"]
+        if phase == "forward":
+            row["loss_err_vs_ref"] = engine.max_error(outs["ours"], inst.reference(*inputs))
+            row["onnxruntime_ms"] = _ort_time(inst, repeat, budget)
+        row["torch_ms"] = _torch_linear_ce(inputs, phase == "fwd+bwd", repeat, budget)
+        rows.append(row)
+    return rows
+
+
+def _ort_time(inst, repeat: int, budget: float) -> float | None:
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return None
+    from tvm_fusion import engine
+
+    run = engine.onnxruntime_runner(inst.onnx_model, inst.inputs, _threads())
+    return _time(run, repeat, budget)
+
+
+def _torch_linear_ce(inputs, backward: bool, repeat: int, budget: float) -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    from tvm_fusion.engine import time_runs
+
+    torch.set_num_threads(_threads())
+    h, w, t = (torch.from_numpy(a) for a in inputs)
+
+    def fwd():
+        with torch.inference_mode():
+            return torch.nn.functional.cross_entropy(h @ w.T, t, ignore_index=-100)
+
+    def fwd_bwd():
+        hg, wg = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        torch.nn.functional.cross_entropy(hg @ wg.T, t, ignore_index=-100).backward()
+        return hg.grad, wg.grad
 
     return time_runs(fwd_bwd if backward else fwd, repeat=repeat, budget_s=budget)["median_ms"]
 
@@ -353,6 +441,7 @@ def _markdown(section: str, rows: list[dict]) -> str:
 SECTIONS = {
     "take": bench_take,
     "cross_entropy": bench_cross_entropy,
+    "linear_ce": bench_linear_ce,
     "views": bench_views,
     "gates": bench_gates,
     "tuned": bench_tuned,

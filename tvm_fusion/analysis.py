@@ -197,6 +197,53 @@ def schedule_info(mod: tvm.IRModule) -> list[ScheduleInfo]:
     return infos
 
 
+def peak_bytes(lowered: tvm.IRModule, function: str = "main") -> int | None:
+    """Peak bytes the VM holds while ``function`` of a lowered module runs: its planned
+    storages (``vm.alloc_storage``) walked in program order, each freed once it and every
+    tensor placed in it are killed (``vm.kill_object``), plus the largest scratch buffer one
+    kernel allocates inside itself. Inputs are not counted; None when a size is symbolic.
+
+    This is what memory planning promises, not a measurement of the process (TVM's pooled
+    allocator may keep freed blocks for reuse)."""
+    func = lowered[function]
+    sizes: dict = {}  # storage var -> bytes
+    holders: dict = {}  # storage var -> live vars (itself and its tensors)
+    owner: dict = {}  # tensor var -> storage var
+    live = peak = 0
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            value, var = binding.value, binding.var
+            name = getattr(getattr(value, "op", None), "name", None)
+            if name in ("relax.vm.alloc_storage", "relax.memory.alloc_storage"):
+                size = value.args[0]
+                dims = size.values if isinstance(size, relax.ShapeExpr) else None
+                if dims is None or not isinstance(dims[0], tirx.IntImm):
+                    return None
+                sizes[var] = int(dims[0].value)
+                holders[var] = {var}
+                live += sizes[var]
+                peak = max(peak, live)
+            elif name in ("relax.vm.alloc_tensor", "relax.memory.alloc_tensor"):
+                storage = value.args[0]
+                if storage in holders:
+                    owner[var] = storage
+                    holders[storage].add(var)
+            elif name == "relax.vm.kill_object" and isinstance(value.args[0], relax.Var):
+                dead = value.args[0]
+                storage = dead if dead in holders else owner.get(dead)
+                if storage is not None and dead in holders[storage]:
+                    holders[storage].discard(dead)
+                    if not holders[storage]:
+                        live -= sizes[storage]
+    scratch = 0
+    for alloc in allocations(lowered):
+        if alloc.where != "relax":
+            if alloc.elements is None:
+                return None
+            scratch = max(scratch, alloc.elements * tvm.runtime.DataType(alloc.dtype).bits // 8)
+    return peak + scratch
+
+
 @dataclasses.dataclass
 class Allocation:
     """A buffer the compiled program allocates: a planned Relax tensor or a kernel's scratch."""

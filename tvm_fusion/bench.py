@@ -89,6 +89,9 @@ def run_engine(
 ) -> EngineResult:
     """Prepare one engine for one workload instance, check its outputs, time it."""
     result = EngineResult(name)
+    if name in inst.skip:
+        result.skipped = inst.skip[name]
+        return result
     threads = engine.threads_for(target)
     reference = inst.reference(*inst.input_list())
     run: Callable

@@ -93,17 +93,21 @@ def cmd_demo(args) -> int:
     all_ok = True
     for res in results:
         stock, ours = res.engines["tvm-stock"], res.engines["tvm-fusion"]
-        ok = stock.ok and ours.ok
+        ok = ours.ok and (stock.ok or stock.skipped)
         all_ok &= bool(ok)
-        ratio = res.ratio("tvm-stock", "tvm-fusion")
+        speedup = res.ratio("tvm-stock", "tvm-fusion")
+        ratio = f"{speedup:.2f}x" if speedup is not None else "-"
         print(
-            f"| {res.workload} | {stock.kernels} | {ours.kernels} | "
-            f"{bench._fmt_ms(stock.median_ms)} | {bench._fmt_ms(ours.median_ms)} | "
-            f"{ratio:.2f}x | {'agree' if ok else 'DIFFER'} |"
+            f"| {res.workload} | {stock.kernels or '-'} | {ours.kernels} | "
+            f"{'skipped' if stock.skipped else bench._fmt_ms(stock.median_ms)} | "
+            f"{bench._fmt_ms(ours.median_ms)} | {ratio} | {'agree' if ok else 'DIFFER'} |"
         )
     print()
     for res in results:
         print(f"  {res.workload}: {res.expect}")
+        for ename, eres in res.engines.items():
+            if eres.skipped:
+                print(f"    {ename} skipped: {eres.skipped}")
     return 0 if all_ok else 1
 
 

@@ -34,6 +34,8 @@ class Instance:
     atol: float = 1e-4
     # Which pass this workload exercises, and what it should do (shown by demo and bench).
     expect: str = ""
+    # Engines that are not run at this size, with the reason (shown instead of a time).
+    skip: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def input_list(self) -> list[np.ndarray]:
         return list(self.inputs.values())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._common import collect_rewrites
 from .fuse_cross_entropy import FuseCrossEntropy
+from .fuse_linear_cross_entropy import FuseLinearCrossEntropy
 from .fuse_split_gates import FuseSplitGates
 from .gather_to_slice import GatherToSlice
 from .place_shape_on_host import PlaceShapeOnHost
@@ -19,6 +20,7 @@ GRAPH_PASSES: list[tuple[str, type]] = [
     ("gather_to_slice", GatherToSlice),
     ("fuse_split_gates", FuseSplitGates),
     ("fuse_cross_entropy", FuseCrossEntropy),
+    ("fuse_linear_cross_entropy", FuseLinearCrossEntropy),  # chunks what the last one made
 ]
 POST_FUSION_PASSES: list[tuple[str, type]] = [
     ("strip_bookend_views", StripBookendViews),
@@ -27,6 +29,7 @@ POST_FUSION_PASSES: list[tuple[str, type]] = [
 __all__ = [
     "GRAPH_PASSES",
     "FuseCrossEntropy",
+    "FuseLinearCrossEntropy",
     "FuseSplitGates",
     "POST_FUSION_PASSES",
     "GatherToSlice",

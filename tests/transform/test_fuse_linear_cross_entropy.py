@@ -1,0 +1,311 @@
+"""FuseLinearCrossEntropy: ``hidden @ W^T -> cross entropy`` in row chunks.
+
+The pass reads what FuseCrossEntropy emits, so every case runs both (``_passes``). Chunks are
+forced small (``rows=``) so that small shapes split.
+
+Must not fire: logits also returned, symbolic N, N within one chunk.
+"""
+
+import numpy as np
+import pytest
+import tvm
+import tvm.testing
+from helpers import Base, run
+from tvm import relax, tirx
+from tvm.relax import op as R
+
+import tvm_fusion
+from tvm_fusion import analysis, engine, models
+from tvm_fusion.models.cross_entropy import cross_entropy_np
+from tvm_fusion.transform import FuseCrossEntropy, FuseLinearCrossEntropy, collect_rewrites
+from tvm_fusion.transform.fuse_cross_entropy import GRAD_NAME, cross_entropy_rows
+from tvm_fusion.transform.fuse_linear_cross_entropy import (
+    LOGITS_GRAD_NAME,
+    chunk_rows,
+    linear_logits,
+)
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+
+
+def _passes(rows):
+    return tvm.transform.Sequential(
+        [FuseCrossEntropy(CUDA), FuseLinearCrossEntropy(CUDA, rows=rows)]
+    )
+
+
+class LCEBase(Base):
+    transform = _passes(4)
+
+
+def _lm(n, k, v, bias=False, returned=False, transposed=True, batch=None):
+    """``nll_loss(log_softmax(h @ W^T (+ b)))``; ``batch`` makes h ``(batch, n // batch, k)``
+    with the logits reshaped to ``(n, v)`` (an LM head over sequences)."""
+    h_shape = (batch, n // batch, k) if batch else (n, k)
+    h = relax.Var("h", relax.TensorType(h_shape, "float32"))
+    w = relax.Var("w", relax.TensorType((v, k) if transposed else (k, v), "float32"))
+    t = relax.Var("t", relax.TensorType((n,), "int64"))
+    params = [h, w, t]
+    if bias:
+        b = relax.Var("b", relax.TensorType((v,), "float32"))
+        params.append(b)
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            wt = bb.emit(R.permute_dims(w)) if transposed else w
+            logits = bb.emit(R.matmul(h, wt))
+            if bias:
+                logits = bb.emit(R.add(logits, b))
+            if batch:
+                logits = bb.emit(R.reshape(logits, [n, v]))
+            lsm = bb.emit(R.nn.log_softmax(logits, axis=-1))
+            loss = bb.emit(R.nn.nll_loss(lsm, t, reduction="sum"))
+            if returned:
+                out = bb.emit_output(relax.Tuple([loss, logits]))
+            else:
+                out = bb.emit_output(loss)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _expected(n, k, v, rows):
+    """What the two passes make of ``_lm(n, k, v)``, written out."""
+    h = relax.Var("h", relax.TensorType((n, k), "float32"))
+    w = relax.Var("w", relax.TensorType((v, k), "float32"))
+    t = relax.Var("t", relax.TensorType((n,), "int64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [h, w, t]):
+        with bb.dataflow():
+            bounds = list(range(rows, n, rows))
+            h_parts = bb.emit(R.split(h, bounds, axis=0))
+            t_parts = bb.emit(R.split(t, bounds, axis=0))
+            pieces = []
+            for i in range(len(bounds) + 1):
+                h_c = bb.emit(R.grad.start_checkpoint(relax.TupleGetItem(h_parts, i)))
+                logits = bb.emit(
+                    bb.call_te_with_grad(
+                        linear_logits,
+                        h_c,
+                        w,
+                        te_grad_name=LOGITS_GRAD_NAME,
+                        primfunc_name_hint="linear_logits",
+                    )
+                )
+                logits = bb.emit(R.grad.end_checkpoint(logits))
+                pieces.append(
+                    bb.emit(
+                        bb.call_te_with_grad(
+                            cross_entropy_rows,
+                            logits,
+                            relax.TupleGetItem(t_parts, i),
+                            False,
+                            te_grad_name=GRAD_NAME,
+                            te_grad_kwargs={"fast_exp": False},
+                            primfunc_name_hint="cross_entropy_rows_chunk",
+                        )
+                    )
+                )
+            packed = bb.emit(R.concat(pieces, axis=0))
+            parts = bb.emit(R.split(packed, 2, axis=1))
+            lse = bb.emit(R.reshape(relax.TupleGetItem(parts, 0), [n]))
+            xt = bb.emit(R.reshape(relax.TupleGetItem(parts, 1), [n]))
+            valid = bb.emit(R.not_equal(t, relax.const(-100, "int64")))
+            validf = bb.emit(R.astype(valid, "float32"))
+            rows_loss = bb.emit(R.multiply(bb.emit(R.subtract(lse, xt)), validf))
+            out = bb.emit_output(bb.emit(R.sum(rows_loss)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+class TestChunked(LCEBase):
+    """N = 12 in chunks of 4: three (4, V) logits chunks, never (12, V)."""
+
+    Before = _lm(12, 8, 10)
+    Expected = _expected(12, 8, 10, 4)
+
+
+class TestNoFireLogitsReturned(LCEBase):
+    """The logits are an output: they must exist whole."""
+
+    Before = _lm(12, 8, 10, returned=True)
+    Expected = FuseCrossEntropy(CUDA)(_lm(12, 8, 10, returned=True))
+
+
+class TestNoFireDynamicRows(LCEBase):
+    """Symbolic N: the chunks are static splits, so only FuseCrossEntropy applies."""
+
+    n = tirx.Var("n", "int64")
+    Before = _lm(n, 8, 10)
+    Expected = FuseCrossEntropy(CUDA)(_lm(n, 8, 10))
+
+
+class TestNoFireOneChunk(LCEBase):
+    Before = _lm(4, 8, 10)
+    Expected = FuseCrossEntropy(CUDA)(_lm(4, 8, 10))
+
+
+def test_chunk_rows_from_budget():
+    assert chunk_rows(32000) == 128  # 16 MiB of float32 logits at V = 32000
+    assert chunk_rows(10**7) == 16  # at least 16 rows
+    assert chunk_rows(1000, 1 << 20) == 256
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerics
+
+
+def _inputs(n, k, v, seed=0, bias=False, batch=None, transposed=True):
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((batch, n // batch, k) if batch else (n, k)).astype("float32")
+    w = (rng.standard_normal((v, k)) / np.sqrt(k)).astype("float32")
+    t = rng.integers(0, v, n).astype("int64")
+    t[::5] = -100
+    args = [h, w if transposed else np.ascontiguousarray(w.T), t]
+    if bias:
+        args.append(rng.standard_normal(v).astype("float32"))
+    return args
+
+
+def _reference(h, w, t, b=None, transposed=True):
+    logits = h.reshape(-1, h.shape[-1]).astype("float64") @ (w.T if transposed else w)
+    if b is not None:
+        logits = logits + b
+    valid = t != -100
+    m = logits.max(1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(1, keepdims=True)))[:, 0]
+    picked = logits[np.arange(len(t)), np.where(valid, t, 0)]
+    return np.array(((lse - picked) * valid).sum())
+
+
+@pytest.mark.parametrize(
+    ("bias", "batch", "transposed"),
+    [(False, None, True), (True, None, True), (False, 2, True), (True, None, False)],
+)
+def test_chunked_matches_stock(bias, batch, transposed):
+    n, k, v = 40, 16, 50
+    mod = _lm(n, k, v, bias=bias, batch=batch, transposed=transposed)
+    args = _inputs(n, k, v, bias=bias, batch=batch, transposed=transposed)
+    target = tvm_fusion.host_target()
+    with collect_rewrites() as counts:
+        chunked = _passes(16)(mod)
+    assert counts["FuseLinearCrossEntropy"] == 1
+    ref = _reference(*args, transposed=transposed)
+    ours_out, ours = run(chunked, args, "tvm_fusion", target)
+    stock_out, _ = run(mod, args, "stock", target)
+    np.testing.assert_allclose(ours_out[0], ref, rtol=1e-4)
+    np.testing.assert_allclose(stock_out[0], ref, rtol=1e-4)
+    allocs = analysis.allocations(ours.lowered)
+    assert all(a.elements < n * v for a in allocs if a.elements)  # no whole logits
+
+
+def test_workload_small_numbers_and_pass_fires():
+    inst = models.build("linear_cross_entropy", "small")
+    target = tvm_fusion.host_target()
+    mod = _passes(32)(inst.mod)
+    out, _ = run(mod, inst.input_list(), "tvm_fusion", target)
+    expect = inst.reference(*inst.input_list())[0]
+    np.testing.assert_allclose(out[0], expect, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        expect,
+        cross_entropy_np(inst.inputs["hidden"] @ inst.inputs["weight"].T, inst.inputs["targets"]),
+        rtol=1e-4,
+    )
+
+
+def test_peak_memory_quarter_of_unfused():
+    """Planned peak bytes (VM storage plus the largest kernel scratch): chunked <= 1/4 of the
+    unfused graph compiled by stock, at shapes where the logits dominate as they do at
+    N 2048, V 32000."""
+    n, k, v = 1024, 32, 4096
+    mod = _lm(n, k, v)
+    target = tvm_fusion.host_target()
+    stock = engine.compile_module(mod, target, "stock")
+    ours = engine.compile_module(_passes(64)(mod), target, "tvm_fusion")
+    stock_peak, ours_peak = analysis.peak_bytes(stock.lowered), analysis.peak_bytes(ours.lowered)
+    assert stock_peak >= 2 * n * v * 4  # logits and log-probs: the check can fail
+    assert ours_peak <= stock_peak / 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient
+
+
+def _adjoint(mod, args, fuse: bool, rows=16):
+    target = tvm_fusion.host_target()
+    if fuse:
+        mod = _passes(rows)(mod)
+    params = mod["main"].params
+    grad_mod = relax.transform.Gradient("main", require_grads=[params[0], params[1]])(mod)
+    compiled = engine.compile_module(grad_mod, target, "tvm_fusion" if fuse else "stock")
+    runner = engine.TvmRunner(compiled, args, function="main_adjoint")
+    return runner.outputs(), compiled, grad_mod
+
+
+def test_gradient_recomputes_chunks_and_matches_stock():
+    n, k, v = 48, 16, 40
+    mod = _lm(n, k, v)
+    args = _inputs(n, k, v, seed=3)
+    ours, compiled, grad_mod = _adjoint(mod, args, fuse=True)
+    stock, _, _ = _adjoint(mod, args, fuse=False)
+    for got, expect in zip(ours, stock, strict=True):
+        np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-5)
+    script = grad_mod["main_adjoint"].script()
+    assert "_cp" in script  # the checkpointed logits are recomputed in the backward
+    allocs = analysis.allocations(compiled.lowered)
+    assert all(a.elements < n * v for a in allocs if a.elements)
+
+
+def test_gradient_with_bias_matches_finite_differences():
+    n, k, v = 20, 6, 9
+    mod = _lm(n, k, v, bias=True)
+    args = _inputs(n, k, v, seed=4, bias=True)
+    target = tvm_fusion.host_target()
+    fused = _passes(8)(mod)
+    params = fused["main"].params
+    grad_mod = relax.transform.Gradient("main", require_grads=[params[1], params[3]])(fused)
+    compiled = engine.compile_module(grad_mod, target, "tvm_fusion")
+    outs = engine.TvmRunner(compiled, args, function="main_adjoint").outputs()
+    dw, db = outs[1], outs[2]
+    h, w, t, b = (a.astype("float64") if a.dtype != np.int64 else a for a in args)
+    eps = 1e-6
+    for which, grad in ((1, dw), (3, db)):
+        base = [h, w, t, b]
+        flat = base[which].reshape(-1)
+        numeric = np.zeros_like(flat)
+        for i in range(flat.size):
+            plus, minus = flat.copy(), flat.copy()
+            plus[i] += eps
+            minus[i] -= eps
+            up = list(base)
+            up[which] = plus.reshape(base[which].shape)
+            down = list(base)
+            down[which] = minus.reshape(base[which].shape)
+            numeric[i] = (_reference(*up) - _reference(*down)) / (2 * eps)
+        np.testing.assert_allclose(grad.reshape(-1), numeric, rtol=1e-3, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA, flags
+
+
+def test_cuda_compiles_chunked_forward():
+    mod = _passes(16)(_lm(40, 16, 50))
+    lowered = engine.compile_module(mod, CUDA, "tvm_fusion").lowered
+    names = [gv.name_hint for gv in lowered.get_global_vars()]
+    assert any(name.startswith("linear_logits") for name in names)
+
+
+def test_disabled_by_flag():
+    mod = _lm(40, 16, 50)
+    target = tvm_fusion.host_target()
+    seq = FuseLinearCrossEntropy(target, rows=16)
+    with tvm.transform.PassContext(disabled_pass=["FuseLinearCrossEntropy"]):
+        with collect_rewrites() as counts:
+            tvm.transform.Sequential([FuseCrossEntropy(target), seq])(mod)
+    assert counts["FuseLinearCrossEntropy"] == 0
+    flags = tvm_fusion.pipeline.pass_flags()
+    assert "fuse_linear_cross_entropy" in flags
+
+
+if __name__ == "__main__":
+    tvm.testing.main()
