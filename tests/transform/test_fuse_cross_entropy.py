@@ -353,22 +353,35 @@ def test_label_smoothing_reference_is_pytorch(weights):
 
 
 def test_label_smoothing_gradient_matches_finite_differences():
+    """d/dx and d/dw (the class weights enter the kernel's weighted row sum) of the smoothed,
+    weighted mean loss."""
     args = _inputs(5, 7, True, seed=8)
-    mod = smoothed_module(5, 7, 0.2, weights=True, reduction="mean")
-    loss, grad, grad_mod = _adjoint(mod, args, fuse=True)
+    mod = FuseCrossEntropy(tvm_fusion.host_target())(
+        smoothed_module(5, 7, 0.2, weights=True, reduction="mean")
+    )
+    x_var, _, w_var = mod["main"].params
+    grad_mod = relax.transform.Gradient("main", require_grads=[x_var, w_var])(mod)
     assert "log_softmax" not in grad_mod["main_adjoint"].script()
-    ref = lambda xv: cross_entropy_torch_np(xv, args[1], args[2], "mean", label_smoothing=0.2)
-    np.testing.assert_allclose(loss, ref(args[0]), rtol=1e-5)
-    x = args[0].astype("float64")
+    compiled = engine.compile_module(grad_mod, tvm_fusion.host_target(), "tvm_fusion")
+    loss, dx, dw = engine.TvmRunner(compiled, args, "main_adjoint").outputs()
+
+    def ref(xv, wv):
+        return cross_entropy_torch_np(xv, args[1], wv, "mean", label_smoothing=0.2)
+
+    x, w = args[0].astype("float64"), args[2].astype("float64")
+    np.testing.assert_allclose(loss, ref(x, w), rtol=1e-5)
     eps = 1e-6
-    numeric = np.zeros_like(x)
-    for i in range(x.shape[0]):
-        for j in range(x.shape[1]):
-            xp, xm = x.copy(), x.copy()
-            xp[i, j] += eps
-            xm[i, j] -= eps
-            numeric[i, j] = (ref(xp) - ref(xm)) / (2 * eps)
-    np.testing.assert_allclose(grad, numeric, rtol=1e-3, atol=1e-5)
+    for value, grad, other in ((x, dx, "x"), (w, dw, "w")):
+        numeric = np.zeros_like(value)
+        for index in np.ndindex(value.shape):
+            plus, minus = value.copy(), value.copy()
+            plus[index] += eps
+            minus[index] -= eps
+            if other == "x":
+                numeric[index] = (ref(plus, w) - ref(minus, w)) / (2 * eps)
+            else:
+                numeric[index] = (ref(x, plus) - ref(x, minus)) / (2 * eps)
+        np.testing.assert_allclose(grad, numeric, rtol=1e-3, atol=1e-5)
 
 
 def test_one_hot_product_and_row_mean():
@@ -596,6 +609,17 @@ def test_cuda_compiles_forward_and_backward(dynamic):
     lowered = engine.compile_module(grad_mod, CUDA, "tvm_fusion").lowered
     kernels = [f for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
     assert any("ce_grad" in f.script() for f in kernels)
+
+
+def test_cuda_compiles_label_smoothing_columns_and_gradient():
+    """Four columns (lse, x_t, sum_x, sum_wx) with class weights, and their gradient (dx, dw)."""
+    mod = FuseCrossEntropy(CUDA)(smoothed_module(16, 50, 0.1, weights=True))
+    params = mod["main"].params
+    grad_mod = relax.transform.Gradient("main", require_grads=[params[0], params[2]])(mod)
+    lowered = engine.compile_module(grad_mod, CUDA, "tvm_fusion").lowered
+    kernels = [f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert any("ce_weighted_rowsum" in k for k in kernels)
+    assert any("ce_grad_w" in k for k in kernels)
 
 
 def test_disabled_by_flag_and_context():
