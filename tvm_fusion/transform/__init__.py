@@ -12,6 +12,7 @@ from .fuse_cross_entropy import FuseCrossEntropy
 from .fuse_linear_cross_entropy import FuseLinearCrossEntropy
 from .fuse_split_gates import FuseSplitGates
 from .gather_to_slice import GatherToSlice
+from .order_for_memory import OrderForMemory
 from .place_shape_on_host import PlaceShapeOnHost
 from .strip_bookend_views import StripBookendViews
 
@@ -24,6 +25,7 @@ GRAPH_PASSES: list[tuple[str, type]] = [
 ]
 POST_FUSION_PASSES: list[tuple[str, type]] = [
     ("strip_bookend_views", StripBookendViews),
+    ("order_for_memory", OrderForMemory),
 ]
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "FuseSplitGates",
     "POST_FUSION_PASSES",
     "GatherToSlice",
+    "OrderForMemory",
     "PlaceShapeOnHost",
     "StripBookendViews",
     "collect_rewrites",
