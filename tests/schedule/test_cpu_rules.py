@@ -137,6 +137,20 @@ def test_runtime_weight_not_prepacked_but_correct(target):
     assert analysis.kernel_count(compiled.lowered) == 1
 
 
+def test_runtime_weight_packed_one_panel_at_a_time(target):
+    """A run-time weight with enough column panels for every core is packed panel by panel
+    inside the parallel panel loop: the scratch is K x NR, not a copy of the whole weight."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((64, 128)).astype("float32")
+    w = rng.standard_normal((128, 2048)).astype("float32")
+    mod = _module(CASES["matmul_runtime_weight"][0], (64, 128), (128, 2048))
+    out, compiled = run(mod, [x, w], "tvm_fusion")
+    np.testing.assert_allclose(out[0], x @ w, rtol=1e-4, atol=1e-4)
+    scratch = [a for a in analysis.allocations(compiled.lowered) if a.where != "relax"]
+    assert scratch and max(a.elements for a in scratch) <= 128 * 64  # one panel, NR <= 64
+    assert any(a.elements >= 128 * 8 for a in scratch)  # the packed panel is there
+
+
 def test_unit_reduction_with_epilogue_regression(target):
     """K = 1: dlight reports the matmul as injective; inlining the bias into it doubled it."""
     rng = np.random.default_rng(3)

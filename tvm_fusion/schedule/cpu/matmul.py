@@ -173,6 +173,11 @@ class Matmul(CPURule):
         is_const_b = b_param is not None and b_param in layout_free
         many_rows = not is_static(m_ext) or m_ext >= 16
         pack = is_const_b or many_rows
+        # A run-time B is packed one panel at a time inside the (parallel) panel loop when that
+        # loop alone feeds every core: a K x NR buffer per thread instead of a copy of all of B
+        # (the LM head's 125 MiB weight, packed again by every row chunk).
+        cores = _target.num_cores(target)
+        pb = None
         if pack and b_index is not None and is_static(j_ext) and j_ext % nr == 0:
             b_batch = [v for v in spatial if v in b_vars and v in a_vars]
             order = b_batch + outer_cols
@@ -192,8 +197,6 @@ class Matmul(CPURule):
                 pb = sch.reindex_cache_read(block, b_index, "global", index_map)
                 if is_const_b:
                     sch.annotate(pb, PREPROC, True)
-                else:
-                    self._schedule_copy(sch, pb, lanes, _target.num_cores(target))
             except Exception as err:  # noqa: BLE001
                 logger.debug("matmul: B not packed: %s", err)
                 return None
@@ -247,9 +250,31 @@ class Matmul(CPURule):
 
         outer = other_outer + [loop_of[v] for v in outer_cols] + [jo]
         outer += [io] if io is not None else []
-        parallelize_outer(sch, outer, _target.num_cores(target), min_extent_per_core=8, work=work)
+        panels = j_ext // nr if is_static(j_ext) else None
+        per_panel = (
+            pb is not None
+            and not is_const_b
+            and not other_outer
+            and not outer_cols
+            and panels is not None
+            and panels >= cores * 8
+        )
+        if pb is not None and not is_const_b and not per_panel:
+            self._schedule_copy(sch, pb, lanes, cores)
+        parallel = parallelize_outer(sch, outer, cores, min_extent_per_core=8, work=work)
+        if per_panel:
+            self._pack_per_panel(sch, pb, parallel if parallel is not None else jo, lanes, cores)
         sch.decompose_reduction(block, loop_of[k_var])
         return sch
+
+    def _pack_per_panel(self, sch, pb, panel_loop, lanes: int, cores: int) -> None:
+        """Pack B's panel under the panel loop (the loop must be the panel loop alone)."""
+        try:
+            sch.compute_at(pb, panel_loop, preserve_unit_loops=True)
+            vectorize_innermost(sch, pb, lanes)
+        except Exception as err:  # noqa: BLE001 - pack the whole B up front instead
+            logger.debug("matmul: B not packed per panel: %s", err)
+            self._schedule_copy(sch, pb, lanes, cores)
 
     @staticmethod
     def _tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[int | None, int]:
