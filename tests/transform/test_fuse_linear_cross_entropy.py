@@ -47,7 +47,7 @@ def _lm(n, k, v, bias=False, returned=False, transposed=True, batch=None):
     t = relax.Var("t", relax.TensorType((n,), "int64"))
     params = [h, w, t]
     if bias:
-        b = relax.Var("b", relax.TensorType((v,), "float32"))
+        b = relax.Var("b", relax.TensorType((1, v) if bias == "2d" else (v,), "float32"))
         params.append(b)
     bb = relax.BlockBuilder()
     with bb.function("main", params):
@@ -162,7 +162,7 @@ def _inputs(n, k, v, seed=0, bias=False, batch=None, transposed=True):
     t[::5] = -100
     args = [h, w if transposed else np.ascontiguousarray(w.T), t]
     if bias:
-        args.append(rng.standard_normal(v).astype("float32"))
+        args.append(rng.standard_normal((1, v) if bias == "2d" else v).astype("float32"))
     return args
 
 
@@ -179,7 +179,13 @@ def _reference(h, w, t, b=None, transposed=True):
 
 @pytest.mark.parametrize(
     ("bias", "batch", "transposed"),
-    [(False, None, True), (True, None, True), (False, 2, True), (True, None, False)],
+    [
+        (False, None, True),
+        (True, None, True),
+        ("2d", None, True),
+        (False, 2, True),
+        (True, None, False),
+    ],
 )
 def test_chunked_matches_stock(bias, batch, transposed):
     n, k, v = 40, 16, 50

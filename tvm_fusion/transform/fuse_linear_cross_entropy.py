@@ -257,6 +257,8 @@ class _Rewriter(PyExprMutator):
             h = bb.emit(relax.op.reshape(h, [match.n, match.k]))
         weight = self.visit_expr(match.w if match.w is not None else match.wt)
         bias = self.visit_expr(match.bias) if match.bias is not None else None
+        if bias is not None and match.w is not None and bias.ty.ndim != 1:
+            bias = bb.emit(relax.op.reshape(bias, [match.v]))  # linear_logits reads bias[j]
         args = [self.visit_expr(a) for a in call.args[1]]
         t, extra = args[1], args[2:]
         options = call.attrs.te_grad_kwargs
