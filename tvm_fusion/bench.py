@@ -187,7 +187,9 @@ def markdown_table(results: Sequence[WorkloadResult], engines: Sequence[str]) ->
     for res in results:
         stock = res.engines.get("tvm-stock")
         ours = res.engines.get("tvm-fusion")
-        kernels = f"{stock.kernels if stock else '-'}/{ours.kernels if ours else '-'}"
+        kernels = "/".join(
+            "-" if r is None or r.kernels is None else str(r.kernels) for r in (stock, ours)
+        )
         row = [res.workload, kernels]
         row += [
             _fmt_ms(res.engines[e].median_ms)
@@ -200,6 +202,14 @@ def markdown_table(results: Sequence[WorkloadResult], engines: Sequence[str]) ->
         bad = [e for e, r in res.engines.items() if r.ok is False]
         row.append("ok" if not bad else "MISMATCH: " + ",".join(bad))
         lines.append("| " + " | ".join(row) + " |")
+    notes = [
+        f"- {res.workload}, {name}: {r.skipped}"
+        for res in results
+        for name, r in res.engines.items()
+        if r.skipped
+    ]
+    if notes:
+        lines += ["", "Skipped:", *notes]
     return "\n".join(lines)
 
 
