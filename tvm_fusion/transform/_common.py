@@ -46,6 +46,37 @@ def skip(logger: logging.Logger, what: str, reason: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Relax expression helpers
+
+
+def op_name(expr) -> str | None:
+    """``"relax.<op>"`` of a call to a Relax operator, else None."""
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return expr.op.name
+    return None
+
+
+def vars_in(expr) -> list:
+    """Every Relax variable ``expr`` reads, once per occurrence."""
+    found: list = []
+
+    def visit(e):
+        if isinstance(e, relax.Var):
+            found.append(e)
+
+    relax.analysis.post_order_visit(expr, visit)
+    return found
+
+
+def use_counts(func: relax.Function) -> dict:
+    """``var -> occurrences`` of every variable read in ``func``'s body."""
+    counts: dict = {}
+    for var in vars_in(func.body):
+        counts[var] = counts.get(var, 0) + 1
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
 # Struct-info helpers
 
 

@@ -53,7 +53,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.relax.training.utils import register_global_func
 
 from .. import target as _target
-from ._common import get_logger, record_rewrite, skip
+from ._common import get_logger, op_name, record_rewrite, skip, vars_in
 
 logger = get_logger(__name__)
 NAME = "FuseCrossEntropy"
@@ -244,23 +244,6 @@ class FuseCrossEntropy:
         return mod
 
 
-def _op_name(expr) -> str | None:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    return None
-
-
-def _vars_in(expr) -> list:
-    found: list = []
-
-    def visit(e):
-        if isinstance(e, relax.Var):
-            found.append(e)
-
-    relax.analysis.post_order_visit(expr, visit)
-    return found
-
-
 def _consumers(func: relax.Function) -> dict:
     """``var -> [(binding var or None, value)]``: every binding (or the function's result, with
     ``None``) that reads ``var``, once per occurrence."""
@@ -268,9 +251,9 @@ def _consumers(func: relax.Function) -> dict:
     body = func.body
     for block in body.blocks:
         for binding in block.bindings:
-            for var in _vars_in(binding.value):
+            for var in vars_in(binding.value):
                 out.setdefault(var, []).append((binding.var, binding.value))
-    for var in _vars_in(body.body):
+    for var in vars_in(body.body):
         out.setdefault(var, []).append((None, body.body))
     return out
 
@@ -475,7 +458,7 @@ def _plans(func: relax.Function) -> list:
             position += 1
     plans = []
     for lsm, value in var2val.items():
-        if _op_name(value) == "relax.nn.log_softmax":
+        if op_name(value) == "relax.nn.log_softmax":
             plan = _plan(lsm, value, var2val, consumers, order)
             if plan is not None:
                 plans.append(plan)
@@ -538,11 +521,11 @@ def _row_axis(call: relax.Call) -> bool:
 
 def _add_use(plan: _Plan, bvar, value, n, v, consumers, var2val) -> str | None:
     """Record one use of ``L``; a reason when the kernel cannot serve it."""
-    name = _op_name(value)
+    name = op_name(value)
     lsm = plan.lsm
     if bvar is None:
         return "the log-probabilities are returned"
-    if sum(1 for arg in _vars_in(value) if arg.same_as(lsm)) != 1:
+    if sum(1 for arg in vars_in(value) if arg.same_as(lsm)) != 1:
         return f"{name} reads the log-probabilities twice"
     if name == "relax.gather_elements":
         reason = _gather_reason(value, lsm, n)
@@ -583,8 +566,8 @@ def _add_product(plan: _Plan, bvar, value, n, v, consumers, var2val) -> str | No
         return "L * m is used other than by one row sum or gather"
     reader_var, reader = readers[0]
     hot = var2val.get(other) if isinstance(other, relax.Var) else None
-    if _op_name(hot) == "relax.one_hot":
-        if _op_name(reader) != "relax.sum" or not _row_axis(reader):
+    if op_name(hot) == "relax.one_hot":
+        if op_name(reader) != "relax.sum" or not _row_axis(reader):
             return "L * one_hot is not summed over the classes"
         t = hot.args[0]
         on, off = hot.args[1], hot.args[2]
@@ -597,13 +580,13 @@ def _add_product(plan: _Plan, bvar, value, n, v, consumers, var2val) -> str | No
     if not _class_weights(other, v):
         return "L is multiplied by something other than a one-hot or (V,) weights"
     other = _view_source(other, var2val, v)
-    if _op_name(reader) == "relax.gather_elements":
+    if op_name(reader) == "relax.gather_elements":
         reason = _gather_reason(reader, bvar, n)
         if reason:
             return reason
         plan.uses.append(_Use("wgather", reader_var, reader, weights=other))
         return _set_pick(plan, ("gather", reader.args[1]))
-    if _op_name(reader) != "relax.sum" or not _row_axis(reader):
+    if op_name(reader) != "relax.sum" or not _row_axis(reader):
         return "L * w is neither summed over the classes nor gathered"
     if plan.weights is not None and not plan.weights.same_as(other):
         return "two different class weightings summed"
@@ -617,7 +600,7 @@ def _view_source(expr, var2val, v):
     they view (exporters emit ``w.view(1, V)`` right before each use; the kernel needs a value
     that exists at the first use of the log-probabilities)."""
     views = ("relax.reshape", "relax.expand_dims", "relax.squeeze")
-    while isinstance(expr, relax.Var) and _op_name(var2val.get(expr)) in views:
+    while isinstance(expr, relax.Var) and op_name(var2val.get(expr)) in views:
         source = var2val[expr].args[0]
         if not _class_weights(source, v):
             break

@@ -35,7 +35,7 @@ from tvm import IRModule, relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.relax.training.utils import register_global_func
 
-from ._common import get_logger, record_rewrite, skip
+from ._common import get_logger, op_name, record_rewrite, skip, use_counts
 from .fuse_cross_entropy import GRAD_NAME, cross_entropy_rows
 from .fuse_cross_entropy import register_gradient as register_ce_gradient
 
@@ -108,12 +108,6 @@ class FuseLinearCrossEntropy:
         return mod
 
 
-def _op_name(expr) -> str | None:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    return None
-
-
 def _static(shape) -> list[int] | None:
     if not isinstance(shape, relax.ShapeExpr):
         return None
@@ -121,17 +115,6 @@ def _static(shape) -> list[int] | None:
     if not all(isinstance(d, tirx.IntImm) for d in dims):
         return None
     return [int(d.value) for d in dims]
-
-
-def _use_counts(func: relax.Function) -> dict:
-    counts: dict = {}
-
-    def visit(expr):
-        if isinstance(expr, relax.Var):
-            counts[expr] = counts.get(expr, 0) + 1
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return counts
 
 
 class _Match:
@@ -165,7 +148,7 @@ class _Rewriter(PyExprMutator):
                 for value in self.var2val.values()
             ):
                 continue
-            self.uses = _use_counts(func)
+            self.uses = use_counts(func)
             new_func = self.visit_expr(func)
             new_func = relax.analysis.remove_all_unused(new_func)
             self.builder_.update_func(gv, new_func)
@@ -178,7 +161,7 @@ class _Rewriter(PyExprMutator):
         return mod
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
-        if _op_name(call) == "relax.call_tir_with_grad" and str(call.attrs.te_grad_name) == (
+        if op_name(call) == "relax.call_tir_with_grad" and str(call.attrs.te_grad_name) == (
             GRAD_NAME
         ):
             match = self._match(call)
@@ -206,21 +189,21 @@ class _Rewriter(PyExprMutator):
         value = self._single_use_value(logits, what, "the logits")
         if value is None:
             return None
-        if _op_name(value) == "relax.reshape":
+        if op_name(value) == "relax.reshape":
             value = self._single_use_value(value.args[0], what, "the unreshaped logits")
             if value is None:
                 return None
         bias = None
-        if _op_name(value) == "relax.add":
+        if op_name(value) == "relax.add":
             a, b = value.args
-            mm = a if _op_name(self.var2val.get(a)) == "relax.matmul" else b
+            mm = a if op_name(self.var2val.get(a)) == "relax.matmul" else b
             bias = b if mm.same_as(a) else a
             if _static(bias.ty.shape) not in ([v], [1, v]):
                 return _leave(what, "the add after the matmul is no (V,) bias")
             value = self._single_use_value(mm, what, "the matmul")
             if value is None:
                 return None
-        if _op_name(value) != "relax.matmul":
+        if op_name(value) != "relax.matmul":
             return _leave(what, "the logits are not a matmul")
         h, wt = value.args
         if value.attrs.out_dtype and str(value.attrs.out_dtype) not in ("", "void", "float32"):
@@ -241,7 +224,7 @@ class _Rewriter(PyExprMutator):
             return _leave(what, f"N = {n} fits one chunk of {rows} rows")
         w = None
         transpose = self.var2val.get(wt) if isinstance(wt, relax.Var) else None
-        if _op_name(transpose) == "relax.permute_dims" and (
+        if op_name(transpose) == "relax.permute_dims" and (
             transpose.attrs.axes is None or [int(a) for a in transpose.attrs.axes] == [1, 0]
         ):
             w = transpose.args[0]

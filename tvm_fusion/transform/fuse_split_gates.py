@@ -44,7 +44,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import legalize as _legalize
 from .. import target as _target
-from ._common import get_logger, record_rewrite, skip
+from ._common import get_logger, record_rewrite, skip, vars_in
 
 logger = get_logger(__name__)
 NAME = "FuseSplitGates"
@@ -153,22 +153,11 @@ class _Block:
         self.outputs = outputs  # vars used after the block (non-dataflow)
         self.users: dict = {}
         for b in self.bindings:
-            for v in _vars_of(b.value):
+            for v in vars_in(b.value):
                 self.users.setdefault(v, []).append(b.var)
 
     def single_use(self, var) -> bool:
         return self.uses.get(var, 0) == 1 and var not in self.outputs
-
-
-def _vars_of(expr) -> list:
-    found: list = []
-
-    def visit(e):
-        if isinstance(e, relax.Var):
-            found.append(e)
-
-    relax.analysis.post_order_visit(expr, visit)
-    return found
 
 
 def _find_gemms(blk: _Block) -> list[_Gemm]:
@@ -439,7 +428,7 @@ def _broadcastable(arg, out_shape) -> bool:
 
 
 def _depends_on(blk: _Block, expr, region: set) -> bool:
-    stack = [v for v in _vars_of(expr)]
+    stack = [v for v in vars_in(expr)]
     seen = set()
     while stack:
         v = stack.pop()
@@ -448,7 +437,7 @@ def _depends_on(blk: _Block, expr, region: set) -> bool:
         if v in seen or v not in blk.value:
             continue
         seen.add(v)
-        stack.extend(_vars_of(blk.value[v]))
+        stack.extend(vars_in(blk.value[v]))
     return False
 
 
@@ -558,7 +547,7 @@ class _Rewriter(PyExprMutator):
             if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
                 continue
             self.uses = {}
-            for v in _vars_of(func.body):
+            for v in vars_in(func.body):
                 self.uses[v] = self.uses.get(v, 0) + 1
             new_func = self.visit_expr(func)
             new_func = relax.analysis.remove_all_unused(new_func)
@@ -601,7 +590,7 @@ class _Rewriter(PyExprMutator):
         for b in blk.bindings:
             if b.var in region:
                 continue
-            if any(v in region or v in dependents for v in _vars_of(b.value)):
+            if any(v in region or v in dependents for v in vars_in(b.value)):
                 dependents.add(b.var)
         self.builder_._begin_dataflow_block()
         for b in blk.bindings:

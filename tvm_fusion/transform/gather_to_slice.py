@@ -45,7 +45,7 @@ from tvm.ir import PrimType
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import get_logger, record_rewrite, skip
+from ._common import get_logger, op_name, record_rewrite, skip
 
 logger = get_logger(__name__)
 NAME = "GatherToSlice"
@@ -89,12 +89,6 @@ def _is_prim(expr) -> bool:
     return isinstance(getattr(expr, "ty", None), PrimType)
 
 
-def _op_name(expr) -> str | None:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    return None
-
-
 class _Values:
     """Reads what an index expression computes, looking through variable bindings."""
 
@@ -120,7 +114,7 @@ class _Values:
             if arr.size == 1 and arr.dtype.name in _INT:
                 return _i64(int(arr.reshape(-1)[0]))
             return None
-        name = _op_name(expr)
+        name = op_name(expr)
         if name in ("relax.reshape", "relax.squeeze", "relax.astype") and expr.args:
             return self.scalar(expr.args[0])
         if name == "relax.take":
@@ -136,12 +130,12 @@ class _Values:
     def shape_values(self, expr) -> list | None:
         """``shape_to_tensor(shape)`` as the list of its PrimExprs."""
         expr = self.resolve(expr)
-        if _op_name(expr) != "relax.shape_to_tensor":
+        if op_name(expr) != "relax.shape_to_tensor":
             return None
         shape = self.resolve(expr.args[0])
         if isinstance(shape, relax.ShapeExpr):
             return list(shape.values)
-        if _op_name(shape) == "relax.shape_of":
+        if op_name(shape) == "relax.shape_of":
             sinfo = shape.args[0].ty
             if isinstance(sinfo, relax.TensorType) and isinstance(sinfo.shape, relax.ShapeExpr):
                 return list(sinfo.shape.values)
@@ -157,7 +151,7 @@ class _Values:
             return None
         if isinstance(expr, GenericConst):
             return _from_array(expr.value.numpy())
-        name = _op_name(expr)
+        name = op_name(expr)
         if name == "relax.arange":
             start, _end, step = expr.args
             if not isinstance(step, tirx.IntImm) or int(step.value) == 0:
@@ -206,7 +200,7 @@ class _Values:
     def _normalised(self, where, analyzer) -> Progression | None:
         """``where(less(i, 0), add(i, dim), i)``: the ONNX importer's negative-index fix."""
         cond, wrapped, plain = (self.resolve(a) for a in where.args)
-        if _op_name(cond) != "relax.less" or _op_name(wrapped) != "relax.add":
+        if op_name(cond) != "relax.less" or op_name(wrapped) != "relax.add":
             return None
         zero = self.scalar(cond.args[1])
         if zero is None or not isinstance(zero, tirx.IntImm) or int(zero.value) != 0:
@@ -261,7 +255,7 @@ class _Rewriter(PyExprMutator):
         return self.builder_.get()
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
-        name = _op_name(call)
+        name = op_name(call)
         if name == "relax.take":
             replaced = self._rewrite(call)
         elif name == "relax.grad.take_backward":

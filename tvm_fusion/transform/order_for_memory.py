@@ -32,7 +32,7 @@ from __future__ import annotations
 import tvm
 from tvm import IRModule, relax, tirx
 
-from ._common import get_logger, record_rewrite
+from ._common import get_logger, record_rewrite, vars_in
 
 logger = get_logger(__name__)
 NAME = "OrderForMemory"
@@ -53,17 +53,6 @@ def _bytes(sinfo) -> int | None:
             return None
         total *= int(d.value)
     return total
-
-
-def _vars_in(expr) -> list:
-    found: list = []
-
-    def visit(e):
-        if isinstance(e, relax.Var):
-            found.append(e)
-
-    relax.analysis.post_order_visit(expr, visit)
-    return found
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -218,7 +207,7 @@ def _reorder(bindings: list):
     index_of_var = {}
     for i, b in enumerate(bindings):
         index_of_var[b.var] = i
-    inputs = [[v for v in _vars_in(b.value) if v in index_of_var] for b in bindings]
+    inputs = [[v for v in vars_in(b.value) if v in index_of_var] for b in bindings]
     sizes = [_bytes(b.var.ty) for b in bindings]
     if any(s is None for s in sizes):
         return bindings, 0

@@ -42,7 +42,7 @@ from tvm.ir import PrimType
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import get_logger, record_rewrite, skip
+from ._common import get_logger, op_name, record_rewrite, skip
 
 logger = get_logger(__name__)
 NAME = "PlaceShapeOnHost"
@@ -77,15 +77,9 @@ _LOGICAL = {
 _PASS_THROUGH = ("relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.flatten")
 
 
-def _op_name(expr) -> str | None:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    return None
-
-
 def _is_to_shape(expr) -> bool:
     """``R.tensor_to_shape(t)`` or the importer's ``call_packed("vm.builtin.tensor_to_shape")``."""
-    if _op_name(expr) == "relax.tensor_to_shape":
+    if op_name(expr) == "relax.tensor_to_shape":
         return True
     return (
         isinstance(expr, relax.Call)
@@ -206,7 +200,7 @@ class _Evaluator:
                 return self.fail(f"{sinfo.dtype} tensor")
             if sinfo.ndim not in (0, 1):
                 return self.fail(f"rank-{sinfo.ndim} tensor")
-        name = _op_name(expr)
+        name = op_name(expr)
         if name is None:
             return self.fail(f"{type(expr).__name__} is not an op")
         handler = getattr(self, "_" + name.removeprefix("relax.").replace(".", "_"), None)
@@ -235,7 +229,7 @@ class _Evaluator:
         shape = self.resolve(shape)
         if isinstance(shape, relax.ShapeExpr):
             return list(shape.values)
-        if _op_name(shape) == "relax.shape_of":
+        if op_name(shape) == "relax.shape_of":
             sinfo = shape.args[0].ty
             if isinstance(sinfo, relax.TensorType) and isinstance(sinfo.shape, relax.ShapeExpr):
                 return list(sinfo.shape.values)
@@ -374,7 +368,7 @@ class _Evaluator:
 
     def _rounded(self, expr, up: bool) -> _Value | None:
         inner = self.resolve(expr.args[0])
-        if _op_name(inner) != "relax.divide":
+        if op_name(inner) != "relax.divide":
             return self.value(expr.args[0])  # exact integers round to themselves
         lhs, rhs = self.value(inner.args[0]), self.value(inner.args[1])
         if lhs is None or rhs is None:
@@ -675,7 +669,7 @@ class _Rewriter(PyExprMutator):
         for value in uses.get(var, []):
             if value is None:  # returned from the function
                 return False
-            name = _op_name(value)
+            name = op_name(value)
             if _is_to_shape(value):
                 continue
             if name == "relax.dynamic_strided_slice" and not value.args[0].same_as(var):
@@ -701,7 +695,7 @@ class _Rewriter(PyExprMutator):
             self.builder_.match_cast(shape, relax.ShapeType(dims))
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
-        name = _op_name(call)
+        name = op_name(call)
         if _is_to_shape(call):
             value = self._evaluate(call.args[0], "tensor_to_shape")
             if value is not None and value.rank == 1 and not any(map(_is_bool, value.elems)):
