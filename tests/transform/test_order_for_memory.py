@@ -13,6 +13,7 @@ from tvm.relax import op as R
 
 import tvm_fusion
 from tvm_fusion import analysis, engine
+from tvm_fusion.models.cross_entropy import lm_head_module
 from tvm_fusion.transform import (
     FuseCrossEntropy,
     FuseLinearCrossEntropy,
@@ -83,20 +84,6 @@ class TestNoFireSymbolicSizes(OrderBase):
     Expected = Before
 
 
-def _lm(n, k, v):
-    h = relax.Var("h", relax.TensorType((n, k), "float32"))
-    w = relax.Var("w", relax.TensorType((v, k), "float32"))
-    t = relax.Var("t", relax.TensorType((n,), "int64"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [h, w, t]):
-        with bb.dataflow():
-            logits = bb.emit(R.matmul(h, bb.emit(R.permute_dims(w))))
-            lsm = bb.emit(R.nn.log_softmax(logits, axis=-1))
-            out = bb.emit_output(R.nn.nll_loss(lsm, t, reduction="sum"))
-        bb.emit_func_output(out)
-    return bb.get()
-
-
 def test_chunked_backward_keeps_one_chunk_alive():
     """FuseLinearCrossEntropy's backward: FuseOps computes every chunk's logit gradient before
     the first matmul reads one, and fuses the weight-gradient accumulation into one group of
@@ -105,7 +92,7 @@ def test_chunked_backward_keeps_one_chunk_alive():
     target = tvm_fusion.host_target()
     mod = tvm.transform.Sequential(
         [FuseCrossEntropy(target), FuseLinearCrossEntropy(target, rows=rows)]
-    )(_lm(n, k, v))
+    )(lm_head_module(n, k, v, reduction="sum"))
     params = mod["main"].params
     grad = relax.transform.Gradient("main", require_grads=[params[0], params[1]])(mod)
     rng = np.random.default_rng(0)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import numpy as np
+import tvm
 from tvm import relax
 from tvm.relax import op as R
 
@@ -204,6 +205,22 @@ def smoothed_module(
     return bb.get()
 
 
+def lm_head_module(n, hidden, vocab, reduction="mean") -> tvm.IRModule:
+    """``nll_loss(log_softmax(hidden @ weight^T), targets)``: an LM head's loss as exported,
+    params ``hidden`` (N, hidden), ``weight`` (vocab, hidden), ``targets`` (N,)."""
+    h = tensor_var("hidden", (n, hidden))
+    w = tensor_var("weight", (vocab, hidden))
+    t = tensor_var("targets", (n,), "int64")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [h, w, t]):
+        with bb.dataflow():
+            logits = bb.emit(R.matmul(h, bb.emit(R.permute_dims(w))))
+            lsm = bb.emit(R.nn.log_softmax(logits, axis=-1))
+            out = bb.emit_output(R.nn.nll_loss(lsm, t, reduction=reduction))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
 @register(
     "linear_cross_entropy",
     "cross_entropy",
@@ -219,17 +236,7 @@ def linear_cross_entropy(size: str = "seed", dynamic: bool = False) -> Instance:
     t_np = gen.integers(0, vocab, size=n_val).astype("int64")
     t_np[::7] = IGNORE_INDEX
 
-    n = dim("n", n_val, dynamic)
-    h = tensor_var("hidden", (n, hidden))
-    w = tensor_var("weight", (vocab, hidden))
-    t = tensor_var("targets", (n,), "int64")
-    bb = relax.BlockBuilder()
-    with bb.function("main", [h, w, t]):
-        with bb.dataflow():
-            logits = bb.emit(R.matmul(h, bb.emit(R.permute_dims(w))))
-            lsm = bb.emit(R.nn.log_softmax(logits, axis=-1))
-            out = bb.emit_output(R.nn.nll_loss(lsm, t, reduction="mean"))
-        bb.emit_func_output(out)
+    mod = lm_head_module(dim("n", n_val, dynamic), hidden, vocab)
 
     def reference(hidden_states, weight, targets):
         logits = hidden_states.astype("float64") @ weight.astype("float64").T
@@ -274,7 +281,7 @@ def linear_cross_entropy(size: str = "seed", dynamic: bool = False) -> Instance:
         )
     return Instance(
         "linear_cross_entropy",
-        bb.get(),
+        mod,
         {"hidden": h_np, "weight": w_np, "targets": t_np},
         reference,
         model,

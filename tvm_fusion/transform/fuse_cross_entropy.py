@@ -228,8 +228,8 @@ def register_gradient() -> None:
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
 class FuseCrossEntropy:
-    """``log_softmax -> gather_elements / nll_loss`` as one pass over the logits per row (see
-    the module docstring)."""
+    """``log_softmax`` and every reader of it (gathers, nll_loss, row sums) as one pass over
+    the logits per row (see the module docstring)."""
 
     def __init__(self, target=None):
         self.target = target
