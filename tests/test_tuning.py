@@ -8,12 +8,13 @@ import time
 
 import numpy as np
 import pytest
+import tvm
 from helpers import run
 from tvm import relax
 from tvm.relax import op as R
 
 import tvm_fusion
-from tvm_fusion import tuning
+from tvm_fusion import tir_util, tuning
 from tvm_fusion.errors import UsageError
 
 
@@ -42,6 +43,7 @@ def test_tune_resume_and_apply(tmp_path):
     lines = []
     report = tuning.tune(mod, target, tmp_path, trials=4, progress=lines.append)
     assert report.trials_before == 0 and report.trials_after == 4
+    assert report.wrong == []  # the best record computes what the unscheduled function does
     assert report.tasks and any(line.startswith("task 1/") for line in lines)
     assert any(line.startswith("seeded ") for line in lines), lines  # our schedule recorded
     assert (tmp_path / "database_tuning_record.json").stat().st_size > 0
@@ -123,3 +125,36 @@ def test_stock_pipeline_tuned_with_the_same_budget(tmp_path):
         for f in compiled.lowered.functions.values()
         if hasattr(f, "attrs")
     )
+
+
+def test_record_is_correct_tells_a_wrong_schedule():
+    """The gate group's bias repacked the way MetaSchedule's RewriteLayout did it before
+    KeepLayoutFreeWeights (C[v] read as C_global[v % width], every gate reading gate 0's
+    bias): the check must reject that record and accept the identity one."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_fusion import models
+
+    inst = models.build("gate_2890", "small")
+    target = tvm_fusion.host_target()
+    fused = tuning.fused_module(inst.mod, target)
+    (task,) = ms.relax_integration.extract_tasks(fused, target)
+    workload = task.dispatched[0]
+    func = workload["main"]
+    database = ms.database.MemoryDatabase()
+
+    def record(sch):
+        args = ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True)
+        entry = database.commit_workload(workload)
+        return ms.database.TuningRecord(sch.trace, entry, [1e-6], target, args)
+
+    assert tuning.record_is_correct(record(tvm.s_tir.Schedule(workload)), target) is True
+
+    (bias,) = [p for p in func.params if p.name == "C"]
+    (reader,) = [b for b in tir_util.blocks(func) if any(r.source.same_as(bias) for r in b.reads)]
+    index = [i for i, r in enumerate(reader.reads) if r.source.same_as(bias)][0]
+    width = int(func.attrs["tvm_fusion.gate_fusion"]["width"])
+    sch = tvm.s_tir.Schedule(workload)
+    cached = sch.cache_read(sch.get_sblock(reader.name_hint), index, "global")
+    sch.transform_layout(cached, ("write", 0), lambda v: (v % width,))
+    assert tuning.record_is_correct(record(sch), target) is False

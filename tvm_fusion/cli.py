@@ -161,6 +161,13 @@ def cmd_tune(args) -> int:
         **options,
     )
     print(report.to_text())
+    if report.wrong:
+        print(
+            f"error: the best schedule of {', '.join(report.wrong)} computes different numbers "
+            "than the unscheduled function; do not apply this database",
+            file=sys.stderr,
+        )
+        return 1
     print(f"apply it with: tvm-fusion compile {args.model} --tuning-db {args.work_dir} -o OUT.so")
     return 0
 

@@ -84,6 +84,7 @@ class TuneReport:
     trials_after: int
     seconds: float
     best_ms: dict[str, float]  # task name -> best measured latency
+    wrong: list[str] = dataclasses.field(default_factory=list)  # best record disagrees
 
     def to_text(self) -> str:
         lines = [
@@ -92,7 +93,10 @@ class TuneReport:
         ]
         for name in self.tasks:
             best = self.best_ms.get(name)
-            lines.append(f"  {name}: best {best:.4f} ms" if best is not None else f"  {name}: -")
+            line = f"  {name}: best {best:.4f} ms" if best is not None else f"  {name}: -"
+            if name in self.wrong:
+                line += "  WRONG: its numbers differ from the unscheduled function"
+            lines.append(line)
         return "\n".join(lines)
 
 
@@ -101,6 +105,46 @@ def _records(database: ms.database.JSONDatabase, mod: tvm.IRModule, limit: int) 
     if not database.has_workload(mod):
         return []
     return list(database.get_top_k(database.commit_workload(mod), limit))
+
+
+def record_is_correct(record, target, rtol: float = 1e-3, atol: float = 1e-4) -> bool | None:
+    """Run ``record``'s schedule and its unscheduled workload on the same random inputs and
+    compare every buffer afterwards. None where that cannot be checked here (a non-CPU target,
+    symbolic shapes). MetaSchedule measures speed only; a candidate that computes something
+    else is still recorded, and the fastest one wins (see ``KeepLayoutFreeWeights``)."""
+    import numpy as np
+
+    from .target import is_cpu
+
+    if not is_cpu(target):
+        return None
+    workload = record.workload.mod
+    infos = ms.arg_info.ArgInfo.from_prim_func(workload["main"])
+    shapes = []
+    for info in infos:
+        if not all(isinstance(d, int | tvm.tirx.IntImm) for d in info.shape):
+            return None
+        shapes.append(([int(d) for d in info.shape], str(info.dtype)))
+    sch = tvm.s_tir.Schedule(workload)
+    record.trace.apply_to_schedule(sch, remove_postproc=False)
+    rng = np.random.default_rng(0)
+    dev = tvm.cpu()
+    data = [
+        rng.standard_normal(shape).astype(dtype)
+        if dtype.startswith(("float", "bfloat"))
+        else np.zeros(shape, dtype)  # indices: 0 is in range for every gather
+        for shape, dtype in shapes
+    ]
+    results = []
+    for mod in (workload, sch.mod):
+        func = tvm.compile(mod, target=target)
+        args = [tvm.runtime.tensor(d, dev) for d in data]
+        func(*args)
+        results.append([a.numpy() for a in args])
+    return all(
+        np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        for a, b in zip(*results, strict=True)
+    )
 
 
 def trials_spent(work_dir: str | Path) -> int:
@@ -313,7 +357,13 @@ def tune(
     else:
         say(f"nothing left to tune: {before} record(s) for a budget of {trials}")
     after = trials_spent(work_dir)
-    best = {t.task_name: _best_ms(_records(database, t.dispatched[0], 1)) for t in tasks}
+    best, wrong = {}, []
+    for t in tasks:
+        top = _records(database, t.dispatched[0], 1)
+        best[t.task_name] = _best_ms(top)
+        if top and record_is_correct(top[0], tgt) is False:
+            wrong.append(t.task_name)
+            say(f"{t.task_name}: the best record computes different numbers; not usable")
     return TuneReport(
         str(work_dir),
         names,
@@ -321,4 +371,5 @@ def tune(
         after,
         time.perf_counter() - start,
         {k: v for k, v in best.items() if v is not None},
+        wrong,
     )

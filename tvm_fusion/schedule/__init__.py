@@ -38,8 +38,64 @@ def default_schedule_pass(target: Target) -> tvm.transform.Pass:
 
 
 def prepare_passes() -> list[tvm.transform.Pass]:
-    """Before scheduling: mark PrimFunc parameters bound to constants as layout-free."""
-    return [relax.transform.AttachAttrLayoutFreeBuffers()]
+    """Before scheduling: mark PrimFunc parameters bound to constants as layout-free, then keep
+    that mark on GEMM weights only (:class:`KeepLayoutFreeWeights`)."""
+    return [relax.transform.AttachAttrLayoutFreeBuffers(), KeepLayoutFreeWeights()]
+
+
+def _weight_params(func) -> list[int]:
+    """Indices of ``func``'s parameters read by exactly one block, a block with a reduction
+    iterator (a GEMM's weight), and read there once."""
+    from ..tir_util import blocks
+
+    readers: dict[int, list] = {}
+    for block in blocks(func):
+        for region in block.reads:
+            for i, param in enumerate(func.params):
+                if param.same_as(region.source):
+                    readers.setdefault(i, []).append(block)
+    return [
+        i
+        for i, found in readers.items()
+        if len(found) == 1 and any(iv.iter_type == iv.CommReduce for iv in found[0].iter_vars)
+    ]
+
+
+@tvm.transform.module_pass(opt_level=0, name="KeepLayoutFreeWeights")
+class KeepLayoutFreeWeights:
+    """``layout_free_buffers`` on the weights of reductions only.
+
+    ``AttachAttrLayoutFreeBuffers`` marks every constant parameter, biases included.
+    MetaSchedule's RewriteLayout postproc then derives a layout for each from one of its reads
+    after AutoInline; a bias read three times with constant offsets (``C[v]``, ``C[16 + v]``,
+    ``C[32 + v]``, a fused gate epilogue) got the non-bijective ``C[v] -> C_global[v % 16]``
+    and every gate read gate 0's bias: a candidate 2x faster and wrong, which then won the
+    tuning run (apache-tvm 0.27). Repacking a bias gains nothing; the weights that a GEMM
+    reads once keep the mark (our Matmul rule and MetaSchedule pack those).
+    """
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        changed = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tvm.tirx.PrimFunc) or not func.attrs:
+                continue
+            marked = func.attrs.get("layout_free_buffers", None)
+            if marked is None:
+                continue
+            weights = set(_weight_params(func))
+            keep = [int(i) for i in marked if int(i) in weights]
+            if len(keep) == len(marked):
+                continue
+            if keep:
+                changed[gv] = func.with_attr("layout_free_buffers", keep)
+            else:
+                changed[gv] = func.without_attr("layout_free_buffers")
+        if not changed:
+            return mod
+        mod = tvm.IRModule(mod.functions, mod.attrs)
+        for gv, func in changed.items():
+            mod[gv] = func
+        return mod
 
 
 def finish_passes() -> list[tvm.transform.Pass]:
