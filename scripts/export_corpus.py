@@ -1,0 +1,386 @@
+#!/usr/bin/env python3
+"""Export the real-model corpus: small transformers / torch.nn models to ONNX under tests/corpus.
+
+Needs torch, transformers and onnxscript (not project dependencies: CI reads the checked-in
+files). Every model is built from a small config in code with random weights (no hub
+downloads), exported with the TorchScript exporter (``dynamo=False``) and, where it works, the
+dynamo exporter, with dynamic batch/sequence axes. For each export this writes
+
+    tests/corpus/NAME.onnx    the model (weights inside)
+    tests/corpus/NAME.npz     inputs ("in:NAME") at shapes other than the export's, and ONNX
+                              Runtime's outputs ("out:NAME") on them
+and tests/corpus/manifest.json: per model its exporter, inputs, dynamic axes, and what the
+patterns in it are (which of our passes should fire), or why an export was skipped.
+
+    python scripts/export_corpus.py            # all
+    python scripts/export_corpus.py gpt2 lstm_cell
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+OUT = Path(__file__).resolve().parents[1] / "tests" / "corpus"
+OPSET = {"torchscript": 17, "dynamo": 18}  # the dynamo exporter starts at 18
+VOCAB = 128
+
+
+def _seed():
+    import torch
+
+    torch.manual_seed(0)
+    np.random.seed(0)
+
+
+def _tokens(batch, seq, vocab=VOCAB):
+    import torch
+
+    return torch.randint(0, vocab, (batch, seq), dtype=torch.int64)
+
+
+
+def xlnet():
+    import torch
+    from transformers import XLNetConfig, XLNetModel
+
+    cfg = XLNetConfig(
+        vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2, d_inner=64, dropout=0.0
+    )
+    model = XLNetModel(cfg).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids):
+            return self.m(input_ids=input_ids, use_mems=False, return_dict=False)[0]
+
+    def inputs(b, s):
+        return {"input_ids": _tokens(b, s)}
+
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "hidden": {0: "batch", 1: "seq"}}
+    return Wrap(), inputs, ["hidden"], axes, ["gather_to_slice (rel_shift index_select)"]
+
+
+def bert_mlm():
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
+    model = BertForMaskedLM(cfg).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask, labels):
+            out = self.m(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                return_dict=False,
+            )
+            return out[0], out[1]
+
+    def inputs(b, s):
+        labels = _tokens(b, s)
+        labels[:, ::3] = -100  # unmasked positions: ignore_index
+        mask = torch.ones(b, s, dtype=torch.int64)
+        mask[0, -1] = 0
+        return {"input_ids": _tokens(b, s), "attention_mask": mask, "labels": labels}
+
+    dyn = {0: "batch", 1: "seq"}
+    axes = {"input_ids": dyn, "attention_mask": dyn, "labels": dyn, "logits": dyn}
+    return Wrap(), inputs, ["loss", "logits"], axes, ["fuse_cross_entropy (MLM loss)"]
+
+
+def gpt2():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    model = GPT2LMHeadModel(cfg).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.m(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                return_dict=False,
+            )[0]
+
+    def inputs(b, s):
+        mask = torch.ones(b, s, dtype=torch.int64)
+        mask[-1, :2] = 0  # left padding in the last row
+        return {"input_ids": _tokens(b, s), "attention_mask": mask}
+
+    dyn = {0: "batch", 1: "seq"}
+    axes = {"input_ids": dyn, "attention_mask": dyn, "logits": dyn}
+    return Wrap(), inputs, ["logits"], axes, ["place_shape_on_host (shape chains)"]
+
+
+def llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(cfg).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.m(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                return_dict=False,
+            )[0]
+
+    def inputs(b, s):
+        return {"input_ids": _tokens(b, s), "attention_mask": torch.ones(b, s, dtype=torch.int64)}
+
+    dyn = {0: "batch", 1: "seq"}
+    axes = {"input_ids": dyn, "attention_mask": dyn, "logits": dyn}
+    return Wrap(), inputs, ["logits"], axes, ["place_shape_on_host (shape chains)"]
+
+
+def lstm_cell():
+    import torch
+
+    cell = torch.nn.LSTMCell(32, 48).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = cell
+
+        def forward(self, x, h, c):
+            return self.cell(x, (h, c))
+
+    def inputs(b, _s):
+        return {"x": torch.randn(b, 32), "h": torch.randn(b, 48), "c": torch.randn(b, 48)}
+
+    dyn = {0: "batch"}
+    axes = {"x": dyn, "h": dyn, "c": dyn, "h_out": dyn, "c_out": dyn}
+    return Wrap(), inputs, ["h_out", "c_out"], axes, ["fuse_split_gates (LSTM gates)"]
+
+
+def gru_cell():
+    import torch
+
+    cell = torch.nn.GRUCell(32, 48).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = cell
+
+        def forward(self, x, h):
+            return self.cell(x, h)
+
+    def inputs(b, _s):
+        return {"x": torch.randn(b, 32), "h": torch.randn(b, 48)}
+
+    dyn = {0: "batch"}
+    axes = {"x": dyn, "h": dyn, "h_out": dyn}
+    return Wrap(), inputs, ["h_out"], axes, ["fuse_split_gates (GRU gates)"]
+
+
+def swiglu_chunk():
+    import torch
+
+    class SwiGLU(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(32, 2 * 64, bias=False)
+            self.down = torch.nn.Linear(64, 32, bias=False)
+
+        def forward(self, x):
+            gate, up = self.up(x).chunk(2, dim=-1)
+            return self.down(torch.nn.functional.silu(gate) * up)
+
+    def inputs(b, s):
+        return {"x": torch.randn(b, s, 32)}
+
+    dyn = {0: "batch", 1: "seq"}
+    axes = {"x": dyn, "y": dyn}
+    return SwiGLU().eval(), inputs, ["y"], axes, ["fuse_split_gates (SwiGLU, chunk)"]
+
+
+def lstm_hand():
+    import torch
+
+    class Cell(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ih = torch.nn.Linear(32, 4 * 48)
+            self.hh = torch.nn.Linear(48, 4 * 48)
+
+        def forward(self, x, h, c):
+            i, f, g, o = (self.ih(x) + self.hh(h)).chunk(4, 1)
+            c2 = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            return torch.sigmoid(o) * torch.tanh(c2), c2
+
+    def inputs(b, _s):
+        return {"x": torch.randn(b, 32), "h": torch.randn(b, 48), "c": torch.randn(b, 48)}
+
+    dyn = {0: "batch"}
+    axes = {"x": dyn, "h": dyn, "c": dyn, "h_out": dyn, "c_out": dyn}
+    return Cell().eval(), inputs, ["h_out", "c_out"], axes, ["fuse_split_gates (chunk(4))"]
+
+
+MODELS = {
+    "xlnet": xlnet,
+    "bert_mlm": bert_mlm,
+    "gpt2": gpt2,
+    "llama": llama,
+    "lstm_cell": lstm_cell,
+    "gru_cell": gru_cell,
+    "swiglu_chunk": swiglu_chunk,
+    "lstm_hand": lstm_hand,
+}
+EXPORT_SHAPE = (2, 5)  # batch, sequence at export
+CHECK_SHAPE = (3, 7)  # the saved inputs: other sizes, so the dynamic axes are exercised
+
+
+def _export(module, args, names, outputs, axes, path: Path, dynamo: bool) -> None:
+    import torch
+
+    opset = OPSET["dynamo" if dynamo else "torchscript"]
+    kwargs = {"input_names": names, "output_names": outputs, "opset_version": opset}
+    if dynamo:
+        from torch.export import Dim
+
+        dims: dict[str, Dim] = {}
+        shapes = {}
+        for name in names:
+            spec = {a: dims.setdefault(n, Dim(n, min=1, max=64)) for a, n in axes[name].items()}
+            shapes[name] = spec or None
+        kwargs.update(dynamo=True, dynamic_shapes=shapes, optimize=True, external_data=False)
+    else:
+        kwargs.update(dynamo=False, dynamic_axes=axes, do_constant_folding=True)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, tuple(args), str(path), **kwargs)
+
+
+def export_one(name: str, exporter: str) -> dict:
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    _seed()
+    module, make_inputs, outputs, axes, patterns = MODELS[name]()
+    example = make_inputs(*EXPORT_SHAPE)
+    names = list(example)
+    stem = f"{name}_{exporter}"
+    path = OUT / f"{stem}.onnx"
+    _export(module, example.values(), names, outputs, axes, path, exporter == "dynamo")
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    check = make_inputs(*CHECK_SHAPE)
+    feeds = {k: v.numpy() for k, v in check.items()}
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = sess.run(None, feeds)
+    with torch.no_grad():
+        want = module(*check.values())
+    want = [want] if isinstance(want, torch.Tensor) else list(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-4)
+    graph_outputs = [o.name for o in model.graph.output]
+    np.savez_compressed(
+        OUT / f"{stem}.npz",
+        **{f"in:{k}": v for k, v in feeds.items()},
+        **{f"out:{k}": v for k, v in zip(graph_outputs, got, strict=True)},
+    )
+    ops = sorted({n.op_type for n in model.graph.node})
+    return {
+        "file": path.name,
+        "exporter": exporter,
+        "inputs": [[k, list(v.shape)] for k, v in feeds.items()],  # graph order
+        "outputs": graph_outputs,
+        "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in axes.items()},
+        "patterns": patterns,
+        "ops": ops,
+        "bytes": path.stat().st_size,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=list(MODELS))
+    parser.add_argument("--exporters", default="torchscript,dynamo")
+    args = parser.parse_args(argv)
+    import logging
+
+    import torch
+    import transformers
+
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    OUT.mkdir(parents=True, exist_ok=True)
+    manifest_path = OUT / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest["_versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    for name in args.models:
+        for exporter in args.exporters.split(","):
+            key = f"{name}_{exporter}"
+            try:
+                manifest[key] = export_one(name, exporter)
+                print(f"{key}: {manifest[key]['bytes'] / 1024:.0f} KiB", flush=True)
+            except Exception as err:  # noqa: BLE001 - record why and go on
+                line = str(err).strip().splitlines()[0][:300] if str(err).strip() else repr(err)
+                manifest[key] = {"skipped": f"{type(err).__name__}: {line}"}
+                for stale in (OUT / f"{key}.onnx", OUT / f"{key}.npz"):
+                    stale.unlink(missing_ok=True)
+                print(f"{key}: skipped: {manifest[key]['skipped']}", flush=True)
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
