@@ -46,14 +46,11 @@ def _tokens(batch, seq, vocab=VOCAB):
     return torch.randint(0, vocab, (batch, seq), dtype=torch.int64)
 
 
-
 def xlnet():
     import torch
     from transformers import XLNetConfig, XLNetModel
 
-    cfg = XLNetConfig(
-        vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2, d_inner=64, dropout=0.0
-    )
+    cfg = XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2, d_inner=64, dropout=0.0)
     model = XLNetModel(cfg).eval()
 
     class Wrap(torch.nn.Module):
@@ -95,7 +92,9 @@ def bert_mlm():
 
         def forward(self, input_ids, attention_mask, labels):
             out = self.m(
-                input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                labels=labels,
                 return_dict=False,
             )
             return out[0], out[1]
@@ -139,7 +138,9 @@ def gpt2():
 
         def forward(self, input_ids, attention_mask):
             return self.m(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=False,
                 return_dict=False,
             )[0]
 
@@ -177,7 +178,9 @@ def llama():
 
         def forward(self, input_ids, attention_mask):
             return self.m(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=False,
                 return_dict=False,
             )[0]
 

@@ -150,8 +150,21 @@ def _unsupported_ops(model) -> list[str]:
 
 @contextlib.contextmanager
 def prepare_import(model) -> Iterator[list[str]]:
-    """Yield the operators of ``model`` that the importer cannot convert."""
-    yield _unsupported_ops(model)
+    """Yield the operators of ``model`` that the importer cannot convert; while inside, the
+    converters know the input shapes ONNX's shape inference finds
+    (``onnx_ops.onnx_input_shapes``)."""
+    from . import onnx_ops
+
+    unsupported = _unsupported_ops(model)
+    onnx_ops._SHAPES.clear()
+    onnx_ops._DIM_VARS.clear()
+    if not unsupported:
+        onnx_ops._SHAPES.update(onnx_ops.onnx_input_shapes(model))
+    try:
+        yield unsupported
+    finally:
+        onnx_ops._SHAPES.clear()
+        onnx_ops._DIM_VARS.clear()
 
 
 def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
