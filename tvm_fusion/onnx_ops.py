@@ -9,6 +9,7 @@
 Overrides of stock converters for shapes computed at run time (int64 tensors rather than
 constants or shapes), which stock rejects or turns into tensors of unknown shape:
 
+- ``Reshape`` of a scalar dim (a PrimExpr: stock "expects the input data to be a Tensor");
 - ``Reshape`` with a computed target (stock: "Reshape requires the input new shape to be
   Shape"): ``tensor_to_shape`` of the target, ``match_cast`` to fresh dims, ONNX's 0 (copy the
   input dim) and -1 (infer) rules written as symbolic expressions over them;
@@ -37,6 +38,7 @@ import logging
 
 import numpy as np
 from tvm import relax, tirx
+from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 
@@ -104,6 +106,19 @@ class Reshape(_frontend.Reshape):
     @classmethod
     def _impl_v13(cls, bb, inputs, attr, params):
         data, target = inputs[0], _frontend.get_constant(inputs[1], params)
+        if is_prim_expr(data):
+            # a dim computed as a scalar (``2 * seq``, the dynamo exporter's XLNet): stock
+            # fails with "Reshape expects the input data to be a Tensor". To (1,) it is a
+            # one-dim shape (the importer's shape ops take it on), to () the scalar itself.
+            if isinstance(target, GenericConst):
+                size = target.value.numpy().reshape(-1).tolist()
+                if size in ([1], [-1]):
+                    return relax.ShapeExpr([_i64(data)])
+                if size == []:
+                    return data
+            value = _i64(data)
+            data = bb.normalize(relax.op.shape_to_tensor(relax.ShapeExpr([value])))
+            inputs = _frontend.onnx_input([data, *inputs[1:]])
         data_sinfo = getattr(data, "ty", None)
         if not _is_runtime(target) or not isinstance(data_sinfo, relax.TensorType):
             return super()._impl_v13(bb, inputs, attr, params)
