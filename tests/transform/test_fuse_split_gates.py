@@ -505,3 +505,85 @@ def test_cuda_compile_no_global_gemm_intermediate(name, dynamic):
         assert buf.scope() == "local", buf.name
         n = tir_util.num_elements(buf)
         assert n is not None and n <= gates * (2 if name == "gru_cell" else 1), (buf.name, n)
+
+
+def _summed_linears(const_weights: bool):
+    """torch.nn.LSTMCell's shape after import: (x @ Wih^T + bih) + (h @ Whh^T + bhh) -> split."""
+    rng = np.random.default_rng(3)
+    wih = rng.standard_normal((64, 8)).astype("float32") / 4
+    whh = rng.standard_normal((64, 16)).astype("float32") / 4
+    bih, bhh = (rng.standard_normal(64).astype("float32") for _ in range(2))
+    x = relax.Var("x", relax.TensorType((tvm.tirx.Var("n", "int64"), 8), "float32"))
+    h = relax.Var("h", relax.TensorType((x.ty.shape[0], 16), "float32"))
+    c = relax.Var("c", relax.TensorType((x.ty.shape[0], 16), "float32"))
+    params = [x, h, c]
+    if const_weights:
+        w1, w2 = relax.const(wih), relax.const(whh)
+    else:
+        w1 = relax.Var("wih", relax.TensorType((64, 8), "float32"))
+        w2 = relax.Var("whh", relax.TensorType((64, 16), "float32"))
+        params += [w1, w2]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            a = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w1, [1, 0]))))
+            a = bb.emit(relax.op.add(a, relax.const(bih)))
+            b = bb.emit(relax.op.matmul(h, bb.emit(relax.op.permute_dims(w2, [1, 0]))))
+            b = bb.emit(relax.op.add(b, relax.const(bhh)))
+            parts = bb.emit(relax.op.split(bb.emit(relax.op.add(a, b)), 4, axis=1))
+            i, f, g, o = (bb.emit(relax.TupleGetItem(parts, k)) for k in range(4))
+            c2 = bb.emit(
+                relax.op.add(
+                    relax.op.multiply(relax.op.sigmoid(f), c),
+                    relax.op.multiply(relax.op.sigmoid(i), relax.op.tanh(g)),
+                )
+            )
+            h2 = bb.emit(relax.op.multiply(relax.op.sigmoid(o), relax.op.tanh(c2)))
+            out = bb.emit_output(relax.Tuple([h2, c2]))
+        bb.emit_func_output(out)
+    inputs = [rng.standard_normal((3, k)).astype("float32") for k in (8, 16, 16)]
+    if not const_weights:
+        inputs += [wih, whh]
+    return bb.get(), inputs, (wih, whh, bih + bhh)
+
+
+def test_two_summed_linears_become_one_gate_gemm():
+    from tvm_fusion.transform.fuse_split_gates import _MergeSummedGemms
+
+    mod, _, (wih, whh, bias) = _summed_linears(const_weights=True)
+    merged = _MergeSummedGemms(mod).transform()
+    x, h, c = merged["main"].params
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, h, c]):
+        with bb.dataflow():
+            xc = bb.emit(relax.op.concat([x, h], axis=-1))
+            wt = bb.emit(relax.op.permute_dims(relax.const(np.concatenate([wih, whh], 1)), [1, 0]))
+            y = bb.emit(relax.op.add(bb.emit(relax.op.matmul(xc, wt)), relax.const(bias)))
+            parts = bb.emit(relax.op.split(y, 4, axis=1))
+            i, f, g, o = (bb.emit(relax.TupleGetItem(parts, k)) for k in range(4))
+            c2 = bb.emit(
+                relax.op.add(
+                    relax.op.multiply(relax.op.sigmoid(f), c),
+                    relax.op.multiply(relax.op.sigmoid(i), relax.op.tanh(g)),
+                )
+            )
+            h2 = bb.emit(relax.op.multiply(relax.op.sigmoid(o), relax.op.tanh(c2)))
+            out = bb.emit_output(relax.Tuple([h2, c2]))
+        bb.emit_func_output(out)
+    tvm.ir.assert_structural_equal(merged, bb.get())
+
+
+def test_two_summed_linears_numerics_and_one_gate_kernel():
+    mod, inputs, _ = _summed_linears(const_weights=True)
+    with collect_rewrites() as counts:
+        ours, stock = compare_pipelines(mod, inputs, rtol=1e-5, atol=1e-5)
+    assert counts.get("FuseSplitGates") == 1
+    report = analysis.fusion_report(mod, tvm_fusion.host_target())
+    assert report.ours_kernels == 2 and report.stock_kernels > 2, report.to_text()  # concat, gates
+
+
+def test_two_summed_linears_with_runtime_weights_left_alone():
+    from tvm_fusion.transform.fuse_split_gates import _MergeSummedGemms
+
+    mod, _, _ = _summed_linears(const_weights=False)
+    assert _MergeSummedGemms(mod).transform().same_as(mod)

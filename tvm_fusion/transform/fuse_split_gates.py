@@ -100,10 +100,128 @@ class FuseSplitGates:
         target = self.target or tvm.target.Target.current(allow_none=True)
         if target is None:
             target = _target.host_target()
+        mod = _MergeSummedGemms(mod).transform()
         rewriter = _Rewriter(mod, target)
         mod = rewriter.transform()
         record_rewrite(NAME, rewriter.count)
         return mod
+
+
+# ---------------------------------------------------------------------------------------------
+# Two GEMMs summed before the split (torch.nn.LSTMCell / GRU-style i2h + h2h)
+
+
+def _const_array(expr) -> np.ndarray | None:
+    return expr.value.numpy() if isinstance(expr, GenericConst) else None
+
+
+@mutator
+class _MergeSummedGemms(PyExprMutator):
+    """``(x1 @ W1^T + b1) + (x2 @ W2^T + b2)`` with constant weights, whose sum only feeds a
+    split, becomes ``concat(x1, x2) @ [W1 W2]^T + (b1 + b2)``: one gate GEMM that the matcher
+    below takes. torch's LSTMCell (both ONNX exporters) and hand-written cells with separate
+    ``ih``/``hh`` Linear layers are written this way. The weights are joined at compile time;
+    the concat copies ``rows x (K1 + K2)`` inputs, a small kernel before the gate kernel."""
+
+    def __init__(self, mod: IRModule):
+        super().__init__(mod)
+        self.mod = mod
+        self.uses: dict = {}
+        self.plan: dict = {}  # sum var -> (x1, x2, W (N, K1+K2), b or None)
+
+    def transform(self) -> IRModule:
+        changed = False
+        for gv, func in self.mod.functions_items():
+            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
+                continue
+            self.uses = {}
+            for v in vars_in(func.body):
+                self.uses[v] = self.uses.get(v, 0) + 1
+            self.plan = {}
+            new_func = self.visit_expr(func)
+            if self.plan:
+                changed = True
+                self.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
+        return self.builder_.get() if changed else self.mod
+
+    def _linear(self, blk: _Block, var):
+        """(x, W as (N, K), bias array or None) of ``x @ W^T (+ b)`` bound to ``var``."""
+        if not isinstance(var, relax.Var) or not blk.single_use(var) or var not in blk.value:
+            return None
+        value, bias = blk.value[var], None
+        if _op(value) == "relax.add":
+            lhs, rhs = value.args
+            for mm, b in ((lhs, rhs), (rhs, lhs)):
+                if _op(blk.value.get(mm)) == "relax.matmul" and blk.single_use(mm):
+                    bias = _const_array(b)
+                    if bias is None:
+                        return None
+                    value = blk.value[mm]
+                    break
+            else:
+                return None
+        if _op(value) != "relax.matmul":
+            return None
+        x, w = value.args
+        weight = _const_array(w)
+        if weight is None and _op(blk.value.get(w)) == "relax.permute_dims":
+            perm = blk.value[w]
+            axes = perm.attrs.axes
+            inner = _const_array(perm.args[0])
+            if inner is not None and inner.ndim == 2 and (axes is None or list(axes) == [1, 0]):
+                weight = inner  # already (N, K)
+        elif weight is not None:
+            weight = weight.T if weight.ndim == 2 else None  # (K, N) -> (N, K)
+        x_shape = _shape(x)
+        if weight is None or x_shape is None or len(x_shape) != 2:
+            return None
+        if str(x.ty.dtype) != "float32" or weight.dtype != np.float32:
+            return None
+        if bias is not None and (bias.size not in (1, weight.shape[0]) or bias.ndim > 2):
+            return None
+        return x, weight, bias
+
+    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
+        outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
+        blk = _Block(block, self.uses, outputs)
+        for b in blk.bindings:
+            if _op(b.value) != "relax.add" or b.var in outputs:
+                continue
+            users = blk.users.get(b.var, [])
+            if len(users) != 1 or _op(blk.value.get(users[0])) not in (
+                "relax.split",
+                "relax.strided_slice",
+            ):
+                continue
+            sides = [self._linear(blk, a) for a in b.value.args]
+            if None in sides:
+                skip(logger, f"sum {b.var.name}", "not two linear layers with constant weights")
+                continue
+            (x1, w1, b1), (x2, w2, b2) = sides
+            if w1.shape[0] != w2.shape[0] or str(_shape(x1)[0]) != str(_shape(x2)[0]):
+                continue
+            bias = None
+            for part in (b1, b2):
+                if part is not None:
+                    part = np.broadcast_to(part.reshape(-1), (w1.shape[0],))
+                    bias = part if bias is None else bias + part
+            self.plan[b.var] = (x1, x2, np.concatenate([w1, w2], axis=1), bias)
+        return super().visit_dataflow_block_(block)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        found = self.plan.get(binding.var)
+        if found is None:
+            return super().visit_var_binding_(binding)
+        x1, x2, weight, bias = found
+        bb = self.builder_
+        xc = bb.emit(relax.op.concat([self.visit_expr(x1), self.visit_expr(x2)], axis=-1))
+        wt = bb.emit(relax.op.permute_dims(relax.const(weight), axes=[1, 0]))
+        out = relax.op.matmul(xc, wt)
+        if bias is not None:
+            out = relax.op.add(bb.emit(out), relax.const(bias.astype(np.float32)))
+        new = bb.emit(out, name_hint=binding.var.name)
+        self.set_var_remap(binding.var, new)
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
