@@ -118,10 +118,11 @@ def _const_array(expr) -> np.ndarray | None:
 @mutator
 class _MergeSummedGemms(PyExprMutator):
     """``(x1 @ W1^T + b1) + (x2 @ W2^T + b2)`` with constant weights, whose sum only feeds a
-    split, becomes ``concat(x1, x2) @ [W1 W2]^T + (b1 + b2)``: one gate GEMM that the matcher
-    below takes. torch's LSTMCell (both ONNX exporters) and hand-written cells with separate
-    ``ih``/``hh`` Linear layers are written this way. The weights are joined at compile time;
-    the concat copies ``rows x (K1 + K2)`` inputs, a small kernel before the gate kernel."""
+    split (or slices), becomes ``concat(x1, x2) @ [W1 W2]^T + (b1 + b2)``: one gate GEMM that
+    the matcher below takes. torch's LSTMCell (both ONNX exporters) and hand-written cells
+    with separate ``ih``/``hh`` Linear layers are written this way. The weights are joined at
+    compile time; the concat copies ``rows x (K1 + K2)`` inputs, a small kernel before the gate
+    kernel."""
 
     def __init__(self, mod: IRModule):
         super().__init__(mod)
@@ -188,10 +189,8 @@ class _MergeSummedGemms(PyExprMutator):
             if _op(b.value) != "relax.add" or b.var in outputs:
                 continue
             users = blk.users.get(b.var, [])
-            if len(users) != 1 or _op(blk.value.get(users[0])) not in (
-                "relax.split",
-                "relax.strided_slice",
-            ):
+            ops = {_op(blk.value.get(u)) for u in users}
+            if not ((len(users) == 1 and ops == {"relax.split"}) or ops == {"relax.strided_slice"}):
                 continue
             sides = [self._linear(blk, a) for a in b.value.args]
             if None in sides:
@@ -331,6 +330,32 @@ def _pieces(blk: _Block, binding) -> tuple | None:
     return y, [items[i] for i in range(k)], [binding.var, *items.values()], widths.pop()
 
 
+def _last_axis_range(call, shape) -> tuple[int, int] | None:
+    """(begin, end) of a stride-1 ``strided_slice`` of the last axis; other axes it names must
+    be whole (begin 0, end the dim: what the importer writes for a Slice with computed bounds
+    once PlaceShapeOnHost made them symbolic)."""
+    fields = [list(a.fields) if isinstance(a, relax.Tuple) else None for a in call.args[1:]]
+    if any(f is None for f in fields[:3]) or len({len(f) for f in fields[:3]}) != 1:
+        return None
+    strides = fields[3] if len(fields) > 3 and fields[3] else [1] * len(fields[0])
+    found = None
+    for axis, begin, end, stride in zip(*fields[:3], strides, strict=False):
+        axis = _int(axis)
+        if axis is None or _int(stride) != 1:
+            return None
+        axis %= len(shape)
+        if axis == len(shape) - 1:
+            found = (_int(begin), _int(end))
+            continue
+        whole = _int(end) is not None and _int(shape[axis]) is not None
+        whole = whole and _int(end) >= _int(shape[axis])
+        if _int(begin) != 0 or not (whole or str(end) == str(shape[axis])):
+            return None
+    if found is None or None in found:
+        return None
+    return found
+
+
 def _slice_pieces(blk: _Block, binding) -> tuple | None:
     """``y`` read only by ``strided_slice`` pieces of the last axis that partition it into equal
     widths (ONNX Slice pieces, a chunk written with slices): (y, pieces, chain, width)."""
@@ -341,19 +366,15 @@ def _slice_pieces(blk: _Block, binding) -> tuple | None:
         return None
     if any(_op(blk.value.get(u)) != "relax.strided_slice" for u in users):
         return None
-    total, last = _int(shape[-1]), len(shape) - 1
+    total = _int(shape[-1])
     if total is None:
         return None
     ranges = []
     for u in users:
-        call = blk.value[u]
-        fields = [list(a.fields) if isinstance(a, relax.Tuple) else None for a in call.args[1:]]
-        if any(f is None or len(f) != 1 for f in fields[:3]):
+        piece = _last_axis_range(blk.value[u], shape)
+        if piece is None:
             return None
-        axis, begin, end = (_int(f[0]) for f in fields[:3])
-        stride = _int(fields[3][0]) if len(fields) > 3 and fields[3] else 1
-        if None in (axis, begin, end) or axis % len(shape) != last or stride != 1:
-            return None
+        begin, end = piece
         begin, end = (
             begin % total if begin < 0 else begin,
             min(end if end >= 0 else end + total, total),
