@@ -250,7 +250,9 @@ def test_llama_block_export():
         None, {"x": x}
     )
     mod = load_onnx(model)
-    with pytest.raises(Exception, match="ShapeExpr shape"):
+    # stock's VM shape lowering cannot compute the dims the chains define (before load_onnx
+    # cast lost shapes to named dims, stock failed earlier: "ShapeExpr shape")
+    with pytest.raises(Exception, match="has not been computed|ShapeExpr shape"):
         engine.compile_module(mod, host_target(), "stock")
     compiled = engine.compile_module(mod, host_target(), "tvm_fusion")
     out = engine.TvmRunner(compiled, [x]).outputs()[0]

@@ -757,10 +757,4 @@ class PlaceShapeOnHost:
         rewriter = _Rewriter(mod, target)
         mod = rewriter.transform()
         record_rewrite(NAME, rewriter.count)
-        if rewriter.count:
-            # What became static leaves trivial match_casts (the importer's casts to fresh dims)
-            # and repeated slices with equal bounds (torch's chunk re-reads its input per use):
-            # cleaned so that later passes see one strided_slice per piece.
-            mod = relax.transform.CanonicalizeBindings()(mod)
-            mod = relax.transform.EliminateCommonSubexpr()(mod)
         return mod
