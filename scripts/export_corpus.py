@@ -111,25 +111,9 @@ def bert_mlm():
     return Wrap(), inputs, ["loss", "logits"], axes, ["fuse_cross_entropy (MLM loss)"]
 
 
-def gpt2():
+def _causal_lm(model, left_pad: bool):
+    """A transformers causal LM as (input_ids, attention_mask) -> logits, no cache."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_positions=64,
-        bos_token_id=None,
-        eos_token_id=None,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        attn_implementation="eager",
-    )
-    model = GPT2LMHeadModel(cfg).eval()
 
     class Wrap(torch.nn.Module):
         def __init__(self):
@@ -146,7 +130,8 @@ def gpt2():
 
     def inputs(b, s):
         mask = torch.ones(b, s, dtype=torch.int64)
-        mask[-1, :2] = 0  # left padding in the last row
+        if left_pad:
+            mask[-1, :2] = 0  # left padding in the last row
         return {"input_ids": _tokens(b, s), "attention_mask": mask}
 
     dyn = {0: "batch", 1: "seq"}
@@ -154,8 +139,27 @@ def gpt2():
     return Wrap(), inputs, ["logits"], axes, ["place_shape_on_host (shape chains)"]
 
 
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    return _causal_lm(GPT2LMHeadModel(cfg).eval(), left_pad=True)
+
+
 def llama():
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -169,27 +173,7 @@ def llama():
         use_cache=False,
         attn_implementation="eager",
     )
-    model = LlamaForCausalLM(cfg).eval()
-
-    class Wrap(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.m(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                use_cache=False,
-                return_dict=False,
-            )[0]
-
-    def inputs(b, s):
-        return {"input_ids": _tokens(b, s), "attention_mask": torch.ones(b, s, dtype=torch.int64)}
-
-    dyn = {0: "batch", 1: "seq"}
-    axes = {"input_ids": dyn, "attention_mask": dyn, "logits": dyn}
-    return Wrap(), inputs, ["logits"], axes, ["place_shape_on_host (shape chains)"]
+    return _causal_lm(LlamaForCausalLM(cfg).eval(), left_pad=False)
 
 
 def lstm_cell():

@@ -507,6 +507,20 @@ def test_cuda_compile_no_global_gemm_intermediate(name, dynamic):
         assert n is not None and n <= gates * (2 if name == "gru_cell" else 1), (buf.name, n)
 
 
+def _lstm_tail(bb, gates, c):
+    """split(gates, 4) -> the LSTM cell's (h, c)."""
+    parts = bb.emit(relax.op.split(gates, 4, axis=1))
+    i, f, g, o = (bb.emit(relax.TupleGetItem(parts, k)) for k in range(4))
+    c2 = bb.emit(
+        relax.op.add(
+            relax.op.multiply(relax.op.sigmoid(f), c),
+            relax.op.multiply(relax.op.sigmoid(i), relax.op.tanh(g)),
+        )
+    )
+    h2 = bb.emit(relax.op.multiply(relax.op.sigmoid(o), relax.op.tanh(c2)))
+    return relax.Tuple([h2, c2])
+
+
 def _summed_linears(const_weights: bool):
     """torch.nn.LSTMCell's shape after import: (x @ Wih^T + bih) + (h @ Whh^T + bhh) -> split."""
     rng = np.random.default_rng(3)
@@ -530,16 +544,7 @@ def _summed_linears(const_weights: bool):
             a = bb.emit(relax.op.add(a, relax.const(bih)))
             b = bb.emit(relax.op.matmul(h, bb.emit(relax.op.permute_dims(w2, [1, 0]))))
             b = bb.emit(relax.op.add(b, relax.const(bhh)))
-            parts = bb.emit(relax.op.split(bb.emit(relax.op.add(a, b)), 4, axis=1))
-            i, f, g, o = (bb.emit(relax.TupleGetItem(parts, k)) for k in range(4))
-            c2 = bb.emit(
-                relax.op.add(
-                    relax.op.multiply(relax.op.sigmoid(f), c),
-                    relax.op.multiply(relax.op.sigmoid(i), relax.op.tanh(g)),
-                )
-            )
-            h2 = bb.emit(relax.op.multiply(relax.op.sigmoid(o), relax.op.tanh(c2)))
-            out = bb.emit_output(relax.Tuple([h2, c2]))
+            out = bb.emit_output(_lstm_tail(bb, bb.emit(relax.op.add(a, b)), c))
         bb.emit_func_output(out)
     inputs = [rng.standard_normal((3, k)).astype("float32") for k in (8, 16, 16)]
     if not const_weights:
@@ -559,16 +564,7 @@ def test_two_summed_linears_become_one_gate_gemm():
             xc = bb.emit(relax.op.concat([x, h], axis=-1))
             wt = bb.emit(relax.op.permute_dims(relax.const(np.concatenate([wih, whh], 1)), [1, 0]))
             y = bb.emit(relax.op.add(bb.emit(relax.op.matmul(xc, wt)), relax.const(bias)))
-            parts = bb.emit(relax.op.split(y, 4, axis=1))
-            i, f, g, o = (bb.emit(relax.TupleGetItem(parts, k)) for k in range(4))
-            c2 = bb.emit(
-                relax.op.add(
-                    relax.op.multiply(relax.op.sigmoid(f), c),
-                    relax.op.multiply(relax.op.sigmoid(i), relax.op.tanh(g)),
-                )
-            )
-            h2 = bb.emit(relax.op.multiply(relax.op.sigmoid(o), relax.op.tanh(c2)))
-            out = bb.emit_output(relax.Tuple([h2, c2]))
+            out = bb.emit_output(_lstm_tail(bb, y, c))
         bb.emit_func_output(out)
     tvm.ir.assert_structural_equal(merged, bb.get())
 

@@ -44,7 +44,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import legalize as _legalize
 from .. import target as _target
-from ._common import get_logger, record_rewrite, skip, vars_in
+from ._common import get_logger, record_rewrite, skip, use_counts, vars_in
 
 logger = get_logger(__name__)
 NAME = "FuseSplitGates"
@@ -135,9 +135,7 @@ class _MergeSummedGemms(PyExprMutator):
         for gv, func in self.mod.functions_items():
             if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
                 continue
-            self.uses = {}
-            for v in vars_in(func.body):
-                self.uses[v] = self.uses.get(v, 0) + 1
+            self.uses = use_counts(func)
             self.plan = {}
             new_func = self.visit_expr(func)
             if self.plan:
@@ -685,9 +683,7 @@ class _Rewriter(PyExprMutator):
         for gv, func in self.mod.functions_items():
             if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
                 continue
-            self.uses = {}
-            for v in vars_in(func.body):
-                self.uses[v] = self.uses.get(v, 0) + 1
+            self.uses = use_counts(func)
             new_func = self.visit_expr(func)
             new_func = relax.analysis.remove_all_unused(new_func)
             self.builder_.update_func(gv, new_func)
