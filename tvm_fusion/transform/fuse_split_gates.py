@@ -339,7 +339,7 @@ def _last_axis_range(call, shape) -> tuple[int, int] | None:
     found = None
     for axis, begin, end, stride in zip(*fields[:3], strides, strict=False):
         axis = _int(axis)
-        if axis is None or _int(stride) != 1:
+        if axis is None or (stride != 1 and _int(stride) != 1):  # 1: strides not given
             return None
         axis %= len(shape)
         if axis == len(shape) - 1:
