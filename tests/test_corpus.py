@@ -31,8 +31,6 @@ EXPECT = {
 }
 # known gaps, strict: the test fails once the pass fires there, so this list stays true
 GAPS = {
-    "lstm_hand_torchscript": "chunk as Slices with computed bounds: repeated slices, not a split",
-    "swiglu_chunk_torchscript": "chunk as Slices with computed bounds: repeated slices",
     "xlnet_dynamo": "dynamo writes rel_shift's index_select differently; not matched yet",
 }
 

@@ -65,7 +65,18 @@ def fusion_passes(target: Target | None = None, **flags: bool) -> list[tvm.trans
     ``flags`` switch single passes off, e.g. ``fusion_passes(t, gather_to_slice=False)``.
     """
     _check_flags(flags)
-    return _build(GRAPH_PASSES, _resolve_target(target), flags)
+    passes = _build(GRAPH_PASSES, _resolve_target(target), flags)
+    for i, pass_ in enumerate(passes):
+        if type(pass_).__name__ == "PlaceShapeOnHost":
+            # What it made static leaves the importer's match_casts to named dims trivial and
+            # repeated slices with equal bounds (torch's chunk reads its input once per use):
+            # cleaned, in the same Pass, so that later passes see one strided_slice per piece.
+            cleanup = [
+                relax.transform.CanonicalizeBindings(),
+                relax.transform.EliminateCommonSubexpr(),
+            ]
+            passes[i] = tvm.transform.Sequential([pass_, *cleanup], name="PlaceShapeOnHost")
+    return passes
 
 
 def post_fusion_passes(target: Target | None = None, **flags: bool) -> list[tvm.transform.Pass]:
@@ -209,13 +220,13 @@ def fused_passes(target: Target, fast_math: bool = True, dump=None, **flags: boo
         # Phase 0: library dispatch
         *_backend(target).library_dispatch_passes(target),
         # Phase 1: graph rewrites on Relax ops
-        *_build(GRAPH_PASSES, target, flags),
+        *fusion_passes(target, **flags),
         dump(1, "graph_rewrites"),
         # Phase 2: legalisation and grouping
         *lowering_passes(fast_math and _target.is_cpu(target)),
         dump(2, "grouped"),
         # Phase 3: rewrites of the grouped program, then one PrimFunc per group
-        *_build(POST_FUSION_PASSES, target, flags),
+        *post_fusion_passes(target, **flags),
         *fuse_tir_passes(),
         dump(3, "fused"),
     ]
