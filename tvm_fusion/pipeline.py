@@ -68,14 +68,10 @@ def fusion_passes(target: Target | None = None, **flags: bool) -> list[tvm.trans
     passes = _build(GRAPH_PASSES, _resolve_target(target), flags)
     for i, pass_ in enumerate(passes):
         if type(pass_).__name__ == "PlaceShapeOnHost":
-            # What it made static leaves the importer's match_casts to named dims trivial and
-            # repeated slices with equal bounds (torch's chunk reads its input once per use):
-            # cleaned, in the same Pass, so that later passes see one strided_slice per piece.
-            cleanup = [
-                relax.transform.CanonicalizeBindings(),
-                relax.transform.EliminateCommonSubexpr(),
-            ]
-            passes[i] = tvm.transform.Sequential([pass_, *cleanup], name="PlaceShapeOnHost")
+            # What it made static leaves the importer's match_casts to named dims trivial:
+            # removed in the same Pass, so that later passes see the static/symbolic shapes.
+            cleanup = relax.transform.CanonicalizeBindings()
+            passes[i] = tvm.transform.Sequential([pass_, cleanup], name="PlaceShapeOnHost")
     return passes
 
 
