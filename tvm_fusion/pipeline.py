@@ -66,13 +66,23 @@ def fusion_passes(target: Target | None = None, **flags: bool) -> list[tvm.trans
     """
     _check_flags(flags)
     passes = _build(GRAPH_PASSES, _resolve_target(target), flags)
-    for i, pass_ in enumerate(passes):
-        if type(pass_).__name__ == "PlaceShapeOnHost":
-            # What it made static leaves the importer's match_casts to named dims trivial:
-            # removed in the same Pass, so that later passes see the static/symbolic shapes.
-            cleanup = relax.transform.CanonicalizeBindings()
-            passes[i] = tvm.transform.Sequential([pass_, cleanup], name="PlaceShapeOnHost")
-    return passes
+    return [
+        _ShapesThenCanonical(p) if type(p).__name__ == "PlaceShapeOnHost" else p for p in passes
+    ]
+
+
+@tvm.transform.module_pass(opt_level=0, name="PlaceShapeOnHost")
+class _ShapesThenCanonical:
+    """PlaceShapeOnHost, then, when it changed the module, CanonicalizeBindings: what it made
+    static leaves the importer's match_casts to named dims trivial, and later passes (gate
+    slices) want the static/symbolic shapes. A module it leaves alone stays as it is."""
+
+    def __init__(self, pass_):
+        self.pass_ = pass_
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        new = self.pass_(mod)
+        return new if new.same_as(mod) else relax.transform.CanonicalizeBindings()(new)
 
 
 def post_fusion_passes(target: Target | None = None, **flags: bool) -> list[tvm.transform.Pass]:
