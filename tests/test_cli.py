@@ -57,6 +57,11 @@ def _error_line(capsys):
         (["tune", "gate_2890", "--work-dir", "/tmp/w", "--rpc-tracker", "h:1"], "--rpc-key"),
         (["tune", "gate_2890", "--work-dir", "/tmp/w", "--trials", "0"], "trials must be"),
         (["tune", "nope", "--work-dir", "/tmp/w"], "neither an ONNX file nor a workload"),
+        (["bench", "--models", "/no/such/dir"], "directory of .onnx files"),
+        (["bench", "--models", "tests/corpus", "--workloads", "resnet"], "no model resnet"),
+        (["bench", "--models", "tests/corpus", "--engines", "torch"], "unknown engine"),
+        (["bench", "--models", "tests/corpus", "--dim", "seq=0"], "--dim expects NAME=N"),
+        (["bench", "--dim", "seq=8"], "--dim needs --models"),
     ],
 )
 def test_bad_input_one_line_exit_2(argv, message, capsys):
@@ -182,3 +187,42 @@ def test_bench_small_writes_results(tmp_path, capsys):
     assert all(e["ok"] for e in row["engines"].values())
     assert row["ratios"]["tvm-fusion/tvm-stock"] > 0
     assert out_file.with_suffix(".md").read_text().count("take_arange") == 1
+
+
+def test_bench_models_against_onnxruntime(tmp_path, capsys):
+    """Two corpus models at other sizes than the saved inputs: every engine runs, matches ORT;
+    stock TVM's own importer is used for tvm-stock even after load_onnx installed ours."""
+    out_file = tmp_path / "m.json"
+    argv = ["bench", "--models", "tests/corpus", "--workloads", "gru_cell_dynamo,bert_mlm_dynamo"]
+    argv += ["--dim", "batch=2", "--dim", "seq=5", "--repeat", "3", "--budget", "0.1"]
+    assert main([*argv, "--output", str(out_file)]) == 0
+    data = json.loads(out_file.read_text())
+    rows = {row["model"]: row for row in data["results"]}
+    gru, bert = rows["gru_cell_dynamo"], rows["bert_mlm_dynamo"]
+    assert gru["shapes"] == {"x": [2, 32], "h": [2, 48]}
+    assert bert["shapes"]["input_ids"] == [2, 5]
+    for row in (gru, bert):
+        ours = row["engines"]["tvm-fusion"]
+        assert ours["ok"] and ours["median_ms"] > 0, row
+        assert row["engines"]["stock-pipeline"]["ok"], row
+    assert gru["engines"]["tvm-stock"]["ok"]
+    assert gru["kernels"] == {"stock": 3, "tvm_fusion": 1}
+    assert gru["rewrites"] == {"FuseSplitGates": 1}
+    assert bert["rewrites"]["FuseCrossEntropy"] == 1
+    # stock's importer has no SoftmaxCrossEntropyLoss: the row says so instead of failing
+    assert "SoftmaxCrossEntropyLoss" in bert["engines"]["tvm-stock"]["skipped"]
+    table = out_file.with_suffix(".md").read_text()
+    assert "| bert_mlm_dynamo |" in table and "Failed:" in table
+
+
+def test_bench_models_random_inputs(tmp_path):
+    """A folder with no saved inputs: random inputs from the graph's types, dims from --dim."""
+    from tvm_fusion import model_bench
+
+    _model(tmp_path)
+    with pytest.raises(Exception, match="--dim n=N"):
+        model_bench.load_cases(tmp_path)
+    (case,) = model_bench.load_cases(tmp_path, {"n": 4})
+    assert case.inputs["x"].shape == (4, 8) and case.inputs["x"].dtype == np.float32
+    (res,) = model_bench.run_models(tmp_path, dims={"n": 4}, repeat=3, budget_s=0.1)
+    assert all(r.ok for name, r in res.engines.items() if name != "onnxruntime"), res

@@ -172,9 +172,50 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def _parse_dims(items: Sequence[str] | None) -> dict[str, int]:
+    """``--dim batch=8 --dim seq=64`` -> ``{"batch": 8, "seq": 64}``."""
+    dims: dict[str, int] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
+            raise UsageError(f"--dim expects NAME=N with N >= 1, got {item!r}")
+        dims[name.strip()] = int(value)
+    return dims
+
+
+def cmd_bench_models(args) -> int:
+    from . import model_bench
+
+    if args.size != "seed" or _pipeline_options(args):
+        raise UsageError("--models takes no --size, --tuning-db, --dump-dir or --disable")
+    engines = model_bench.parse_model_engines(args.engines)
+    dims = _parse_dims(args.dim)
+    only = [s.strip() for s in args.workloads.split(",") if s.strip()] if args.workloads else None
+    results = model_bench.run_models(
+        args.models,
+        engines,
+        dims=dims,
+        only=only,
+        target=args.target,
+        repeat=args.repeat,
+        budget_s=args.budget,
+        progress=lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True),
+    )
+    print(model_bench.markdown_table(results, engines))
+    output = "bench/models.json" if args.output is None else args.output
+    if output:
+        path = model_bench.write_results(results, engines, args.target, output, args.models, dims)
+        print(f"\nwrote {path} and {path.with_suffix('.md')}")
+    return 0 if all(r.ok is not False for res in results for r in res.engines.values()) else 1
+
+
 def cmd_bench(args) -> int:
     from . import bench
 
+    if args.models:
+        return cmd_bench_models(args)
+    if args.dim:
+        raise UsageError("--dim needs --models DIR")
     engines = bench.parse_engines(args.engines)
     names = _workload_list(args.workloads)
     results = bench.run_bench(
@@ -188,8 +229,9 @@ def cmd_bench(args) -> int:
         progress=lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True),
     )
     print(bench.markdown_table(results, engines))
-    if args.output:
-        path = bench.write_results(results, engines, args.target, args.output)
+    output = "bench/results.json" if args.output is None else args.output
+    if output:
+        path = bench.write_results(results, engines, args.target, output)
         print(f"\nwrote {path} and {path.with_suffix('.md')}")
     return 0 if all(r.ok is not False for res in results for r in res.engines.values()) else 1
 
@@ -283,16 +325,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("bench", help="benchmark engines side by side in one process")
-    p.add_argument("--workloads", default=None, help="comma-separated workload names")
+    p.add_argument(
+        "--workloads", default=None, help="comma-separated workload (with --models: model) names"
+    )
+    p.add_argument(
+        "--models",
+        default=None,
+        metavar="DIR",
+        help="benchmark the .onnx files of DIR (e.g. tests/corpus) instead of the workloads",
+    )
+    p.add_argument(
+        "--dim",
+        action="append",
+        metavar="NAME=N",
+        help="with --models: size of a named dynamic axis, e.g. --dim batch=8 --dim seq=64",
+    )
     p.add_argument(
         "--engines",
         default=None,
-        help="comma-separated: tvm-stock,tvm-fusion,onnxruntime,torch (default all)",
+        help="comma-separated: tvm-stock,tvm-fusion,onnxruntime,torch (default all); with "
+        "--models: tvm-stock,stock-pipeline,tvm-fusion,onnxruntime",
     )
     p.add_argument("--size", default="seed", choices=["seed", "small"])
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--budget", type=float, default=10.0, help="seconds of timing per engine")
-    p.add_argument("--output", default="bench/results.json", help="JSON results file ('' = none)")
+    p.add_argument(
+        "--output",
+        default=None,
+        help="JSON results file, a markdown table beside it ('' = none; default "
+        "bench/results.json, with --models bench/models.json)",
+    )
     _add_common(p)
     p.set_defaults(func=cmd_bench)
     return parser

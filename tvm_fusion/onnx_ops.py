@@ -34,7 +34,9 @@ label (``0 <= label < C``) equals. A float16/bfloat16 ``scores`` is kept in its 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 from tvm import relax, tirx
@@ -211,6 +213,7 @@ CONVERTERS = {
 }
 
 _INSTALLED = False
+_STOCK_MAP = None  # the importer's own _get_convert_map, once install() replaced it
 
 # ONNX node name -> shape of each input (per dim an int, a symbolic expression as a string
 # such as "batch*seq", or None; None for an input of unknown rank), from shape inference; set by
@@ -373,10 +376,10 @@ def install() -> None:
     """Add :data:`CONVERTERS` to the importer's map (idempotent; stock ones win), replace
     the stock converters in :data:`OVERRIDES`, and give every converter known input shapes
     (:class:`_KnownShapes`)."""
-    global _INSTALLED
+    global _INSTALLED, _STOCK_MAP
     if _INSTALLED:
         return
-    original = _frontend._get_convert_map
+    original = _STOCK_MAP = _frontend._get_convert_map
 
     def convert_map():
         table = dict(original())
@@ -387,3 +390,17 @@ def install() -> None:
 
     _frontend._get_convert_map = convert_map
     _INSTALLED = True
+
+
+@contextlib.contextmanager
+def stock_converters() -> Iterator[None]:
+    """While inside, TVM's importer uses its own converters only (benchmarks of stock TVM)."""
+    if not _INSTALLED:
+        yield
+        return
+    ours = _frontend._get_convert_map
+    _frontend._get_convert_map = _STOCK_MAP
+    try:
+        yield
+    finally:
+        _frontend._get_convert_map = ours

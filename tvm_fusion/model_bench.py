@@ -1,0 +1,404 @@
+"""``tvm-fusion bench --models DIR``: ONNX files against ONNX Runtime and stock TVM.
+
+Every ``*.onnx`` in ``DIR`` (a corpus written by ``scripts/export_corpus.py``, or any folder of
+models) runs in this one process on the same inputs with up to four engines:
+
+- ``tvm-stock``: what a new TVM user gets, stock ``relax.frontend.onnx.from_onnx`` and stock
+  TVM's fusing pipeline (``relax.get_default_pipeline``); when the import or the build fails,
+  the row says so in one line (most exported transformers models);
+- ``stock-pipeline``: our importer (:func:`tvm_fusion.load_onnx`) and PlaceShapeOnHost, then
+  stock TVM's pipeline, so that the gain of our fusion and scheduling is measured apart from
+  the import fixes. (PlaceShapeOnHost is needed: stock's VM codegen fails on the dims the
+  importer binds with ``match_cast`` - "PrimExpr ... has not been computed" - until the pass
+  makes them symbolic expressions of the inputs' dims.)
+- ``tvm-fusion``: ``load_onnx`` and the ``tvm_fusion`` pipeline; the rewrites each of our passes
+  made are counted while it compiles;
+- ``onnxruntime``: the reference. Every TVM engine's outputs are compared with its outputs on
+  the same inputs.
+
+Inputs: ``<model>.npz`` beside the model (arrays ``in:<input name>``, as the corpus saves them),
+else random inputs built from the graph's input types (integers in [0, 2), floats from a normal
+distribution). ``dims`` resizes named dynamic axes (``{"batch": 8, "seq": 64}``): a saved int
+input is resampled from its own values (token ids stay in the vocabulary, labels keep their
+ignore index), a float one from a normal distribution of its mean and deviation. Axis names come
+from the corpus manifest's ``dynamic_axes`` or from the ONNX inputs' ``dim_param``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from . import engine
+from .analysis import kernel_count
+from .bench import EngineResult, _fmt_ms, _fmt_ratio, machine_info
+from .errors import TvmFusionError, UsageError, first_line
+from .target import parse_target
+
+logger = logging.getLogger(__name__)
+
+MODEL_ENGINES = ("tvm-stock", "stock-pipeline", "tvm-fusion", "onnxruntime")
+RTOL = ATOL = 1e-3
+
+
+@dataclasses.dataclass
+class ModelCase:
+    name: str
+    path: Path
+    inputs: dict[str, np.ndarray]  # in the graph's input order
+
+
+@dataclasses.dataclass
+class ModelResult:
+    model: str
+    shapes: dict[str, list[int]]
+    engines: dict[str, EngineResult]
+    rewrites: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def ratio(self, num: str, den: str) -> float | None:
+        a, b = self.engines.get(num), self.engines.get(den)
+        if not a or not b or a.median_ms is None or not b.median_ms:
+            return None
+        return a.median_ms / b.median_ms
+
+    @property
+    def stock_kernels(self) -> int | None:
+        for name in ("tvm-stock", "stock-pipeline"):
+            r = self.engines.get(name)
+            if r is not None and r.kernels is not None:
+                return r.kernels
+        return None
+
+
+def parse_model_engines(spec: str | Sequence[str] | None) -> list[str]:
+    if spec is None:
+        return list(MODEL_ENGINES)
+    names = [s.strip() for s in spec.split(",") if s.strip()] if isinstance(spec, str) else spec
+    unknown = [n for n in names if n not in MODEL_ENGINES]
+    if unknown:
+        raise UsageError(
+            f"unknown engine(s) for --models: {', '.join(unknown)}; "
+            f"known: {', '.join(MODEL_ENGINES)}"
+        )
+    return list(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def _graph_inputs(model) -> list:
+    initializers = {t.name for t in model.graph.initializer}
+    return [i for i in model.graph.input if i.name not in initializers]
+
+
+def _axis_names(model, manifest_entry: Mapping | None) -> dict[str, dict[int, str]]:
+    names: dict[str, dict[int, str]] = {}
+    for value in _graph_inputs(model):
+        dims = value.type.tensor_type.shape.dim
+        names[value.name] = {i: d.dim_param for i, d in enumerate(dims) if d.dim_param}
+    for inp, axes in ((manifest_entry or {}).get("dynamic_axes") or {}).items():
+        names.setdefault(inp, {}).update({int(k): v for k, v in axes.items()})
+    return names
+
+
+def _resample(base: np.ndarray, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    if tuple(shape) == base.shape:
+        return base
+    if base.dtype.kind in "iub":
+        return rng.choice(base.ravel(), size=tuple(shape)).astype(base.dtype)
+    mean, std = float(base.mean()), float(base.std()) or 1.0
+    return (rng.standard_normal(tuple(shape)) * std + mean).astype(base.dtype)
+
+
+def _random_input(value, dims: Mapping[str, int], rng: np.random.Generator) -> np.ndarray:
+    import onnx
+
+    ttype = value.type.tensor_type
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type))
+    shape = []
+    for d in ttype.shape.dim:
+        if d.HasField("dim_value"):
+            shape.append(d.dim_value)
+        elif d.dim_param in dims:
+            shape.append(dims[d.dim_param])
+        else:
+            raise UsageError(
+                f"input {value.name!r} has a dynamic axis {d.dim_param or '?'!r} and no saved "
+                f"inputs: give its size with --dim {d.dim_param or 'NAME'}=N"
+            )
+    if dtype.kind in "iu":
+        return rng.integers(0, 2, size=shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def load_cases(
+    directory: str | Path,
+    dims: Mapping[str, int] | None = None,
+    only: Sequence[str] | None = None,
+    seed: int = 0,
+) -> list[ModelCase]:
+    """The models of ``directory`` (sorted by name) with their inputs; see module docstring."""
+    from .frontend import _read_model
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UsageError(f"--models expects a directory of .onnx files, got {directory}")
+    manifest_path = directory / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    files = sorted(directory.glob("*.onnx"))
+    if not files:
+        raise UsageError(f"no .onnx files in {directory}")
+    known = [f.stem for f in files]
+    unknown = [n for n in only or () if n not in known]
+    if unknown:
+        raise UsageError(f"no model {', '.join(unknown)} in {directory}; there: {', '.join(known)}")
+    dims = dict(dims or {})
+    rng = np.random.default_rng(seed)
+    cases = []
+    for path in files:
+        if only and path.stem not in only:
+            continue
+        entry = manifest.get(path.stem)
+        if entry and "skipped" in entry:
+            continue
+        model, _ = _read_model(path)
+        axis_names = _axis_names(model, entry)
+        saved_path = path.with_suffix(".npz")
+        saved = np.load(saved_path) if saved_path.exists() else None
+        inputs = {}
+        for value in _graph_inputs(model):
+            key = f"in:{value.name}"
+            if saved is not None and key in saved:
+                base = saved[key]
+                shape = [
+                    dims.get(axis_names.get(value.name, {}).get(i, ""), n)
+                    for i, n in enumerate(base.shape)
+                ]
+                inputs[value.name] = _resample(base, shape, rng)
+            else:
+                inputs[value.name] = _random_input(value, dims, rng)
+        cases.append(ModelCase(path.stem, path, inputs))
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# engines
+
+
+def _stock_import(path: Path):
+    """Stock TVM's ONNX importer, as a user would call it (its prints silenced)."""
+    import onnx
+    from tvm.relax.frontend.onnx import from_onnx
+
+    from .onnx_ops import stock_converters
+
+    model = onnx.load(str(path))
+    with (
+        stock_converters(),
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        warnings.simplefilter("ignore")
+        return from_onnx(model, keep_params_in_input=False)
+
+
+def _tvm_engine(name: str, case: ModelCase, target, rewrites: dict) -> tuple[Callable, object]:
+    from .frontend import load_onnx
+    from .transform import collect_rewrites
+
+    stage = "import"
+    try:
+        mod = _stock_import(case.path) if name == "tvm-stock" else load_onnx(case.path)
+        stage = "build"
+        if name == "stock-pipeline":
+            mod = _place_shapes(mod, target)
+        if name == "tvm-fusion":
+            with collect_rewrites() as counts:
+                compiled = engine.compile_module(mod, target, "tvm_fusion")
+            rewrites.update(counts)
+        else:
+            compiled = engine.compile_module(mod, target, "stock")
+        stage = "run"
+        runner = engine.TvmRunner(compiled, list(case.inputs.values()))
+        outputs = runner.outputs()
+    except TvmFusionError as err:
+        raise _Failed(f"{stage} failed: {err}") from None
+    except Exception as err:  # TVM raises many types; the row says which stage failed
+        raise _Failed(f"{stage} failed: {first_line(err)}") from None
+    return runner, (outputs, compiled)
+
+
+def _place_shapes(mod, target):
+    import tvm
+
+    from .pipeline import fusion_passes
+
+    with target:
+        shapes = [p for p in fusion_passes(target) if p.info.name == "PlaceShapeOnHost"]
+        return tvm.transform.Sequential(shapes)(mod)
+
+
+class _Failed(Exception):
+    pass
+
+
+def run_case(
+    case: ModelCase,
+    engines: Sequence[str],
+    target,
+    repeat: int,
+    budget_s: float,
+    progress: Callable[[str], None] | None = None,
+) -> ModelResult:
+    import onnx
+
+    tgt = parse_target(target)
+    threads = engine.threads_for(tgt)
+    result = ModelResult(case.name, {k: list(v.shape) for k, v in case.inputs.items()}, {})
+    ort_run = engine.onnxruntime_runner(onnx.load(str(case.path)), case.inputs, threads)
+    reference = [np.asarray(o) for o in ort_run()]
+    for name in engines:
+        if progress:
+            progress(f"{case.name}: {name}")
+        res = EngineResult(name)
+        result.engines[name] = res
+        if name == "onnxruntime":
+            run = ort_run
+        else:
+            start = time.perf_counter()
+            try:
+                run, (outputs, compiled) = _tvm_engine(name, case, tgt, result.rewrites)
+            except _Failed as why:
+                res.skipped = str(why)
+                logger.info("%s on %s: %s", name, case.name, why)
+                continue
+            res.compile_s = round(time.perf_counter() - start, 3)
+            res.kernels = kernel_count(compiled.lowered)
+            res.max_abs_err = engine.max_error(outputs, reference)
+            res.ok = engine.allclose(outputs, reference, RTOL, ATOL)
+            if not res.ok:
+                logger.warning(
+                    "%s on %s differs from ONNX Runtime (max abs err %.3g)",
+                    name,
+                    case.name,
+                    res.max_abs_err,
+                )
+        timing = engine.time_runs(run, repeat=repeat, budget_s=budget_s)
+        res.median_ms, res.min_ms, res.runs = timing["median_ms"], timing["min_ms"], timing["runs"]
+    return result
+
+
+def run_models(
+    directory: str | Path,
+    engines: Sequence[str] | None = None,
+    dims: Mapping[str, int] | None = None,
+    only: Sequence[str] | None = None,
+    target=None,
+    repeat: int = 10,
+    budget_s: float = 10.0,
+    progress: Callable[[str], None] | None = None,
+) -> list[ModelResult]:
+    engine_names = parse_model_engines(engines)
+    cases = load_cases(directory, dims, only)
+    return [run_case(c, engine_names, target, repeat, budget_s, progress) for c in cases]
+
+
+# ---------------------------------------------------------------------------------------------
+# reporting
+
+
+def markdown_table(results: Sequence[ModelResult], engines: Sequence[str]) -> str:
+    others = [e for e in engines if e != "tvm-fusion"]
+    header = ["model", "kernels stock/ours", "rewrites"]
+    header += [f"{e} ms" for e in engines]
+    if "tvm-fusion" in engines:
+        header += [f"ours/{e}" for e in others]
+    header.append("outputs")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for res in results:
+        ours = res.engines.get("tvm-fusion")
+        kernels = "/".join(
+            "-" if k is None else str(k)
+            for k in (res.stock_kernels, ours.kernels if ours else None)
+        )
+        rewrites = ", ".join(f"{k} {v}" for k, v in sorted(res.rewrites.items())) or "-"
+        row = [res.model, kernels, rewrites]
+        row += [
+            "fail" if res.engines[e].skipped else _fmt_ms(res.engines[e].median_ms) for e in engines
+        ]
+        if "tvm-fusion" in engines:
+            row += [_fmt_ratio(res.ratio("tvm-fusion", e)) for e in others]
+        bad = [e for e, r in res.engines.items() if r.ok is False]
+        row.append("ok" if not bad else "MISMATCH: " + ",".join(bad))
+        lines.append("| " + " | ".join(row) + " |")
+    notes = [
+        f"- {res.model}, {name}: {r.skipped}"
+        for res in results
+        for name, r in res.engines.items()
+        if r.skipped
+    ]
+    if notes:
+        lines += ["", "Failed:", *notes]
+    return "\n".join(lines)
+
+
+def write_results(
+    results: Sequence[ModelResult],
+    engines: Sequence[str],
+    target,
+    path: str | Path,
+    directory: str | Path,
+    dims: Mapping[str, int] | None = None,
+) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    machine = machine_info(target)
+    payload = {
+        "machine": machine,
+        "models_dir": str(directory),
+        "dims": dict(dims or {}),
+        "engines": list(engines),
+        "results": [
+            {
+                "model": r.model,
+                "shapes": r.shapes,
+                "rewrites": r.rewrites,
+                "kernels": {
+                    "stock": r.stock_kernels,
+                    "tvm_fusion": r.engines["tvm-fusion"].kernels
+                    if "tvm-fusion" in r.engines
+                    else None,
+                },
+                "engines": {k: dataclasses.asdict(v) for k, v in r.engines.items()},
+                "ratios": {
+                    f"tvm-fusion/{e}": r.ratio("tvm-fusion", e)
+                    for e in engines
+                    if e != "tvm-fusion"
+                },
+            }
+            for r in results
+        ],
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    dims_text = ", ".join(f"{k}={v}" for k, v in (dims or {}).items()) or "saved inputs"
+    path.with_suffix(".md").write_text(
+        f"# Models of {directory} ({machine['processor']}, {machine['threads']} threads, "
+        f"{machine['date']})\n\nInputs: {dims_text}. Median ms per run; outputs compared with "
+        f"ONNX Runtime's (rtol = atol = {RTOL}). Kernels: stock TVM's pipeline (on stock's "
+        "import where it works, else on ours) vs ours.\n\n"
+        + markdown_table(results, engines)
+        + "\n"
+    )
+    return path
