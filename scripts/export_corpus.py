@@ -14,12 +14,14 @@ patterns in it are (which of our passes should fire), or why an export was skipp
 
     python scripts/export_corpus.py            # all
     python scripts/export_corpus.py gpt2 lstm_cell
+    python scripts/export_corpus.py --scale bench   # larger configs to bench/models (not in git)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import sys
@@ -28,9 +30,36 @@ from pathlib import Path
 
 import numpy as np
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "corpus"
+ROOT = Path(__file__).resolve().parents[1]
 OPSET = {"torchscript": 17, "dynamo": 18}  # the dynamo exporter starts at 18
-VOCAB = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """Model sizes: ``test`` is the checked-in corpus (tiny, fast in CI); ``bench`` is for
+    ``tvm-fusion bench --models`` (not checked in: ~90 MB)."""
+
+    out: Path
+    vocab: int
+    hidden: int
+    inner: int
+    layers: int
+    heads: int
+    kv_heads: int
+    max_pos: int
+    cell_in: int
+    cell_hidden: int
+    export_shape: tuple[int, int]  # batch, sequence at export
+    check_shape: tuple[int, int]  # saved inputs: other sizes, so the dynamic axes are exercised
+
+
+SCALES = {
+    "test": Scale(ROOT / "tests" / "corpus", 128, 32, 64, 2, 2, 2, 64, 32, 48, (2, 5), (3, 7)),
+    "bench": Scale(
+        ROOT / "bench" / "models", 8192, 256, 1024, 2, 4, 2, 256, 512, 512, (2, 5), (4, 128)
+    ),
+}
+S = SCALES["test"]
 
 
 def _seed():
@@ -40,17 +69,24 @@ def _seed():
     np.random.seed(0)
 
 
-def _tokens(batch, seq, vocab=VOCAB):
+def _tokens(batch, seq):
     import torch
 
-    return torch.randint(0, vocab, (batch, seq), dtype=torch.int64)
+    return torch.randint(0, S.vocab, (batch, seq), dtype=torch.int64)
 
 
 def xlnet():
     import torch
     from transformers import XLNetConfig, XLNetModel
 
-    cfg = XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2, d_inner=64, dropout=0.0)
+    cfg = XLNetConfig(
+        vocab_size=S.vocab,
+        d_model=S.hidden,
+        n_layer=S.layers,
+        n_head=S.heads,
+        d_inner=S.inner,
+        dropout=0.0,
+    )
     model = XLNetModel(cfg).eval()
 
     class Wrap(torch.nn.Module):
@@ -73,12 +109,12 @@ def bert_mlm():
     from transformers import BertConfig, BertForMaskedLM
 
     cfg = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
+        vocab_size=S.vocab,
+        hidden_size=S.hidden,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        intermediate_size=S.inner,
+        max_position_embeddings=S.max_pos,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
         attn_implementation="eager",
@@ -143,11 +179,11 @@ def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_positions=64,
+        vocab_size=S.vocab,
+        n_embd=S.hidden,
+        n_layer=S.layers,
+        n_head=S.heads,
+        n_positions=S.max_pos,
         bos_token_id=None,
         eos_token_id=None,
         resid_pdrop=0.0,
@@ -163,13 +199,13 @@ def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        vocab_size=S.vocab,
+        hidden_size=S.hidden,
+        intermediate_size=S.inner,
+        num_hidden_layers=S.layers,
+        num_attention_heads=2 * S.kv_heads,
+        num_key_value_heads=S.kv_heads,
+        max_position_embeddings=S.max_pos,
         use_cache=False,
         attn_implementation="eager",
     )
@@ -179,7 +215,7 @@ def llama():
 def lstm_cell():
     import torch
 
-    cell = torch.nn.LSTMCell(32, 48).eval()
+    cell = torch.nn.LSTMCell(S.cell_in, S.cell_hidden).eval()
 
     class Wrap(torch.nn.Module):
         def __init__(self):
@@ -190,7 +226,8 @@ def lstm_cell():
             return self.cell(x, (h, c))
 
     def inputs(b, _s):
-        return {"x": torch.randn(b, 32), "h": torch.randn(b, 48), "c": torch.randn(b, 48)}
+        x, h = torch.randn(b, S.cell_in), torch.randn(b, S.cell_hidden)
+        return {"x": x, "h": h, "c": torch.randn(b, S.cell_hidden)}
 
     dyn = {0: "batch"}
     axes = {"x": dyn, "h": dyn, "c": dyn, "h_out": dyn, "c_out": dyn}
@@ -200,7 +237,7 @@ def lstm_cell():
 def gru_cell():
     import torch
 
-    cell = torch.nn.GRUCell(32, 48).eval()
+    cell = torch.nn.GRUCell(S.cell_in, S.cell_hidden).eval()
 
     class Wrap(torch.nn.Module):
         def __init__(self):
@@ -211,7 +248,7 @@ def gru_cell():
             return self.cell(x, h)
 
     def inputs(b, _s):
-        return {"x": torch.randn(b, 32), "h": torch.randn(b, 48)}
+        return {"x": torch.randn(b, S.cell_in), "h": torch.randn(b, S.cell_hidden)}
 
     dyn = {0: "batch"}
     axes = {"x": dyn, "h": dyn, "h_out": dyn}
@@ -224,15 +261,15 @@ def swiglu_chunk():
     class SwiGLU(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.up = torch.nn.Linear(32, 2 * 64, bias=False)
-            self.down = torch.nn.Linear(64, 32, bias=False)
+            self.up = torch.nn.Linear(S.hidden, 2 * S.inner, bias=False)
+            self.down = torch.nn.Linear(S.inner, S.hidden, bias=False)
 
         def forward(self, x):
             gate, up = self.up(x).chunk(2, dim=-1)
             return self.down(torch.nn.functional.silu(gate) * up)
 
     def inputs(b, s):
-        return {"x": torch.randn(b, s, 32)}
+        return {"x": torch.randn(b, s, S.hidden)}
 
     dyn = {0: "batch", 1: "seq"}
     axes = {"x": dyn, "y": dyn}
@@ -245,8 +282,8 @@ def lstm_hand():
     class Cell(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.ih = torch.nn.Linear(32, 4 * 48)
-            self.hh = torch.nn.Linear(48, 4 * 48)
+            self.ih = torch.nn.Linear(S.cell_in, 4 * S.cell_hidden)
+            self.hh = torch.nn.Linear(S.cell_hidden, 4 * S.cell_hidden)
 
         def forward(self, x, h, c):
             i, f, g, o = (self.ih(x) + self.hh(h)).chunk(4, 1)
@@ -254,7 +291,8 @@ def lstm_hand():
             return torch.sigmoid(o) * torch.tanh(c2), c2
 
     def inputs(b, _s):
-        return {"x": torch.randn(b, 32), "h": torch.randn(b, 48), "c": torch.randn(b, 48)}
+        x, h = torch.randn(b, S.cell_in), torch.randn(b, S.cell_hidden)
+        return {"x": x, "h": h, "c": torch.randn(b, S.cell_hidden)}
 
     dyn = {0: "batch"}
     axes = {"x": dyn, "h": dyn, "c": dyn, "h_out": dyn, "c_out": dyn}
@@ -271,8 +309,6 @@ MODELS = {
     "swiglu_chunk": swiglu_chunk,
     "lstm_hand": lstm_hand,
 }
-EXPORT_SHAPE = (2, 5)  # batch, sequence at export
-CHECK_SHAPE = (3, 7)  # the saved inputs: other sizes, so the dynamic axes are exercised
 
 
 def _export(module, args, names, outputs, axes, path: Path, dynamo: bool) -> None:
@@ -286,7 +322,9 @@ def _export(module, args, names, outputs, axes, path: Path, dynamo: bool) -> Non
         dims: dict[str, Dim] = {}
         shapes = {}
         for name in names:
-            spec = {a: dims.setdefault(n, Dim(n, min=1, max=64)) for a, n in axes[name].items()}
+            spec = {
+                a: dims.setdefault(n, Dim(n, min=1, max=S.max_pos)) for a, n in axes[name].items()
+            }
             shapes[name] = spec or None
         kwargs.update(dynamo=True, dynamic_shapes=shapes, optimize=True, external_data=False)
     else:
@@ -303,14 +341,14 @@ def export_one(name: str, exporter: str) -> dict:
 
     _seed()
     module, make_inputs, outputs, axes, patterns = MODELS[name]()
-    example = make_inputs(*EXPORT_SHAPE)
+    example = make_inputs(*S.export_shape)
     names = list(example)
     stem = f"{name}_{exporter}"
-    path = OUT / f"{stem}.onnx"
+    path = S.out / f"{stem}.onnx"
     _export(module, example.values(), names, outputs, axes, path, exporter == "dynamo")
     model = onnx.load(str(path))
     onnx.checker.check_model(model)
-    check = make_inputs(*CHECK_SHAPE)
+    check = make_inputs(*S.check_shape)
     feeds = {k: v.numpy() for k, v in check.items()}
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = sess.run(None, feeds)
@@ -321,7 +359,7 @@ def export_one(name: str, exporter: str) -> dict:
         np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-4)
     graph_outputs = [o.name for o in model.graph.output]
     np.savez_compressed(
-        OUT / f"{stem}.npz",
+        S.out / f"{stem}.npz",
         **{f"in:{k}": v for k, v in feeds.items()},
         **{f"out:{k}": v for k, v in zip(graph_outputs, got, strict=True)},
     )
@@ -342,7 +380,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(MODELS))
     parser.add_argument("--exporters", default="torchscript,dynamo")
+    parser.add_argument(
+        "--scale",
+        default="test",
+        choices=list(SCALES),
+        help="test: tiny configs to tests/corpus (checked in); bench: larger ones to bench/models",
+    )
     args = parser.parse_args(argv)
+    global S
+    S = SCALES[args.scale]
+    OUT = S.out
     import logging
 
     import torch
