@@ -1,7 +1,8 @@
 """GatherToSlice: take(x, arange) -> strided_slice.
 
-Must not fire: repeated indices (step 0 as a constant), non-progression constants, indices that
-may be negative, clip/wrap mode with an unprovable bound, a 2-D index tensor.
+Must not fire: repeated indices (step 0 as a constant), non-progression constants (also through
+a reshape), indices that may be negative, clip/wrap mode with an unprovable bound, a 2-D index
+tensor (also flattened), a reshape to a length not provably the progression's.
 """
 
 import numpy as np
@@ -173,6 +174,124 @@ class TestNegativeIndicesWrapped(GatherBase):
                 y = R.strided_slice(x, [1], [6], [10], [1], assume_inbound=True)
                 R.output(y)
             return y
+
+
+class TestReshapedArange(GatherBase):
+    """A reshape of the progression to 1-D of the same length keeps its values."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 10), "float32")):
+            with R.dataflow():
+                idx = R.arange(1, 9, 2, dtype="int64")
+                flat = R.reshape(idx, R.shape([4]))
+                y = R.take(x, flat, axis=1)
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((2, 10), "float32")):
+            with R.dataflow():
+                y = R.strided_slice(x, [1], [1], [8], [2], assume_inbound=True)
+                R.output(y)
+            return y
+
+
+class TestDynamoRelShift(GatherBase):
+    """XLNet's rel_shift ``index_select(x, 3, arange(klen))`` as the dynamo exporter writes it:
+    Range -> Cast -> Mul 1 -> Add 0 -> Reshape([klen]) -> the importer's normalisation ->
+    Gather, on an axis of symbolic length ``2 * seq - 1``."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("b", 2, "seq", "seq * 2 - 1"), "float32")):
+            seq = T.int64()
+            with R.dataflow():
+                a = R.arange(0, seq, 1, dtype="int64")
+                c = R.astype(a, dtype="int64")
+                m = R.multiply(c, R.const(1, "int64"))
+                s = R.add(m, R.const(0, "int64"))
+                idx = R.reshape(s, R.shape([seq]))
+                shp = R.shape_to_tensor(R.shape_of(x))
+                neg = R.less(idx, R.const(0, "int64"))
+                dim = R.take(shp, R.const(3, "int64"), axis=0, mode="wrap")
+                wrapped = R.add(idx, dim)
+                fixed = R.where(neg, wrapped, idx)
+                y = R.take(x, fixed, axis=3, mode="fast")
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor(("b", 2, "seq", "seq * 2 - 1"), "float32")):
+            seq = T.int64()
+            with R.dataflow():
+                y = R.strided_slice(x, [3], [0], [seq], [1], assume_inbound=True)
+                R.output(y)
+            return y
+
+
+class TestNoFireReshapedNotProgression(GatherBase):
+    """A reshape keeps the values: a non-progression stays a gather."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 10), "float32")):
+            with R.dataflow():
+                idx = R.const(np.array([0, 1, 3], "int64"), "int64")
+                flat = R.reshape(idx, R.shape([3]))
+                y = R.take(x, flat, axis=1)
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+class TestNoFireReshapedFrom2D(GatherBase):
+    """Only a 1-D progression is read through a reshape; a 2-D index tensor flattened is not
+    analysed (conservative)."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 10), "float32")):
+            with R.dataflow():
+                idx = R.const(np.array([[0, 1], [3, 2]], "int64"), "int64")
+                flat = R.reshape(idx, R.shape([4]))
+                y = R.take(x, flat, axis=1)
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+class TestNoFireReshapedOtherLength(GatherBase):
+    """Dynamic: a reshape to a length not provably the progression's is not trusted."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(
+            x: R.Tensor((2, "w"), "float32"),
+            k: R.Tensor(("n",), "float32"),
+            j: R.Tensor(("m",), "float32"),
+        ):
+            n = T.int64()
+            m = T.int64()
+            with R.dataflow():
+                idx = R.arange(0, n, 1, dtype="int64")
+                flat = R.reshape(idx, R.shape([m]))
+                y = R.take(x, flat, axis=1)
+                R.output(y)
+            return y
+
+    Expected = Before
 
 
 class TestTakeBackwardPad(GatherBase):

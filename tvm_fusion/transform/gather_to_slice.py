@@ -6,10 +6,11 @@ progression ``a, a+s, ..., a+(n-1)s`` with a constant non-zero step:
 - ``R.arange(a, b, s)`` (constant or symbolic bounds, e.g. a dynamic ``klen``);
 - a constant index tensor whose values are a progression (what FoldConstant and the ONNX
   importer leave of a constant Range);
-- either of those through ``astype`` to an integer type, ``multiply``/``add``/``subtract`` by
-  integer scalars, and the ONNX importer's index normalisation
-  ``where(less(i, 0), add(i, dim), i)``, which is the identity for provably non-negative
-  indices and ``i + dim`` for provably negative ones.
+- either of those through ``astype`` to an integer type, a ``reshape`` to 1-D of the same
+  length (the dynamo exporter's ``index_select(x, d, arange(n))``: ``Range`` -> ``Reshape([n])``
+  -> ``Gather``), ``multiply``/``add``/``subtract`` by integer scalars, and the ONNX importer's
+  index normalisation ``where(less(i, 0), add(i, dim), i)``, which is the identity for provably
+  non-negative indices and ``i + dim`` for provably negative ones.
 
 Emits ``strided_slice(x, [axis], [begin], [end], [s], assume_inbound=True)`` (with a
 ``match_cast`` to the take's shape when TVM cannot see the two shapes are equal). A slice reads
@@ -175,6 +176,16 @@ class _Values:
             return Progression(start, step_v, length)
         if name == "relax.astype":
             return self.progression(expr.args[0], analyzer)
+        if name == "relax.reshape":
+            # reshape of a 1-D progression to 1-D (the dynamo exporter's index_select writes
+            # arange(n) -> reshape([n])): row-major order is kept, so the values are the same
+            # when the length provably is.
+            prog = self.progression(expr.args[0], analyzer)
+            if prog is None or not isinstance(sinfo.shape, relax.ShapeExpr):
+                return None
+            if not analyzer.can_prove_equal(_i64(sinfo.shape.values[0]), prog.length):
+                return None
+            return prog
         if name in ("relax.add", "relax.subtract", "relax.multiply"):
             lhs, rhs = expr.args
             prog, other = self.progression(lhs, analyzer), rhs
