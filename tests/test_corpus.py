@@ -30,10 +30,7 @@ EXPECT = {
     "swiglu_chunk": {"FuseSplitGates": 1, "kernels": 2},
 }
 # known gaps, strict: the test fails once the pass fires there, so this list stays true
-GAPS = {
-    "swiglu_chunk_torchscript": "chunk as Slices read once per use: equal slices, not deduped",
-    "xlnet_dynamo": "dynamo writes rel_shift's index_select differently; not matched yet",
-}
+GAPS = {}
 
 
 def _data(key):

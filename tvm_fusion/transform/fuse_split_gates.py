@@ -6,7 +6,9 @@ Matches, inside a dataflow block:
   the weight or not, optionally ``+ b``: what ``FuseTransposeMatmul``'s input, the ONNX
   importer's Gemm/MatMul and frameworks' ``linear`` produce), each split along the
   output-feature axis into ``k`` pieces of equal width ``D`` (``R.split`` by sections or
-  indices, or ``R.strided_slice`` pieces covering the axis: ONNX Split/Slice, torch ``chunk``);
+  indices, or ``R.strided_slice`` pieces covering the axis: ONNX Split/Slice, torch ``chunk``;
+  equal slices of the GEMM output, which torch's TorchScript exporter writes once per use of a
+  ``chunk`` piece, count as one piece);
 - the elementwise/broadcast ops that consume the pieces (sigmoid, tanh, exp, silu, gelu, relu,
   add, multiply, ...), together with other tensors broadcast to ``(rows, D)`` (the LSTM cell
   state, the GRU hidden state, constants). Several GEMMs whose pieces meet in these ops (the GRU
@@ -38,13 +40,14 @@ import dataclasses
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import IRModule, relax, te, tirx, topi
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import legalize as _legalize
 from .. import target as _target
-from ._common import get_logger, record_rewrite, skip, use_counts, vars_in
+from ._common import get_logger, prove_equal, record_rewrite, skip, use_counts, vars_in
 
 logger = get_logger(__name__)
 NAME = "FuseSplitGates"
@@ -234,6 +237,7 @@ class _Gemm:
     pieces: list[relax.Var]  # in feature order
     chain: list[relax.Var]  # bindings the group replaces (matmul, add, split, items)
     width: int  # D
+    aliases: dict = dataclasses.field(default_factory=dict)  # duplicate slice -> its piece
 
     @property
     def gates(self) -> int:
@@ -283,15 +287,15 @@ def _find_gemms(blk: _Block) -> list[_Gemm]:
         pieces = _pieces(blk, binding) or _slice_pieces(blk, binding)
         if pieces is None:
             continue
-        source, piece_vars, chain, width = pieces
-        gemm = _gemm_of(blk, source, piece_vars, chain, width)
+        source, piece_vars, chain, width, aliases = pieces
+        gemm = _gemm_of(blk, source, piece_vars, chain, width, aliases)
         if gemm is not None:
             gemms.append(gemm)
     return gemms
 
 
 def _pieces(blk: _Block, binding) -> tuple | None:
-    """A split of ``y`` along its last axis into equal pieces: (y, pieces, chain, width)."""
+    """A split of ``y`` along its last axis into equal pieces: (y, pieces, chain, width, {})."""
     value = binding.value
     if _op(value) != "relax.split":
         return None
@@ -325,7 +329,7 @@ def _pieces(blk: _Block, binding) -> tuple | None:
     k = len(bounds) - 1
     if sorted(items) != list(range(k)) or binding.var in blk.outputs:
         return skip(logger, what, "not every piece is taken exactly once") or None
-    return y, [items[i] for i in range(k)], [binding.var, *items.values()], widths.pop()
+    return y, [items[i] for i in range(k)], [binding.var, *items.values()], widths.pop(), {}
 
 
 def _last_axis_range(call, shape) -> tuple[int, int] | None:
@@ -354,9 +358,58 @@ def _last_axis_range(call, shape) -> tuple[int, int] | None:
     return found
 
 
+def _same_slice(a: relax.Call, b: relax.Call) -> bool:
+    """Whether two ``strided_slice`` calls compute the same tensor: the same input and attributes,
+    and axes, begins, ends and strides equal field by field (symbolic bounds structurally equal,
+    or proven equal by the arith analyzer)."""
+    if len(a.args) != len(b.args) or not a.args[0].same_as(b.args[0]):
+        return False
+    if not tvm_ffi.structural_equal(a.attrs, b.attrs):
+        return False
+    for fa, fb in zip(a.args[1:], b.args[1:], strict=True):
+        if not isinstance(fa, relax.Tuple) or not isinstance(fb, relax.Tuple):
+            if not tvm_ffi.structural_equal(fa, fb):
+                return False
+            continue
+        if len(fa.fields) != len(fb.fields):
+            return False
+        for p, q in zip(fa.fields, fb.fields, strict=True):
+            if tvm_ffi.structural_equal(p, q):
+                continue
+            if not (_is_index(p) and _is_index(q) and prove_equal(_i64(p), _i64(q))):
+                return False
+    return True
+
+
+def _is_index(expr) -> bool:
+    ty = getattr(expr, "ty", None)
+    return isinstance(ty, tvm.ir.PrimType) and str(ty.dtype) in ("int32", "int64")
+
+
+def _i64(expr):
+    return expr if str(expr.ty.dtype) == "int64" else tirx.Cast("int64", expr)
+
+
+def _dedup_slices(blk: _Block, users: list) -> tuple[list, dict]:
+    """The distinct slices among ``users`` (strided_slice bindings of one tensor, block order)
+    and ``{duplicate: the first equal slice}``: torch's TorchScript exporter writes a ``chunk``
+    piece as a Slice once per use."""
+    distinct: list = []
+    aliases: dict = {}
+    for u in users:
+        for d in distinct:
+            if tvm_ffi.structural_equal(u.ty, d.ty) and _same_slice(blk.value[u], blk.value[d]):
+                aliases[u] = d
+                break
+        else:
+            distinct.append(u)
+    return distinct, aliases
+
+
 def _slice_pieces(blk: _Block, binding) -> tuple | None:
     """``y`` read only by ``strided_slice`` pieces of the last axis that partition it into equal
-    widths (ONNX Slice pieces, a chunk written with slices): (y, pieces, chain, width)."""
+    widths (ONNX Slice pieces, a chunk written with slices; equal slices are one piece):
+    (y, pieces, chain, width, {duplicate slice: its piece})."""
     y = binding.var
     shape = _shape(y)
     users = blk.users.get(y, [])
@@ -367,6 +420,7 @@ def _slice_pieces(blk: _Block, binding) -> tuple | None:
     total = _int(shape[-1])
     if total is None:
         return None
+    users, aliases = _dedup_slices(blk, list(dict.fromkeys(users)))
     ranges = []
     for u in users:
         piece = _last_axis_range(blk.value[u], shape)
@@ -388,10 +442,10 @@ def _slice_pieces(blk: _Block, binding) -> tuple | None:
     if len(widths) != 1 or not bounds_ok:
         skip(logger, f"slices of {y.name}", "the slices do not partition the axis equally")
         return None
-    return y, [u for _, _, u in ranges], [], widths.pop()
+    return y, [u for _, _, u in ranges], [], widths.pop(), aliases
 
 
-def _gemm_of(blk: _Block, y, pieces, chain, width) -> _Gemm | None:
+def _gemm_of(blk: _Block, y, pieces, chain, width, aliases) -> _Gemm | None:
     what = f"GEMM feeding {pieces[0].name}"
     sliced = not chain  # strided_slice pieces read y directly (several uses, all pieces)
     if not isinstance(y, relax.Var) or y not in blk.value:
@@ -399,7 +453,7 @@ def _gemm_of(blk: _Block, y, pieces, chain, width) -> _Gemm | None:
     if not sliced and not blk.single_use(y):
         return skip(logger, what, "GEMM output used elsewhere") or None
     value = blk.value[y]
-    chain = [y, *chain, *(pieces if sliced else [])]
+    chain = [y, *chain, *(pieces if sliced else []), *aliases]
     bias = None
     if _op(value) == "relax.add":
         lhs, rhs = value.args
@@ -451,7 +505,7 @@ def _gemm_of(blk: _Block, y, pieces, chain, width) -> _Gemm | None:
     for t in (x, w, *([bias] if bias is not None else [])):
         if t.ty.dtype != "float32":
             return skip(logger, what, f"dtype {t.ty.dtype} (float32 only)") or None
-    return _Gemm(x, w, transposed, bias, pieces, chain, width)
+    return _Gemm(x, w, transposed, bias, pieces, chain, width, aliases)
 
 
 @dataclasses.dataclass
@@ -477,7 +531,7 @@ def _grow(blk: _Block, gemms: list[_Gemm]) -> list[_Group]:
         return i
 
     for gi, g in enumerate(gemms):
-        for p in g.pieces:
+        for p in [*g.pieces, *g.aliases]:
             owner[p] = gi
     ops: dict[int, list] = {}
     start = min(blk.index[p] for g in gemms for p in g.pieces)
@@ -520,10 +574,10 @@ def _check_group(blk: _Block, gemms: list[_Gemm], ops: list) -> _Group | None:
         return skip(logger, what, "GEMMs with different row or piece shapes") or None
     width, rows = widths.pop(), rows[0]
     out_shape = [*rows, tirx.IntImm("int64", width)]
-    region = {b.var for b in ops} | {p for g in gemms for p in g.pieces}
-    # pieces must only feed the region
+    region = {b.var for b in ops} | {p for g in gemms for p in [*g.pieces, *g.aliases]}
+    # pieces (and their duplicates) must only feed the region
     for g in gemms:
-        for p in g.pieces:
+        for p in [*g.pieces, *g.aliases]:
             if p in blk.outputs or any(u not in region for u in blk.users.get(p, [])):
                 return skip(logger, what, f"piece {p.name} is also used outside the group") or None
     externals: list = []
@@ -643,6 +697,8 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
                 pos += 1
             for gate, piece in enumerate(g.pieces):
                 env[piece] = _piece_stage(y, gate, width, f"gate{gi}_{gate}")
+            for dup, piece in g.aliases.items():
+                env[dup] = env[piece]
         externals = list(tensors[pos : pos + len(group.externals)])
 
         def external(expr):
