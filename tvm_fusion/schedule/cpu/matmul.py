@@ -283,7 +283,11 @@ class Matmul(CPURule):
         if not is_static(j_ext):
             return None, 1
         budget = regs // 2
-        small_m = is_static(m_ext) and m_ext <= 2
+        # Symbolic rows get one-row tiles: a row tile of MR > 1 needs a predicate for the tail,
+        # and under it TVM 0.27's CompactBufferAllocation keeps the accumulator at its full
+        # (rows, cols) size in memory instead of the tile's registers (3.6x slower measured on
+        # (batch, seq, 256) @ (256, 2048)); one row x four vectors is the fastest tail-free tile.
+        small_m = not is_static(m_ext) or m_ext <= 2
         for vecs in (4, 2, 1) if small_m else (2, 4, 1):
             nr = vecs * lanes
             if j_ext % nr == 0 and n_gates * vecs <= budget:
@@ -303,7 +307,7 @@ class Matmul(CPURule):
                 mr -= 1
             mr = min(mr, m_ext)
         else:
-            mr = 1 << (mr.bit_length() - 1)  # power of two for symbolic rows
+            mr = 1
         return nr, mr
 
     @staticmethod
