@@ -44,6 +44,8 @@ from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 
+from .transform._common import as_i64 as _i64
+
 _NO_IGNORE = -100
 logger = logging.getLogger(__name__)
 
@@ -196,12 +198,6 @@ class Expand(_frontend.Expand):
             else:
                 out.append(tirx.IntImm("int64", t))  # a symbolic input dim must be 1 or t
         return relax.op.broadcast_to(data, relax.ShapeExpr(out))
-
-
-def _i64(value):
-    if isinstance(value, int):
-        return tirx.IntImm("int64", value)
-    return value if str(value.ty.dtype) == "int64" else tirx.Cast("int64", value)
 
 
 # Stock converters we replace (ours fall back to them for everything but the cases above).

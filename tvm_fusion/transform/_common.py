@@ -12,6 +12,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 
+import numpy as np
 import tvm
 from tvm import relax, tirx
 
@@ -99,6 +100,13 @@ def const_int(value: tirx.Expr | int) -> int | None:
     if isinstance(value, tirx.IntImm):
         return int(value.value)
     return None
+
+
+def as_i64(value) -> tirx.Expr:
+    """An int, a NumPy integer or an integer PrimExpr as an int64 PrimExpr."""
+    if isinstance(value, int | np.integer):
+        return tirx.IntImm("int64", int(value))
+    return value if str(value.ty.dtype) == "int64" else tirx.Cast("int64", value)
 
 
 def prove_equal(a: tirx.Expr | int, b: tirx.Expr | int) -> bool:

@@ -47,7 +47,15 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import legalize as _legalize
 from .. import target as _target
-from ._common import get_logger, prove_equal, record_rewrite, skip, use_counts, vars_in
+from ._common import (
+    as_i64,
+    get_logger,
+    prove_equal,
+    record_rewrite,
+    skip,
+    use_counts,
+    vars_in,
+)
 
 logger = get_logger(__name__)
 NAME = "FuseSplitGates"
@@ -376,7 +384,7 @@ def _same_slice(a: relax.Call, b: relax.Call) -> bool:
         for p, q in zip(fa.fields, fb.fields, strict=True):
             if tvm_ffi.structural_equal(p, q):
                 continue
-            if not (_is_index(p) and _is_index(q) and prove_equal(_i64(p), _i64(q))):
+            if not (_is_index(p) and _is_index(q) and prove_equal(as_i64(p), as_i64(q))):
                 return False
     return True
 
@@ -384,10 +392,6 @@ def _same_slice(a: relax.Call, b: relax.Call) -> bool:
 def _is_index(expr) -> bool:
     ty = getattr(expr, "ty", None)
     return isinstance(ty, tvm.ir.PrimType) and str(ty.dtype) in ("int32", "int64")
-
-
-def _i64(expr):
-    return expr if str(expr.ty.dtype) == "int64" else tirx.Cast("int64", expr)
 
 
 def _dedup_slices(blk: _Block, users: list) -> tuple[list, dict]:

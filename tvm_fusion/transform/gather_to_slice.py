@@ -46,6 +46,7 @@ from tvm.ir import PrimType
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._common import as_i64 as _i64
 from ._common import get_logger, op_name, record_rewrite, skip
 
 logger = get_logger(__name__)
@@ -78,12 +79,6 @@ class Progression:
 
     def last(self) -> tirx.Expr:
         return self.start + (self.length - 1) * self.step
-
-
-def _i64(value) -> tirx.Expr:
-    if isinstance(value, int | np.integer):
-        return tirx.IntImm("int64", int(value))
-    return value if str(value.ty.dtype) == "int64" else tirx.Cast("int64", value)
 
 
 def _is_prim(expr) -> bool:
