@@ -73,10 +73,41 @@ class WorkloadResult:
     engines: dict[str, EngineResult]
 
     def ratio(self, num: str, den: str) -> float | None:
-        a, b = self.engines.get(num), self.engines.get(den)
-        if not a or not b or a.median_ms is None or b.median_ms is None or not b.median_ms:
-            return None
-        return a.median_ms / b.median_ms
+        return ratio(self.engines, num, den)
+
+
+def ratio(engines: dict[str, EngineResult], num: str, den: str) -> float | None:
+    """Median of ``num`` over median of ``den``, None when either did not run."""
+    a, b = engines.get(num), engines.get(den)
+    if not a or not b or a.median_ms is None or b.median_ms is None or not b.median_ms:
+        return None
+    return a.median_ms / b.median_ms
+
+
+def ratios(engines: dict[str, EngineResult], names: Sequence[str]) -> dict[str, float | None]:
+    """``{"tvm-fusion/<engine>": ratio}`` for every other engine of ``names``."""
+    return {f"tvm-fusion/{e}": ratio(engines, "tvm-fusion", e) for e in names if e != "tvm-fusion"}
+
+
+def row_tail(engines: dict[str, EngineResult], names: Sequence[str]) -> list[str]:
+    """The last cells of a table row: ours over every other engine, then the outputs check."""
+    cells = []
+    if "tvm-fusion" in names:
+        cells += [_fmt_ratio(ratio(engines, "tvm-fusion", e)) for e in names if e != "tvm-fusion"]
+    bad = [e for e, r in engines.items() if r.ok is False]
+    cells.append("ok" if not bad else "MISMATCH: " + ",".join(bad))
+    return cells
+
+
+def skipped_notes(rows: Sequence[tuple[str, dict[str, EngineResult]]], title: str) -> list[str]:
+    """``title`` and one line per engine that did not run, under a table."""
+    notes = [
+        f"- {label}, {name}: {r.skipped}"
+        for label, engines in rows
+        for name, r in engines.items()
+        if r.skipped
+    ]
+    return ["", f"{title}:", *notes] if notes else []
 
 
 def run_engine(
@@ -197,19 +228,9 @@ def markdown_table(results: Sequence[WorkloadResult], engines: Sequence[str]) ->
             else "skip"
             for e in engines
         ]
-        if "tvm-fusion" in engines:
-            row += [_fmt_ratio(res.ratio("tvm-fusion", e)) for e in others]
-        bad = [e for e, r in res.engines.items() if r.ok is False]
-        row.append("ok" if not bad else "MISMATCH: " + ",".join(bad))
+        row += row_tail(res.engines, engines)
         lines.append("| " + " | ".join(row) + " |")
-    notes = [
-        f"- {res.workload}, {name}: {r.skipped}"
-        for res in results
-        for name, r in res.engines.items()
-        if r.skipped
-    ]
-    if notes:
-        lines += ["", "Skipped:", *notes]
+    lines += skipped_notes([(r.workload, r.engines) for r in results], "Skipped")
     return "\n".join(lines)
 
 
@@ -257,11 +278,7 @@ def write_results(
                 "size": r.size,
                 "expect": r.expect,
                 "engines": {k: dataclasses.asdict(v) for k, v in r.engines.items()},
-                "ratios": {
-                    f"tvm-fusion/{e}": r.ratio("tvm-fusion", e)
-                    for e in engines
-                    if e != "tvm-fusion"
-                },
+                "ratios": ratios(r.engines, engines),
             }
             for r in results
         ],

@@ -26,13 +26,11 @@ from the corpus manifest's ``dynamic_axes`` or from the ONNX inputs' ``dim_param
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
+import functools
 import json
 import logging
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -40,7 +38,15 @@ import numpy as np
 
 from . import engine
 from .analysis import kernel_count
-from .bench import EngineResult, _fmt_ms, _fmt_ratio, machine_info
+from .bench import (
+    EngineResult,
+    _fmt_ms,
+    machine_info,
+    ratio,
+    ratios,
+    row_tail,
+    skipped_notes,
+)
 from .errors import TvmFusionError, UsageError, first_line
 from .target import parse_target
 
@@ -65,10 +71,7 @@ class ModelResult:
     rewrites: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def ratio(self, num: str, den: str) -> float | None:
-        a, b = self.engines.get(num), self.engines.get(den)
-        if not a or not b or a.median_ms is None or not b.median_ms:
-            return None
-        return a.median_ms / b.median_ms
+        return ratio(self.engines, num, den)
 
     @property
     def stock_kernels(self) -> int | None:
@@ -197,30 +200,22 @@ def load_cases(
 # engines
 
 
-def _stock_import(path: Path):
-    """Stock TVM's ONNX importer, as a user would call it (its prints silenced)."""
+def _tvm_engine(
+    name: str, case: ModelCase, target, ours: Callable, rewrites: dict
+) -> tuple[Callable, object]:
+    """Compile and run one TVM engine; ``ours()`` is the model imported by ``load_onnx``
+    (imported once per model, shared by stock-pipeline and tvm-fusion)."""
     import onnx
-    from tvm.relax.frontend.onnx import from_onnx
 
-    from .onnx_ops import stock_converters
-
-    model = onnx.load(str(path))
-    with (
-        stock_converters(),
-        warnings.catch_warnings(),
-        contextlib.redirect_stdout(io.StringIO()),
-    ):
-        warnings.simplefilter("ignore")
-        return from_onnx(model, keep_params_in_input=False)
-
-
-def _tvm_engine(name: str, case: ModelCase, target, rewrites: dict) -> tuple[Callable, object]:
-    from .frontend import load_onnx
+    from .onnx_ops import stock_from_onnx
     from .transform import collect_rewrites
 
     stage = "import"
     try:
-        mod = _stock_import(case.path) if name == "tvm-stock" else load_onnx(case.path)
+        if name == "tvm-stock":
+            mod = stock_from_onnx(onnx.load_from_string(case.path.read_bytes()))
+        else:
+            mod = ours()
         stage = "build"
         if name == "stock-pipeline":
             mod = _place_shapes(mod, target)
@@ -269,6 +264,9 @@ def run_case(
     result = ModelResult(case.name, {k: list(v.shape) for k, v in case.inputs.items()}, {})
     ort_run = engine.onnxruntime_runner(onnx.load(str(case.path)), case.inputs, threads)
     reference = [np.asarray(o) for o in ort_run()]
+    from .frontend import load_onnx
+
+    ours = functools.cache(lambda: load_onnx(case.path))  # a failure is raised again per engine
     for name in engines:
         if progress:
             progress(f"{case.name}: {name}")
@@ -279,7 +277,7 @@ def run_case(
         else:
             start = time.perf_counter()
             try:
-                run, (outputs, compiled) = _tvm_engine(name, case, tgt, result.rewrites)
+                run, (outputs, compiled) = _tvm_engine(name, case, tgt, ours, result.rewrites)
             except _Failed as why:
                 res.skipped = str(why)
                 logger.info("%s on %s: %s", name, case.name, why)
@@ -338,19 +336,9 @@ def markdown_table(results: Sequence[ModelResult], engines: Sequence[str]) -> st
         row += [
             "fail" if res.engines[e].skipped else _fmt_ms(res.engines[e].median_ms) for e in engines
         ]
-        if "tvm-fusion" in engines:
-            row += [_fmt_ratio(res.ratio("tvm-fusion", e)) for e in others]
-        bad = [e for e, r in res.engines.items() if r.ok is False]
-        row.append("ok" if not bad else "MISMATCH: " + ",".join(bad))
+        row += row_tail(res.engines, engines)
         lines.append("| " + " | ".join(row) + " |")
-    notes = [
-        f"- {res.model}, {name}: {r.skipped}"
-        for res in results
-        for name, r in res.engines.items()
-        if r.skipped
-    ]
-    if notes:
-        lines += ["", "Failed:", *notes]
+    lines += skipped_notes([(r.model, r.engines) for r in results], "Failed")
     return "\n".join(lines)
 
 
@@ -382,11 +370,7 @@ def write_results(
                     else None,
                 },
                 "engines": {k: dataclasses.asdict(v) for k, v in r.engines.items()},
-                "ratios": {
-                    f"tvm-fusion/{e}": r.ratio("tvm-fusion", e)
-                    for e in engines
-                    if e != "tvm-fusion"
-                },
+                "ratios": ratios(r.engines, engines),
             }
             for r in results
         ],

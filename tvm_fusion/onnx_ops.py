@@ -388,6 +388,21 @@ def install() -> None:
     _INSTALLED = True
 
 
+def stock_from_onnx(model):
+    """Stock TVM's ONNX importer as a user calls it, without our converters (benchmarks and
+    tutorials show what it makes of a model); the lines it prints are silenced."""
+    import io
+    import warnings
+
+    with (
+        stock_converters(),
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        warnings.simplefilter("ignore")
+        return _frontend.from_onnx(model, keep_params_in_input=False)
+
+
 @contextlib.contextmanager
 def stock_converters() -> Iterator[None]:
     """While inside, TVM's importer uses its own converters only (benchmarks of stock TVM)."""
