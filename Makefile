@@ -24,6 +24,11 @@ $(VENV)/.installed-test: pyproject.toml | $(PY)
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/tvm-fusion demo
+	$(VENV)/bin/tvm-fusion bench --models tests/corpus --workloads $(DEMO_MODELS) \
+		--dim batch=8 --dim seq=64 --repeat 10 --budget 1 --output ''
+
+# two exported models of the corpus: stock TVM cannot import BERT's loss; the LSTM gates fuse
+DEMO_MODELS := bert_mlm_torchscript,lstm_cell_torchscript
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check tvm_fusion tests scripts tutorials
