@@ -6,11 +6,15 @@ ONNX importer folds the simplest chains; what stays an int64 tensor becomes devi
 before every use, a copy to the host with a synchronisation. ``PlaceShapeOnHost`` evaluates such
 chains symbolically (``R.shape([batch * seq, 32])``), so the VM computes them from the shapes it
 already holds: no kernel, no copy. A shape tensor that is a graph input is read once, on the host.
+A shape value computed from data (``x[:, :mask.sum(-1).max()]``, the padding trim) exists only
+at run time: it is read once, the small ops before the read run on the host in a CUDA build
+(one copy of the per-row lengths), and everything after it is symbolic.
 
 This tutorial imports the exporter idioms of ``tvm_fusion.models.shape_idioms`` (GPT-2's head
 merge, ``x.view(-1, x.size(-1))``, Range over the sequence length, a ConstantOfShape causal mask,
-chunk as Slice with computed ends), shows the IR before and after the pass, counts what the CUDA
-build spends on shapes (inspected here, no GPU needed) and times the llvm build.
+chunk as Slice with computed ends, the padding trim), shows the IR before and after the pass,
+counts what the CUDA build spends on shapes (inspected here, no GPU needed) and times the llvm
+build.
 
 Run it::
 
@@ -29,7 +33,7 @@ from tvm_fusion.models import shape_idioms
 from tvm_fusion.transform import PlaceShapeOnHost
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
-SHOWN = ("merge_heads", "flatten_tokens", "position_ids", "causal_mask", "chunk_slice")
+SHOWN = ("merge_heads", "flatten_tokens", "position_ids", "causal_mask", "chunk_slice", "mask_trim")
 
 
 def main(size: str = "seed", repeat: int = 5) -> dict:

@@ -480,11 +480,16 @@ def shape_work(lowered: tvm.IRModule, target=None) -> ShapeWork:
     ``lowered`` of :func:`tvm_fusion.engine.compile_module`, after VM lowering).
 
     A kernel is shape-only when every tensor it writes is a short int/bool tensor (rank <= 1)
-    read only by ``tensor_to_shape`` or by other shape-only kernels. On a GPU target each
-    ``tensor_to_shape`` of a tensor not declared on the host is a copy to the host plus a
-    synchronisation; on a CPU target there are no copies (the kernels still run).
+    read only as shape data: by ``tensor_to_shape``, by a copy to the host, as the bounds of a
+    ``dynamic_strided_slice`` kernel, or by other shape-only kernels. Kernels built for the host
+    (a CUDA build's ``target = llvm`` functions) are not device kernels. On a GPU target each
+    ``tensor_to_shape`` of a device tensor is a copy to the host plus a synchronisation, and so
+    is each copy of shape data to the host (``to_vdevice``); on a CPU target there are no
+    copies (the kernels still run).
     """
     gpu = target is not None and "gpu" in tvm.target.Target(target).keys
+    vdevices = lowered.global_infos["vdevice"] if "vdevice" in lowered.global_infos else []
+    host_indices = {i for i, v in enumerate(vdevices) if v.target.kind.name in ("llvm", "c")}
     found: list[str] = []
     copies = 0
     for _name, func in _host_functions(lowered):
@@ -516,13 +521,17 @@ def shape_work(lowered: tvm.IRModule, target=None) -> ShapeWork:
                 continue
             op = value.op
             if _is_to_shape(value):
-                if gpu and not _on_host(value.args[0].ty):
+                if gpu and not _host_tensor(value.args[0], values, host_indices):
+                    copies += 1
+                continue
+            if _is_copy_to_host(value):
+                if gpu and _is_shape_data(value.args[0].ty):
                     copies += 1
                 continue
             if not (isinstance(op, relax.GlobalVar) and op in lowered.get_global_vars()):
                 continue
             callee = lowered[op]
-            if not isinstance(callee, tirx.PrimFunc) or callee.attrs.get("tirx.is_host_func"):
+            if not isinstance(callee, tirx.PrimFunc) or _is_host_kernel(callee, gpu):
                 continue
             # destination-passing style: an allocation's first user is the kernel writing it
             outs = []
@@ -554,6 +563,8 @@ def shape_work(lowered: tvm.IRModule, target=None) -> ShapeWork:
                         ok = user is not None and (
                             user in shape_only
                             or _is_to_shape(user_value)
+                            or _is_copy_to_host(user_value)
+                            or _is_slice_bound(user_value, out)
                             or _op_name(user_value) in _SHAPE_SIDE_OPS
                         )
                         if not ok:
@@ -572,6 +583,49 @@ _SHAPE_SIDE_OPS = {
     "vm.builtin.check_tensor_info",
     "vm.builtin.match_shape",
 }
+
+
+def _is_host_kernel(func: tirx.PrimFunc, gpu: bool) -> bool:
+    attrs = func.attrs
+    if attrs is None:
+        return False
+    if attrs.get("tirx.is_host_func"):
+        return True
+    own = attrs.get("target")
+    return gpu and own is not None and own.kind.name in ("llvm", "c")
+
+
+def _is_copy_to_host(value) -> bool:
+    """``to_vdevice`` to a CPU device (``vm.builtin.to_device(x, kDLCPU, ...)`` once lowered)."""
+    if _op_name(value) == "relax.to_vdevice":
+        return value.attrs.dst_vdevice.target.kind.name in ("llvm", "c")
+    if _op_name(value) == "vm.builtin.to_device":
+        kind = value.args[1]
+        return isinstance(kind, tirx.IntImm) and int(kind.value) == 1
+    return False
+
+
+def _host_tensor(var, values: dict, host_indices: set) -> bool:
+    """Whether ``var`` lives on the host: declared so, copied there, or allocated on a host
+    VDevice (lowering drops the VDevice from an allocation's struct info, not its index)."""
+    if _on_host(var.ty):
+        return True
+    value = values.get(var)
+    if _is_copy_to_host(value):
+        return True
+    if _op_name(value) in _ALLOC_OPS and len(value.args) >= 5:
+        index = value.args[4]
+        return isinstance(index, tirx.IntImm) and int(index.value) in host_indices
+    return False
+
+
+def _is_slice_bound(value, tensor) -> bool:
+    """``tensor`` is a begin/end/strides operand of a ``dynamic_strided_slice`` kernel."""
+    if not isinstance(value, relax.Call) or not isinstance(value.op, relax.GlobalVar):
+        return False
+    if not value.op.name_hint.startswith("dynamic_strided_slice"):
+        return False
+    return any(arg.same_as(tensor) for arg in value.args[1:4])
 
 
 def _op_name(value) -> str | None:

@@ -105,9 +105,34 @@ def lowering_passes(fast_math: bool = False) -> list[tvm.transform.Pass]:
         LowerCallTIRWithGrad(),
         relax.transform.LegalizeOps(legalize_map(fast_math)),
         relax.transform.AnnotateTIROpPattern(),
+        KeepHostKernelsApart(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
     ]
+
+
+@tvm.transform.module_pass(opt_level=0, name="KeepHostKernelsApart")
+class KeepHostKernelsApart:
+    """Kernels that LegalizeOps made for another target than the build's (host ops that
+    PlaceShapeOnHost put on the llvm VDevice of a CUDA build carry ``target = llvm``) are marked
+    opaque, so FuseOps leaves them alone: TVM 0.27's FuseOps fuses them with their neighbours
+    into a function without that target, which the GPU scheduler then gives thread bindings."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        current = Target.current(allow_none=True)
+        if current is None:
+            return mod
+        changed = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is None:
+                continue
+            own = func.attrs.get("target")
+            if own is not None and own.kind.name != current.kind.name:
+                changed[gv] = func.with_attr("op_pattern", 8)  # kOpaque
+        if not changed:
+            return mod
+        functions = {gv: changed.get(gv, func) for gv, func in mod.functions_items()}
+        return tvm.IRModule(functions, attrs=mod.attrs, global_infos=mod.global_infos)
 
 
 @tvm.transform.module_pass(opt_level=0, name="LowerCallTIRWithGrad")

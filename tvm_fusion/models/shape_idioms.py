@@ -28,14 +28,17 @@ class Idiom:
     summary: str
     model: object  # onnx.ModelProto
     inputs: dict[str, np.ndarray]
+    # shape values that only exist at run time (computed from data): each costs one device
+    # kernel (the data reduction) and one copy to the host, with or without PlaceShapeOnHost
+    data_reads: int = 0
 
 
-_BUILDERS: dict[str, tuple[str, Callable]] = {}
+_BUILDERS: dict[str, tuple[str, Callable, int]] = {}
 
 
-def _idiom(name: str, summary: str):
+def _idiom(name: str, summary: str, data_reads: int = 0):
     def decorator(fn):
-        _BUILDERS[name] = (summary, fn)
+        _BUILDERS[name] = (summary, fn, data_reads)
         return fn
 
     return decorator
@@ -46,9 +49,10 @@ def names() -> list[str]:
 
 
 def build(name: str, batch: int = 2, seq: int = 5) -> Idiom:
-    summary, fn = _BUILDERS[name]
+    summary, fn, reads = _BUILDERS[name]
     nodes, inputs, outputs, inits, feed = fn(batch, seq, np.random.default_rng(19769))
-    return Idiom(name, summary, onnx_model(nodes, inputs, outputs, inits, name=name), feed)
+    model = onnx_model(nodes, inputs, outputs, inits, name=name)
+    return Idiom(name, summary, model, feed, reads)
 
 
 def _x(batch, seq, gen, hidden=HIDDEN):
@@ -273,6 +277,27 @@ def _tile_batch(batch, seq, gen):
     inits = {"zero": _i64(0), "ones": _i64(1, 1)}
     feed = {"x": _x(batch, seq, gen), "row": gen.standard_normal((1, seq, HIDDEN)).astype("f4")}
     return nodes, [X, row], [_output("y", ["batch", "seq", HIDDEN])], inits, feed
+
+
+@_idiom(
+    "mask_trim",
+    "x[:, :attention_mask.sum(-1).max()]: a Slice end computed from data (padding trim)",
+    data_reads=1,
+)
+def _mask_trim(batch, seq, gen):
+    mask = onnx_input("mask", "int64", ["batch", "seq"])
+    nodes = [
+        _node("ReduceSum", ["mask", "last"], ["lens"], keepdims=0),
+        _node("ReduceMax", ["lens"], ["longest"], keepdims=1),
+        _node("Slice", ["x", "zero", "longest", "one"], ["trimmed"]),
+        _node("Relu", ["trimmed"], ["y"]),
+    ]
+    inits = {"last": _i64(-1), "zero": _i64(0), "one": _i64(1)}
+    lengths = gen.integers(1, max(seq, 2), size=batch)  # every row shorter than seq: a cut
+    lengths[0] = max(1, seq - 1)
+    feed_mask = (np.arange(seq)[None, :] < lengths[:, None]).astype("int64")
+    feed = {"x": _x(batch, seq, gen), "mask": feed_mask}
+    return nodes, [X, mask], [_output("y", ["batch", "longest", HIDDEN])], inits, feed
 
 
 def llama_block(hidden: int = 64, heads: int = 4, inter: int = 128, seed: int = 0):

@@ -29,8 +29,20 @@ by reading the graph: their values exist only at run time. The pass reads each s
 at the top of the function (``tensor_to_shape`` + ``match_cast`` to fresh dims ``<name>_0..``),
 evaluates everything downstream symbolically from those dims, and on GPU targets declares the
 input a host tensor (its struct info gets the host VDevice): the caller passes it as a CPU
-tensor, and reading it is no device-to-host copy. Anything the evaluator does not understand is
-left as it was, with the reason at debug level.
+tensor, and reading it is no device-to-host copy.
+
+A shape value computed from data (``max(sum(attention_mask, -1))`` as a Slice end, an argmax as
+a Reshape target) has no symbolic form either. When a short int tensor (rank <= 1, at most 16
+elements, static length) on a chain cannot be evaluated, it is read the same way, once, right
+before the rewritten consumer, and everything after it becomes symbolic. On GPU targets the ops
+between the data and the read that only reduce, cast or reshape 1-D int tensors (the max over
+the per-row lengths) are placed on the host VDevice (part b of issue #8): ``to_vdevice`` copies
+their 1-D input once, they are legalised as llvm kernels (``KeepHostKernelsApart`` in the
+pipeline stops FuseOps from merging them into device kernels), and the read needs no further
+copy. Larger inputs (the mask itself) are data and stay on the device. The module's ``vdevice``
+global info lists the device first and the host after it, so the VM is created with
+``[gpu, cpu]``. Anything the evaluator does not understand is left as it was, with the reason at
+debug level.
 """
 
 from __future__ import annotations
@@ -74,6 +86,19 @@ _LOGICAL = {
     "relax.logical_and": tirx.And,
     "relax.logical_or": tirx.Or,
 }
+# ops that may run on the host VDevice between a copied 1-D int tensor and a shape read
+_HOST_OPS = (
+    "relax.max",
+    "relax.min",
+    "relax.sum",
+    "relax.prod",
+    "relax.argmax",
+    "relax.argmin",
+    "relax.astype",
+    "relax.reshape",
+    "relax.squeeze",
+    "relax.expand_dims",
+)
 _PASS_THROUGH = ("relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.flatten")
 
 
@@ -147,6 +172,33 @@ def _strip_casts(expr):
     return expr
 
 
+def _readable(var) -> bool:
+    """A variable holding a short int tensor of static shape (rank 0 or 1)."""
+    sinfo = getattr(var, "ty", None)
+    if not isinstance(var, relax.Var) or not isinstance(sinfo, relax.TensorType):
+        return False
+    if sinfo.dtype not in ("int32", "int64") or not isinstance(sinfo.shape, relax.ShapeExpr):
+        return False
+    dims = sinfo.shape.values
+    if sinfo.ndim == 0:
+        return True
+    return (
+        sinfo.ndim == 1
+        and isinstance(dims[0], tirx.IntImm)
+        and 1 <= int(dims[0].value) <= _MAX_ELEMS
+    )
+
+
+def _is_zero(value) -> bool:
+    return isinstance(value, tirx.IntImm) and int(value.value) == 0
+
+
+def _reads_data(reads: dict, expr) -> bool:
+    """Whether ``expr`` uses a value read at run time."""
+    free = tirx.analysis.undefined_vars(expr)
+    return any(d in free for dims in reads.values() for d in dims)
+
+
 def _is_bool(value: tirx.Expr) -> bool:
     return str(value.ty.dtype) == "bool"
 
@@ -157,6 +209,7 @@ class _Evaluator:
     def __init__(self, var2val: dict, inputs: dict, analyzer):
         self.var2val = var2val
         self.inputs = inputs  # param -> list of fresh dims (shape tensors that are graph inputs)
+        self.reads: dict = {}  # var -> fresh dims: data-dependent shape values, read once
         self.analyzer = analyzer
         self.memo: dict = {}
         self.why = ""
@@ -180,6 +233,12 @@ class _Evaluator:
         if key in self.memo:
             return self.memo[key]
         result = self._value(self.resolve(expr))
+        if result is None and _readable(expr):
+            # a short int tensor computed from data (``max(sum(mask))``): its value exists only
+            # at run time; read it once and go on symbolically from fresh dims
+            length = int(expr.ty.shape.values[0].value) if expr.ty.ndim == 1 else 1
+            self.reads[expr] = [tirx.Var(f"{expr.name}_{k}", "int64") for k in range(length)]
+            result = _Value(list(self.reads[expr]), expr.ty.ndim)
         if result is not None:
             result = _Value(
                 [self.analyzer.simplify(_strip_casts(e)) for e in result.elems], result.rank
@@ -464,6 +523,25 @@ def _host_vdevice(target) -> relax.VDevice | None:
     return relax.VDevice(host, 0, "global")
 
 
+def _same_vdevice(a: relax.VDevice, b: relax.VDevice) -> bool:
+    return (
+        str(a.target) == str(b.target)
+        and int(a.vdevice_id) == int(b.vdevice_id)
+        and str(a.memory_scope) == str(b.memory_scope)
+    )
+
+
+def _declare_vdevices(mod: IRModule, target, host: relax.VDevice) -> None:
+    """List the host VDevice in the module's ``vdevice`` global info (the VM's device index of
+    each allocation comes from it); the target's own device first when the list is new."""
+    known = list(mod.global_infos["vdevice"]) if "vdevice" in mod.global_infos else []
+    if not known:
+        known = [relax.VDevice(target, 0, "global")]
+    if not any(_same_vdevice(v, host) for v in known):
+        known.append(host)
+    mod.update_global_info("vdevice", known)
+
+
 _POS_INF = tvm.sym.ConstIntBound.POS_INF
 
 
@@ -581,6 +659,8 @@ class _Rewriter(PyExprMutator):
         self.mod_ = mod
         self.target = target
         self.count = 0
+        self.host_reads = 0
+        self.host_vdevice = None  # set once something is placed on the host
         self.analyzer = tvm.sym.Analyzer()
 
     def transform(self) -> IRModule:
@@ -590,7 +670,10 @@ class _Rewriter(PyExprMutator):
             new = self.rewrite_function(func, gv.name_hint)
             if new is not None:
                 self.builder_.update_func(gv, new)
-        return self.builder_.get()
+        mod = self.builder_.get()
+        if self.host_vdevice is not None:
+            _declare_vdevices(mod, self.target, self.host_vdevice)
+        return mod
 
     def rewrite_function(self, func: relax.Function, name: str):
         self.analyzer = tvm.sym.Analyzer()
@@ -607,6 +690,7 @@ class _Rewriter(PyExprMutator):
         self.eval = _Evaluator(self.var2val, inputs, self.analyzer)
         self.before = self.count
         self.unread = dict(inputs)  # shape inputs whose one host read is not emitted yet
+        self.emitted: set = set()  # data-dependent values already read
         body = self.visit_expr(func.body)
         if self.count == self.before:
             return None
@@ -628,7 +712,7 @@ class _Rewriter(PyExprMutator):
                 sinfo = param.ty
                 host[param] = relax.Var(
                     param.name,
-                    relax.TensorType(sinfo.shape, sinfo.dtype, _host_vdevice(self.target)),
+                    relax.TensorType(sinfo.shape, sinfo.dtype, self._host()),
                 )
             else:
                 skip(logger, f"{name}: input {param.name}", "still used by a kernel")
@@ -687,12 +771,56 @@ class _Rewriter(PyExprMutator):
             self._var_of = {bound: var for var, bound in self.var2val.items()}
         return self._var_of.get(value)
 
-    def _read_inputs(self) -> None:
-        """Emit the one host read of every shape input (before the first rewrite uses its dims)."""
+    def _read_inputs(self, exprs=()) -> None:
+        """Emit the one host read of every shape input (before the first rewrite uses its dims),
+        and of the data-dependent values that ``exprs`` (the rewrite's elements) read."""
         inputs, self.unread = self.unread, {}
         for param, dims in inputs.items():
             shape = self.builder_.emit(relax.op.tensor_to_shape(param))
             self.builder_.match_cast(shape, relax.ShapeType(dims))
+        used: set = set()
+        for expr in exprs:
+            used.update(tirx.analysis.undefined_vars(expr))
+        for var, dims in self.eval.reads.items():
+            if var in self.emitted or not any(d in used for d in dims):
+                continue
+            self.emitted.add(var)
+            value = self._host_value(var) if _is_gpu(self.target) else self.visit_expr(var)
+            if value.ty.ndim == 0:
+                value = self.builder_.emit(relax.op.reshape(value, [1]))
+            if value.ty.dtype != "int64":
+                value = self.builder_.emit(relax.op.astype(value, "int64"))
+            shape = self.builder_.emit(relax.op.tensor_to_shape(value))
+            self.builder_.match_cast(shape, relax.ShapeType(dims))
+            self.host_reads += 1
+
+    def _host_value(self, var, depth: int = 0) -> relax.Expr:
+        """``var``'s value on the host VDevice (part b, GPU targets): the ops that produce it
+        from 1-D int tensors (reductions, casts, reshapes: ``max(sum(mask, axis=1))``) run on
+        the host after one copy of their input; a larger input (the mask) is data and stays."""
+        value = self.var2val.get(var)
+        name = op_name(value)
+        if name in _HOST_OPS and depth < 8:
+            source = value.args[0]
+            sinfo = getattr(source, "ty", None)
+            rest = value.args[1:]
+            if (
+                isinstance(source, relax.Var)
+                and isinstance(sinfo, relax.TensorType)
+                and sinfo.dtype in (*_INT, "bool")
+                and sinfo.ndim in (0, 1)
+                and not any(isinstance(getattr(a, "ty", None), relax.TensorType) for a in rest)
+            ):
+                host = self._host_value(source, depth + 1)
+                return self.builder_.emit(
+                    relax.Call(value.op, [host, *rest], value.attrs, value.ty_args)
+                )
+        return self.builder_.emit(relax.op.to_vdevice(self.visit_expr(var), self._host()))
+
+    def _host(self) -> relax.VDevice:
+        if self.host_vdevice is None:
+            self.host_vdevice = _host_vdevice(self.target)
+        return self.host_vdevice
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         name = op_name(call)
@@ -700,7 +828,7 @@ class _Rewriter(PyExprMutator):
             value = self._evaluate(call.args[0], "tensor_to_shape")
             if value is not None and value.rank == 1 and not any(map(_is_bool, value.elems)):
                 self.count += 1
-                self._read_inputs()
+                self._read_inputs(value.elems)
                 return relax.ShapeExpr(value.elems)
         elif name == "relax.dynamic_strided_slice":
             rewritten = self._slice(call)
@@ -739,7 +867,23 @@ class _Rewriter(PyExprMutator):
             and _at_most(self.analyzer, e, _i64(d))
             for b, e, st, d in zip(begin, end, strides, dims, strict=False)
         )
-        self._read_inputs()
+        self._read_inputs([*begin, *end])
+        if any(_reads_data(self.eval.reads, e) for e in (*begin, *end)):
+            # keep only the axes that are cut: a whole axis sliced by bounds read at run time
+            # infers a ``max(batch, 0)`` extent, on which CanonicalizeBindings recurses forever
+            kept = [
+                k
+                for k in axes
+                if not (
+                    dims is not None
+                    and _is_zero(begin[k])
+                    and int(strides[k].value) == 1
+                    and self.analyzer.can_prove(end[k] >= _i64(dims[k]))
+                )
+            ]
+            axes, begin, end, strides = (
+                [seq[k] for k in kept] for seq in (axes, begin, end, strides)
+            )
         return relax.op.strided_slice(
             self.visit_expr(data), axes, begin, end, strides, assume_inbound=inbound
         )
