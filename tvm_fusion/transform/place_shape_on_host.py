@@ -659,7 +659,6 @@ class _Rewriter(PyExprMutator):
         self.mod_ = mod
         self.target = target
         self.count = 0
-        self.host_reads = 0
         self.host_vdevice = None  # set once something is placed on the host
         self.analyzer = tvm.sym.Analyzer()
 
@@ -792,7 +791,6 @@ class _Rewriter(PyExprMutator):
                 value = self.builder_.emit(relax.op.astype(value, "int64"))
             shape = self.builder_.emit(relax.op.tensor_to_shape(value))
             self.builder_.match_cast(shape, relax.ShapeType(dims))
-            self.host_reads += 1
 
     def _host_value(self, var, depth: int = 0) -> relax.Expr:
         """``var``'s value on the host VDevice (part b, GPU targets): the ops that produce it
