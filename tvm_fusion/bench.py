@@ -89,6 +89,16 @@ def ratios(engines: dict[str, EngineResult], names: Sequence[str]) -> dict[str, 
     return {f"tvm-fusion/{e}": ratio(engines, "tvm-fusion", e) for e in names if e != "tvm-fusion"}
 
 
+def table_head(lead: Sequence[str], names: Sequence[str]) -> list[str]:
+    """A table's header and rule: ``lead`` columns, ms per engine, then the columns that
+    :func:`row_tail` fills (ours over every other engine, the outputs check)."""
+    header = [*lead, *(f"{e} ms" for e in names)]
+    if "tvm-fusion" in names:
+        header += [f"ours/{e}" for e in names if e != "tvm-fusion"]
+    header.append("outputs")
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+
 def row_tail(engines: dict[str, EngineResult], names: Sequence[str]) -> list[str]:
     """The last cells of a table row: ours over every other engine, then the outputs check."""
     cells = []
@@ -208,13 +218,7 @@ def _fmt_ratio(value: float | None) -> str:
 
 def markdown_table(results: Sequence[WorkloadResult], engines: Sequence[str]) -> str:
     """One row per workload: kernels, median ms per engine, ratios of ours to the others."""
-    others = [e for e in engines if e != "tvm-fusion"]
-    header = ["workload", "kernels stock/ours"]
-    header += [f"{e} ms" for e in engines]
-    if "tvm-fusion" in engines:
-        header += [f"ours/{e}" for e in others]
-    header.append("outputs")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = table_head(["workload", "kernels stock/ours"], engines)
     for res in results:
         stock = res.engines.get("tvm-stock")
         ours = res.engines.get("tvm-fusion")

@@ -46,6 +46,7 @@ from .bench import (
     ratios,
     row_tail,
     skipped_notes,
+    table_head,
 )
 from .errors import TvmFusionError, UsageError, first_line
 from .target import parse_target
@@ -318,13 +319,7 @@ def run_models(
 
 
 def markdown_table(results: Sequence[ModelResult], engines: Sequence[str]) -> str:
-    others = [e for e in engines if e != "tvm-fusion"]
-    header = ["model", "kernels stock/ours", "rewrites"]
-    header += [f"{e} ms" for e in engines]
-    if "tvm-fusion" in engines:
-        header += [f"ours/{e}" for e in others]
-    header.append("outputs")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = table_head(["model", "kernels stock/ours", "rewrites"], engines)
     for res in results:
         ours = res.engines.get("tvm-fusion")
         kernels = "/".join(
