@@ -775,8 +775,7 @@ class _Rewriter(PyExprMutator):
         and of the data-dependent values that ``exprs`` (the rewrite's elements) read."""
         inputs, self.unread = self.unread, {}
         for param, dims in inputs.items():
-            shape = self.builder_.emit(relax.op.tensor_to_shape(param))
-            self.builder_.match_cast(shape, relax.ShapeType(dims))
+            self._emit_read(param, dims)
         used: set = set()
         for expr in exprs:
             used.update(tirx.analysis.undefined_vars(expr))
@@ -789,8 +788,12 @@ class _Rewriter(PyExprMutator):
                 value = self.builder_.emit(relax.op.reshape(value, [1]))
             if value.ty.dtype != "int64":
                 value = self.builder_.emit(relax.op.astype(value, "int64"))
-            shape = self.builder_.emit(relax.op.tensor_to_shape(value))
-            self.builder_.match_cast(shape, relax.ShapeType(dims))
+            self._emit_read(value, dims)
+
+    def _emit_read(self, tensor, dims: list) -> None:
+        """Read a 1-D int64 tensor's values into the fresh dims ``dims``."""
+        shape = self.builder_.emit(relax.op.tensor_to_shape(tensor))
+        self.builder_.match_cast(shape, relax.ShapeType(dims))
 
     def _host_value(self, var, depth: int = 0) -> relax.Expr:
         """``var``'s value on the host VDevice (part b, GPU targets): the ops that produce it
