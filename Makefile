@@ -26,8 +26,10 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/tvm-fusion demo
 	$(VENV)/bin/tvm-fusion bench --models tests/corpus --workloads $(DEMO_MODELS) \
 		--dim batch=8 --dim seq=64 --repeat 10 --budget 1 --output ''
+	$(PY) tutorials/shape_on_host.py --size small
 
-# two exported models of the corpus: stock TVM cannot import BERT's loss; the LSTM gates fuse
+# two exported models of the corpus: stock TVM cannot import BERT's loss; the LSTM gates fuse.
+# Then the shape idioms: shape-only kernels and copies of their CUDA builds, stock vs ours.
 DEMO_MODELS := bert_mlm_torchscript,lstm_cell_torchscript
 
 test: $(VENV)/.installed-test
