@@ -1,6 +1,8 @@
 """CPU schedule rules: which rule takes which PrimFunc, numerics scheduled vs unscheduled,
 every kernel scheduled, weights packed at compile time, intermediates shrunk to rows/tiles."""
 
+import math
+
 import numpy as np
 import pytest
 import tvm
@@ -219,6 +221,32 @@ def test_gemm_tile_epilogue_has_no_full_intermediate(target):
         if buf.name.endswith("_global"):
             continue  # the packed weight: SplitLayoutRewritePreproc moves it out, then folded
         assert tir_util.num_elements(buf) < 64 * 128, (buf.name, buf.shape)
+
+
+def test_symbolic_rows_padded_to_register_tiles(target):
+    """(batch, seq) rows: the row axis is padded to a multiple of MR, so the accumulator is an
+    MR x NR register tile, not one row; the only buffer of symbolic size is A's padded copy,
+    and the result is right for row counts that are and are not multiples of MR."""
+    batch, seq = tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("seq", "int64")
+    mod = _module(CASES["matmul_bias_gelu"][0], (batch, seq, 256))
+    funcs = _prim_funcs(mod, target)
+    sch = cpu.Matmul().apply(funcs[0], target, False)
+    assert sch is not None
+    allocs = tir_util.compacted_allocations(sch.mod["main"])
+    acc = [b for b in allocs if b.scope() == "local"]
+    assert len(acc) == 1 and tir_util.num_elements(acc[0]) is not None
+    assert int(acc[0].shape[-2]) > 1, acc[0].shape  # more than one row per tile
+    symbolic = [b.name for b in allocs if tir_util.num_elements(b) is None]
+    assert symbolic == ["x0_pad"], symbolic
+    compiled = engine.compile_module(mod, target, "tvm_fusion")
+    vm = compiled.vm()
+    rng = np.random.default_rng(7)
+    for shape in [(1, 1, 256), (2, 5, 256), (3, 8, 256)]:
+        data = rng.standard_normal(shape).astype("float32")
+        h = data @ W + 1
+        expected = 0.5 * h * (1 + np.vectorize(math.erf)(h / math.sqrt(2)))
+        out = vm["main"](tvm.runtime.tensor(data)).numpy()
+        np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["gate_2890", "swiglu", "cross_entropy", "gelu_views"])

@@ -47,6 +47,14 @@ logger = logging.getLogger(__name__)
 PREPROC = "meta_schedule.layout_rewrite_preproc"
 
 
+class _Block:
+    """A block the rule adds to the epilogue (the cut of padded rows), shaped like dlight's
+    BlockInfo where the rule reads it."""
+
+    def __init__(self, block_rv):
+        self.block_rv = block_rv
+
+
 def _vars_in(expr) -> set:
     found = set()
     stack = [expr]
@@ -165,6 +173,20 @@ class Matmul(CPURule):
         nr, mr = self._tile(m_ext, j_ext, lanes, regs, n_gates)
         if nr is None:
             return None
+        a_pads: list = []
+        if mr > 1 and not is_static(m_ext):
+            # Symbolic rows: pad the row domain to a multiple of MR (A copied into a padded
+            # buffer, the result cut back to the real rows), so the accumulating block has no
+            # tail predicate; with one, TVM 0.27's CompactBufferAllocation keeps the accumulator
+            # at its full (rows, cols) size in memory instead of an MR x NR tile in registers.
+            padded = self._pad_rows(sch, block, iters, i_var, mr, epilogue)
+            if padded is None:
+                mr = 1
+            else:
+                a_pads, epilogue = padded
+                stmt = sch.get(block)
+                loops = sch.get_loops(block)
+                loop_of = dict(zip(iters, loops, strict=True))
 
         # Pack B into panels [.., j/NR, k, gates.., NR] indexed by the block's iterators.
         b_index = self._read_index(stmt, b_load.source)
@@ -261,11 +283,35 @@ class Matmul(CPURule):
         )
         if pb is not None and not is_const_b and not per_panel:
             self._schedule_copy(sch, pb, lanes, cores)
+        for pad in a_pads:
+            self._schedule_copy(sch, pad, lanes, cores)
         parallel = parallelize_outer(sch, outer, cores, min_extent_per_core=8, work=work)
         if per_panel:
             self._pack_per_panel(sch, pb, parallel if parallel is not None else jo, lanes, cores)
         sch.decompose_reduction(block, loop_of[k_var])
         return sch
+
+    @staticmethod
+    def _pad_rows(sch, block, iters, i_var, mr: int, epilogue: list):
+        """``pad_einsum`` the row axis to a multiple of ``mr``. Returns the padding copies of
+        the inputs and the epilogue list with the cut back to the real rows in front (inlined
+        into the first epilogue block when there is one), or None when it cannot be done."""
+        try:
+            sch.pad_einsum(block, [mr if v is i_var else 1 for v in iters])
+        except Exception as err:  # noqa: BLE001 - one-row tiles instead
+            logger.debug("matmul: rows not padded: %s", err)
+            return None
+        pads = list(sch.get_producers(block))
+        cut = list(sch.get_consumers(block))
+        if len(cut) != 1:
+            return None
+        if epilogue:
+            try:
+                sch.compute_inline(cut[0])
+                return pads, epilogue
+            except Exception:  # noqa: BLE001 - keep the cut as its own tile step
+                pass
+        return pads, [_Block(cut[0]), *epilogue]
 
     def _pack_per_panel(self, sch, pb, panel_loop, lanes: int, cores: int) -> None:
         """Pack B's panel under the panel loop (the loop must be the panel loop alone)."""
@@ -283,11 +329,8 @@ class Matmul(CPURule):
         if not is_static(j_ext):
             return None, 1
         budget = regs // 2
-        # Symbolic rows get one-row tiles: a row tile of MR > 1 needs a predicate for the tail,
-        # and under it TVM 0.27's CompactBufferAllocation keeps the accumulator at its full
-        # (rows, cols) size in memory instead of the tile's registers (3.6x slower measured on
-        # (batch, seq, 256) @ (256, 2048)); one row x four vectors is the fastest tail-free tile.
-        small_m = not is_static(m_ext) or m_ext <= 2
+        # Symbolic rows get the same tile; the caller pads their domain to a multiple of MR.
+        small_m = is_static(m_ext) and m_ext <= 2
         for vecs in (4, 2, 1) if small_m else (2, 4, 1):
             nr = vecs * lanes
             if j_ext % nr == 0 and n_gates * vecs <= budget:
@@ -306,8 +349,6 @@ class Matmul(CPURule):
             while mr > 1 and m_ext % mr:
                 mr -= 1
             mr = min(mr, m_ext)
-        else:
-            mr = 1
         return nr, mr
 
     @staticmethod
