@@ -249,6 +249,33 @@ def test_symbolic_rows_padded_to_register_tiles(target):
         np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_symbolic_columns_padded_to_register_tiles(target):
+    """Attention scores ``q @ k^T * scale + mask``: columns and rows are both ``seq``. Both are
+    padded to the tile, so the scores get MR x NR register tiles (the rule used to give up on
+    a symbolic vector axis and leave the kernel to the fallback rule)."""
+    batch, seq = tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("seq", "int64")
+
+    def scores(bb, q, k, mask):
+        s = R.matmul(q, R.permute_dims(k, [0, 1, 3, 2]))
+        return R.add(R.multiply(s, relax.const(0.125, "float32")), mask)
+
+    mod = _module(scores, (batch, 2, seq, 16), (batch, 2, seq, 16), (batch, 1, seq, seq))
+    funcs = [f for f in _prim_funcs(mod, target) if cpu.Matmul().apply(f, target, False)]
+    assert len(funcs) == 1
+    sch = cpu.Matmul().apply(funcs[0], target, False)
+    acc = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
+    assert len(acc) == 1 and tir_util.num_elements(acc[0]) is not None, acc
+    assert int(acc[0].shape[-2]) > 1 and int(acc[0].shape[-1]) > 1, acc[0].shape
+    vm = engine.compile_module(mod, target, "tvm_fusion").vm()
+    rng = np.random.default_rng(8)
+    for b, n in [(1, 1), (2, 7), (1, 19)]:
+        q, k = (rng.standard_normal((b, 2, n, 16)).astype("float32") for _ in range(2))
+        mask = rng.standard_normal((b, 1, n, n)).astype("float32")
+        out = vm["main"](*(tvm.runtime.tensor(a) for a in (q, k, mask))).numpy()
+        expected = q @ k.transpose(0, 1, 3, 2) * 0.125 + mask
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["gate_2890", "swiglu", "cross_entropy", "gelu_views"])
 def test_dynamic_batch_scheduled(name, target):
     inst = models.build(name, "small", dynamic=True)

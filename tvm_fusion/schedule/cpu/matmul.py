@@ -16,7 +16,11 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
   otherwise it is packed at run time when there are enough rows to repay it, else read in place;
 - the epilogue is computed on the tile: inlined into the accumulator's write-back when it is
   elementwise, else computed at the tile loop, so the full GEMM output never exists in memory;
-- the loop over (column panels, row tiles) is parallel.
+- the loop over (column panels, row tiles) is parallel;
+- symbolic rows (``batch * seq``) and a symbolic vector axis (attention's ``seq`` columns) are
+  padded to a multiple of the tile (``pad_einsum``: operands copied into padded buffers, the
+  result cut back where it is written), so the tile loops carry no tail predicate, which would
+  make TVM keep the accumulator in memory at full size.
 """
 
 from __future__ import annotations
@@ -174,12 +178,20 @@ class Matmul(CPURule):
         if nr is None:
             return None
         a_pads: list = []
-        if mr > 1 and not is_static(m_ext):
-            # Symbolic rows: pad the row domain to a multiple of MR (A copied into a padded
-            # buffer, the result cut back to the real rows), so the accumulating block has no
-            # tail predicate; with one, TVM 0.27's CompactBufferAllocation keeps the accumulator
-            # at its full (rows, cols) size in memory instead of an MR x NR tile in registers.
-            padded = self._pad_rows(sch, block, iters, i_var, mr, epilogue)
+        pad_rows = mr > 1 and not is_static(m_ext)
+        pad_cols = not is_static(j_ext)
+        if pad_rows or pad_cols:
+            # Symbolic rows or columns: pad their domain to a multiple of the tile (operands
+            # copied into padded buffers, the result cut back to the real extent), so the
+            # accumulating block has no tail predicate; with one, TVM 0.27's
+            # CompactBufferAllocation keeps the accumulator at its full (rows, cols) size in
+            # memory instead of an MR x NR tile in registers.
+            factors = {i_var: mr} if pad_rows else {}
+            if pad_cols:
+                factors[j_var] = nr
+            padded = self._pad(sch, block, iters, factors, epilogue)
+            if padded is None and pad_cols:
+                return None
             if padded is None:
                 mr = 1
             else:
@@ -187,6 +199,7 @@ class Matmul(CPURule):
                 stmt = sch.get(block)
                 loops = sch.get_loops(block)
                 loop_of = dict(zip(iters, loops, strict=True))
+                j_ext = extent(sch, loop_of[j_var])
 
         # Pack B into panels [.., j/NR, k, gates.., NR] indexed by the block's iterators.
         b_index = self._read_index(stmt, b_load.source)
@@ -292,14 +305,15 @@ class Matmul(CPURule):
         return sch
 
     @staticmethod
-    def _pad_rows(sch, block, iters, i_var, mr: int, epilogue: list):
-        """``pad_einsum`` the row axis to a multiple of ``mr``. Returns the padding copies of
-        the inputs and the epilogue list with the cut back to the real rows in front (inlined
-        into the first epilogue block when there is one), or None when it cannot be done."""
+    def _pad(sch, block, iters, factors: dict, epilogue: list):
+        """``pad_einsum`` the axes in ``factors`` to multiples of their factor. Returns the
+        padding copies of the inputs and the epilogue list with the cut back to the real extent
+        in front (inlined into the first epilogue block when there is one), or None when it
+        cannot be done."""
         try:
-            sch.pad_einsum(block, [mr if v is i_var else 1 for v in iters])
-        except Exception as err:  # noqa: BLE001 - one-row tiles instead
-            logger.debug("matmul: rows not padded: %s", err)
+            sch.pad_einsum(block, [factors.get(v, 1) for v in iters])
+        except Exception as err:  # noqa: BLE001 - the caller falls back
+            logger.debug("matmul: %s not padded: %s", [str(v) for v in factors], err)
             return None
         pads = list(sch.get_producers(block))
         cut = list(sch.get_consumers(block))
@@ -325,24 +339,27 @@ class Matmul(CPURule):
     @staticmethod
     def _tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[int | None, int]:
         """(NR, MR): NR a multiple of ``lanes`` dividing the vector axis; MR rows so that
-        MR * gates * NR / lanes accumulators use about half the registers."""
-        if not is_static(j_ext):
-            return None, 1
+        MR * gates * NR / lanes accumulators use about half the registers. A symbolic vector
+        axis (attention's ``seq`` columns) gets two vectors; the caller pads it to NR."""
         budget = regs // 2
-        # Symbolic rows get the same tile; the caller pads their domain to a multiple of MR.
-        small_m = is_static(m_ext) and m_ext <= 2
-        for vecs in (4, 2, 1) if small_m else (2, 4, 1):
+        if not is_static(j_ext):
+            vecs = 2 if n_gates * 2 <= budget else 1
             nr = vecs * lanes
-            if j_ext % nr == 0 and n_gates * vecs <= budget:
-                break
         else:
-            # narrow axes: one vector of the largest power of two dividing the extent
-            nr = lanes
-            while nr > 1 and j_ext % nr:
-                nr //= 2
-            if nr < 2:
-                return None, 1
-            vecs = 1
+            # Symbolic rows get the same tile; the caller pads their domain to a multiple of MR.
+            small_m = is_static(m_ext) and m_ext <= 2
+            for vecs in (4, 2, 1) if small_m else (2, 4, 1):
+                nr = vecs * lanes
+                if j_ext % nr == 0 and n_gates * vecs <= budget:
+                    break
+            else:
+                # narrow axes: one vector of the largest power of two dividing the extent
+                nr = lanes
+                while nr > 1 and j_ext % nr:
+                    nr //= 2
+                if nr < 2:
+                    return None, 1
+                vecs = 1
         per_row = n_gates * max(vecs, 1)
         mr = max(1, budget // per_row)
         if is_static(m_ext):
