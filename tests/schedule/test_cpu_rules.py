@@ -263,9 +263,12 @@ def test_symbolic_columns_padded_to_register_tiles(target):
     funcs = [f for f in _prim_funcs(mod, target) if cpu.Matmul().apply(f, target, False)]
     assert len(funcs) == 1
     sch = cpu.Matmul().apply(funcs[0], target, False)
-    acc = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
+    allocs = tir_util.compacted_allocations(sch.mod["main"])
+    acc = [b for b in allocs if b.scope() == "local"]
     assert len(acc) == 1 and tir_util.num_elements(acc[0]) is not None, acc
     assert int(acc[0].shape[-2]) > 1 and int(acc[0].shape[-1]) > 1, acc[0].shape
+    # k^T is read along seq with a stride: it is packed into contiguous panels first
+    assert any(b.name.endswith("_global") for b in allocs), [b.name for b in allocs]
     vm = engine.compile_module(mod, target, "tvm_fusion").vm()
     rng = np.random.default_rng(8)
     for b, n in [(1, 1), (2, 7), (1, 19)]:
@@ -274,6 +277,28 @@ def test_symbolic_columns_padded_to_register_tiles(target):
         out = vm["main"](*(tvm.runtime.tensor(a) for a in (q, k, mask))).numpy()
         expected = q @ k.transpose(0, 1, 3, 2) * 0.125 + mask
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_several_reduction_axes_fused_into_one(target):
+    """XLNet's output projection ``einsum('ibnd,hnd->ibh')`` reduces over heads and head size:
+    the rule fuses the two reduction iterators into one and tiles it like any GEMM (it used to
+    leave it to the fallback rule: 14 ms of XLNet's 65 at bench scale)."""
+    seq = tvm.tirx.Var("seq", "int64")
+    rng = np.random.default_rng(9)
+    o = rng.standard_normal((32, 2, 16)).astype("float32")
+
+    def project(bb, v, h):
+        return R.add(R.einsum([v, relax.const(o)], "ibnd,hnd->ibh"), h)
+
+    mod = _module(project, (seq, 2, 2, 16), (seq, 2, 32))
+    funcs = [f for f in _prim_funcs(mod, target) if cpu.Matmul().apply(f, target, False)]
+    assert len(funcs) == 1
+    vm = engine.compile_module(mod, target, "tvm_fusion").vm()
+    for n in (1, 6, 9):
+        v = rng.standard_normal((n, 2, 2, 16)).astype("float32")
+        h = rng.standard_normal((n, 2, 32)).astype("float32")
+        out = vm["main"](tvm.runtime.tensor(v), tvm.runtime.tensor(h)).numpy()
+        np.testing.assert_allclose(out, np.einsum("ibnd,hnd->ibh", v, o) + h, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["gate_2890", "swiglu", "cross_entropy", "gelu_views"])

@@ -115,7 +115,10 @@ class Matmul(CPURule):
             return None
         red = reductions[0]
         kinds = red.dom_kind()
-        if kinds.count("R") != 1 or not kinds.endswith("R"):
+        n_red = len(kinds) - len(kinds.rstrip("R"))
+        if n_red == 0 or kinds.count("R") != n_red:
+            return None
+        if n_red > 1 and not self._fuse_reduction(sch, red.block_rv, n_red):
             return None
         stmt = sch.get(red.block_rv)
         mac = _is_mac(stmt.body)
@@ -197,6 +200,7 @@ class Matmul(CPURule):
             else:
                 a_pads, epilogue = padded
                 stmt = sch.get(block)
+                a_load, b_load = _is_mac(stmt.body)  # now reading the padded copies
                 loops = sch.get_loops(block)
                 loop_of = dict(zip(iters, loops, strict=True))
                 j_ext = extent(sch, loop_of[j_var])
@@ -213,7 +217,8 @@ class Matmul(CPURule):
         # (the LM head's 125 MiB weight, packed again by every row chunk).
         cores = _target.num_cores(target)
         pb = None
-        if pack and b_index is not None and is_static(j_ext) and j_ext % nr == 0:
+        divisible = (is_static(j_ext) and j_ext % nr == 0) or pad_cols
+        if pack and b_index is not None and divisible:
             b_batch = [v for v in spatial if v in b_vars and v in a_vars]
             order = b_batch + outer_cols
 
@@ -326,6 +331,31 @@ class Matmul(CPURule):
             except Exception:  # noqa: BLE001 - keep the cut as its own tile step
                 pass
         return pads, [_Block(cut[0]), *epilogue]
+
+    @staticmethod
+    def _fuse_reduction(sch, block, n_red: int) -> bool:
+        """Several trailing reduction iterators (XLNet's ``einsum('ibnd,hnd->ibh')`` reduces over
+        heads and head size) become one, ``k = ((r0 * E1) + r1) * E2 + ...``; the inner extents
+        must be static. Both operands then read ``k`` as the flat index of the reduced axes."""
+        iter_vars = sch.get(block).iter_vars
+        red = iter_vars[len(iter_vars) - n_red :]
+        inner = [iv.dom.extent for iv in red[1:]]
+        if not all(isinstance(e, tirx.IntImm) for e in inner):
+            return False
+        sizes = [int(e) for e in inner]
+
+        def fused(*ivs):
+            k = ivs[len(ivs) - n_red]
+            for iv, size in zip(ivs[len(ivs) - n_red + 1 :], sizes, strict=True):
+                k = k * size + iv
+            return (*ivs[: len(ivs) - n_red], k)
+
+        try:
+            sch.transform_block_layout(block, tirx.IndexMap.from_func(fused, ndim=len(iter_vars)))
+        except Exception as err:  # noqa: BLE001 - leave the kernel to other rules
+            logger.debug("matmul: reduction iterators not fused: %s", err)
+            return False
+        return True
 
     def _pack_per_panel(self, sch, pb, panel_loop, lanes: int, cores: int) -> None:
         """Pack B's panel under the panel loop (the loop must be the panel loop alone)."""
