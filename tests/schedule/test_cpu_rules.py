@@ -301,6 +301,22 @@ def test_several_reduction_axes_fused_into_one(target):
         np.testing.assert_allclose(out, np.einsum("ibnd,hnd->ibh", v, o) + h, rtol=1e-5, atol=1e-5)
 
 
+def test_heads_axis_is_not_a_gate_axis(target):
+    """``einsum('ibh,hnd->ibnd')`` (XLNet's q/k/v projections): the small heads axis ``n`` is
+    an outer column, not a gate axis of the tile as in FuseSplitGates' kernels, so the register
+    tile holds several rows (4 x 16) instead of one row of every head (4 heads x 16)."""
+    w = np.random.default_rng(10).standard_normal((32, 4, 16)).astype("float32")
+    mod = _module(lambda bb, x: R.einsum([x, relax.const(w)], "ibh,hnd->ibnd"), (8, 4, 32))
+    funcs = _prim_funcs(mod, target)
+    sch = cpu.Matmul().apply(funcs[0], target, False)
+    assert sch is not None
+    acc = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
+    assert len(acc) == 1 and [int(d) for d in acc[0].shape][1:3] == [4, 1], acc[0].shape
+    x = np.random.default_rng(11).standard_normal((8, 4, 32)).astype("float32")
+    out = engine.compile_module(mod, target, "tvm_fusion").vm()["main"](tvm.runtime.tensor(x))
+    np.testing.assert_allclose(out.numpy(), np.einsum("ibh,hnd->ibnd", x, w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["gate_2890", "swiglu", "cross_entropy", "gelu_views"])
 def test_dynamic_batch_scheduled(name, target):
     inst = models.build(name, "small", dynamic=True)

@@ -49,6 +49,7 @@ from .._common import (
 logger = logging.getLogger(__name__)
 
 PREPROC = "meta_schedule.layout_rewrite_preproc"
+GATE_ATTR = "tvm_fusion.gate_fusion"
 
 
 class _Block:
@@ -162,12 +163,18 @@ class Matmul(CPURule):
         loops = sch.get_loops(block)
         loop_of = dict(zip(iters, loops, strict=True))
 
-        # The vector axis: the innermost B-only axis. Small extra B-only axes (gates) join the tile.
+        # The vector axis: the innermost B-only axis. In FuseSplitGates' kernels, small extra
+        # B-only axes (the gates) join the tile, so that the gate math finds every gate of a unit
+        # in it; elsewhere (XLNet's heads in einsum('ibh,hnd->ibnd')) they are outer columns,
+        # which leaves the registers to more rows: a B panel is reused by MR rows, not one.
         j_var = cols[-1]
+        gated = func.attrs is not None and GATE_ATTR in func.attrs
         gate_vars = [
             v
             for v in cols[:-1]
-            if is_static(extent(sch, loop_of[v])) and extent(sch, loop_of[v]) <= self.max_gate_axis
+            if gated
+            and is_static(extent(sch, loop_of[v]))
+            and extent(sch, loop_of[v]) <= self.max_gate_axis
         ]
         outer_cols = [v for v in cols[:-1] if v not in gate_vars]
         n_gates = 1
