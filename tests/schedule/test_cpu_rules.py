@@ -349,3 +349,15 @@ def test_weight_prepack_beside_blockless_primfunc(target):
     np.add.at(g_h, (slice(None), [0, 5, 5, 9]), 2 * h[:, [0, 5, 5, 9]])
     np.testing.assert_allclose(gx.numpy(), g_h @ w.T, rtol=1e-4, atol=1e-4)
     assert any(gv.name_hint.endswith("_prepacked") for gv in compiled.lowered.get_global_vars())
+
+
+def test_gate_block_fills_the_registers_for_one_row_tiles(target):
+    """FuseSplitGates' vector block V on llvm: symbolic rows are tiled one row at a time, so V
+    is as wide as one row's accumulators allow (as for a single row), not one vector per gate
+    (two accumulators for SwiGLU, the seed of its 2x gap to ONNX Runtime)."""
+    from tvm_fusion.schedule import gate_block
+    from tvm_fusion.target import vector_lanes
+
+    lanes = vector_lanes(target, "float32")
+    assert gate_block(target, 1024, 2, None) == gate_block(target, 1024, 2, 1) == 4 * lanes
+    assert gate_block(target, 1024, 2, 64) == lanes  # static rows: more rows per tile instead
