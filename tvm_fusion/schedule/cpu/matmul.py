@@ -200,8 +200,8 @@ class Matmul(CPURule):
             if pad_cols:
                 factors[j_var] = nr
             padded = self._pad(sch, block, iters, factors, epilogue)
-            if padded is None and pad_cols:
-                return None
+            if padded is False or (padded is None and pad_cols):
+                return None  # padded but not understood, or columns that need the padding
             if padded is None:
                 mr = 1
             else:
@@ -320,8 +320,9 @@ class Matmul(CPURule):
     def _pad(sch, block, iters, factors: dict, epilogue: list):
         """``pad_einsum`` the axes in ``factors`` to multiples of their factor. Returns the
         padding copies of the inputs and the epilogue list with the cut back to the real extent
-        in front (inlined into the first epilogue block when there is one), or None when it
-        cannot be done."""
+        in front (inlined into the first epilogue block when there is one); None when
+        ``pad_einsum`` refuses (the schedule is unchanged), False when it padded but left other
+        than one consumer (the schedule is changed: give up)."""
         try:
             sch.pad_einsum(block, [factors.get(v, 1) for v in iters])
         except Exception as err:  # noqa: BLE001 - the caller falls back
@@ -330,7 +331,7 @@ class Matmul(CPURule):
         pads = list(sch.get_producers(block))
         cut = list(sch.get_consumers(block))
         if len(cut) != 1:
-            return None
+            return False
         if epilogue:
             try:
                 sch.compute_inline(cut[0])
