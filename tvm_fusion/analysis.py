@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import tvm
 from tvm import relax, tirx
 
+from .target import is_cpu
 from .tir_util import block_names
 from .tir_util import loops as tir_loops
 
@@ -472,7 +473,7 @@ def _is_shape_data(sinfo) -> bool:
 
 def _on_host(sinfo) -> bool:
     vdevice = getattr(sinfo, "vdevice", None)
-    return vdevice is not None and vdevice.target.kind.name in ("llvm", "c")
+    return vdevice is not None and is_cpu(vdevice.target)
 
 
 def shape_work(lowered: tvm.IRModule, target=None) -> ShapeWork:
@@ -489,7 +490,7 @@ def shape_work(lowered: tvm.IRModule, target=None) -> ShapeWork:
     """
     gpu = target is not None and "gpu" in tvm.target.Target(target).keys
     vdevices = lowered.global_infos["vdevice"] if "vdevice" in lowered.global_infos else []
-    host_indices = {i for i, v in enumerate(vdevices) if v.target.kind.name in ("llvm", "c")}
+    host_indices = {i for i, v in enumerate(vdevices) if is_cpu(v.target)}
     found: list[str] = []
     copies = 0
     for _name, func in _host_functions(lowered):
@@ -592,13 +593,13 @@ def _is_host_kernel(func: tirx.PrimFunc, gpu: bool) -> bool:
     if attrs.get("tirx.is_host_func"):
         return True
     own = attrs.get("target")
-    return gpu and own is not None and own.kind.name in ("llvm", "c")
+    return gpu and own is not None and is_cpu(own)
 
 
 def _is_copy_to_host(value) -> bool:
     """``to_vdevice`` to a CPU device (``vm.builtin.to_device(x, kDLCPU, ...)`` once lowered)."""
     if _op_name(value) == "relax.to_vdevice":
-        return value.attrs.dst_vdevice.target.kind.name in ("llvm", "c")
+        return is_cpu(value.attrs.dst_vdevice.target)
     if _op_name(value) == "vm.builtin.to_device":
         kind = value.args[1]
         return isinstance(kind, tirx.IntImm) and int(kind.value) == 1

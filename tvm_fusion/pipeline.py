@@ -111,6 +111,14 @@ def lowering_passes(fast_math: bool = False) -> list[tvm.transform.Pass]:
     ]
 
 
+def _replace_functions(mod: tvm.IRModule, changed: dict) -> tvm.IRModule:
+    """``mod`` with the functions of ``changed`` (GlobalVar -> function) replaced."""
+    if not changed:
+        return mod
+    functions = {gv: changed.get(gv, func) for gv, func in mod.functions_items()}
+    return tvm.IRModule(functions, attrs=mod.attrs, global_infos=mod.global_infos)
+
+
 @tvm.transform.module_pass(opt_level=0, name="KeepHostKernelsApart")
 class KeepHostKernelsApart:
     """Kernels that LegalizeOps made for another target than the build's (host ops that
@@ -129,10 +137,7 @@ class KeepHostKernelsApart:
             own = func.attrs.get("target")
             if own is not None and own.kind.name != current.kind.name:
                 changed[gv] = func.with_attr("op_pattern", 8)  # kOpaque
-        if not changed:
-            return mod
-        functions = {gv: changed.get(gv, func) for gv, func in mod.functions_items()}
-        return tvm.IRModule(functions, attrs=mod.attrs, global_infos=mod.global_infos)
+        return _replace_functions(mod, changed)
 
 
 def _pointer_params(func: tvm.tirx.PrimFunc) -> int:
@@ -172,10 +177,7 @@ class RestrictSingleBufferKernels:
                 changed[gv] = func.with_attr("tirx.noalias", True)
             else:
                 logger.debug("%s: several buffers and no tirx.noalias; left as is", gv.name_hint)
-        if not changed:
-            return mod
-        functions = {gv: changed.get(gv, func) for gv, func in mod.functions_items()}
-        return tvm.IRModule(functions, attrs=mod.attrs, global_infos=mod.global_infos)
+        return _replace_functions(mod, changed)
 
 
 @tvm.transform.module_pass(opt_level=0, name="LowerCallTIRWithGrad")
