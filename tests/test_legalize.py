@@ -105,3 +105,43 @@ def _cuda_text(mod) -> str:
         if found:
             return found
     return ""
+
+
+def _legalized_blocks(mod):
+    from tvm_fusion import tir_util
+
+    with tvm.target.Target("llvm"):
+        mod = relax.transform.LegalizeOps(fast_math_legalize_map())(mod)
+    funcs = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    return [name for f in funcs for name in tir_util.block_names(f)]
+
+
+@pytest.mark.parametrize("op", [R.nn.softmax, R.nn.log_softmax])
+def test_symbolic_row_reductions_split_into_whole_vectors_and_a_tail(op):
+    """Over a symbolic last axis, max and sum are each written as partials over the whole
+    vectors, their fold and a scalar tail (what rfactor would make, which it cannot for a
+    symbolic extent); a static axis keeps the one-block reduction. Numbers are right for row
+    lengths below, at and between multiples of the vector width."""
+    seq = tvm.tirx.Var("seq", "int64")
+    names = _legalized_blocks(_unary_module(lambda v: op(v, axis=-1), (3, seq)))
+    for part in ("row_part", "row_fold", "row_tail"):
+        assert sum(n.startswith(part) for n in names) == 2, names
+    static = _legalized_blocks(_unary_module(lambda v: op(v, axis=-1), (3, 40)))
+    assert not any(n.startswith("row_") for n in static), static
+
+    mod = _unary_module(lambda v: op(v, axis=-1), (3, seq))
+    compiled = None
+    rng = np.random.default_rng(1)
+    for n in (1, 3, 8, 13, 16, 40):
+        x = rng.standard_normal((3, n)).astype("float32") * 5
+        if compiled is None:
+            out, compiled = run(mod, [x], "tvm_fusion")
+        else:
+            from tvm_fusion import engine
+
+            out = engine.TvmRunner(compiled, [x]).outputs()
+        xd = x.astype("float64")
+        m = xd.max(axis=-1, keepdims=True)
+        lse = m + np.log(np.exp(xd - m).sum(axis=-1, keepdims=True))
+        expect = xd - lse if op is R.nn.log_softmax else np.exp(xd - lse)
+        np.testing.assert_allclose(out[0], expect, rtol=1e-5, atol=1e-6, err_msg=str(n))

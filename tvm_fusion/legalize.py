@@ -7,7 +7,11 @@ LLVM cannot vectorise. Bounds checked by tests/test_legalize.py on float32: rela
 most 4e-7 (a few ulp; erf measures 3.2e-7) wherever |f| > 1e-3 for exp on [-80, 80], erf on
 [-6, 6], tanh on [-12, 12], sigmoid and silu on [-30, 30]; gelu's absolute error at most 1e-6
 on [-8, 8] (erf's error times |x|/2 in ``1 + erf(x)``; stock's float32 gelu measures 4.4e-7).
-Only float32 is rewritten; other dtypes keep the stock legalisation.
+Only float32 is rewritten; other dtypes keep the stock legalisation. ``softmax`` and
+``log_softmax`` over a symbolic last axis (attention scores over a dynamic sequence) write their
+row max and sum as ``lanes`` partials over the whole vectors, their fold and a scalar tail
+(:func:`_row_reduce`), the split that ``rfactor`` cannot make for a symbolic extent; the CPU row
+rule vectorises the partials.
 
 Integer powers (every target, :func:`legalize_map`): ``power(x, c)`` with a constant integral
 exponent ``|c| <= 4`` becomes multiplications. Exact, faster, and needed on CUDA: TVM builds
@@ -61,19 +65,63 @@ def _normalized_axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
+def _row_reduce(x: te.Tensor, axis: int, kind: str) -> te.Tensor:
+    """Reduce ``x`` over ``axis`` (keepdims). A static extent is one reduction (the CPU row rule
+    vectorises it by ``rfactor``). A symbolic last axis, which ``rfactor`` cannot split, is
+    written as the split it would make: ``lanes`` partial results over the whole vectors
+    (``(rows..., lanes)``, the lanes a spatial axis the rule vectorises), their fold, and a
+    scalar tail of ``n % lanes`` elements, combined. Attention scores over a dynamic sequence
+    are the case: the one-reduction form stays scalar (7x slower at (4, 4, 128, 128))."""
+    whole_reduce, reduce, combine = _REDUCERS[kind]
+    n = x.shape[axis]
+    if isinstance(n, tirx.IntImm) or axis != len(x.shape) - 1:
+        return whole_reduce(x, axis=axis, keepdims=True)
+    lanes = tirx.const(_reduction_lanes(x.dtype), n.ty.dtype)
+    rows = tuple(x.shape[:-1])
+    whole = tirx.floordiv(n, lanes)
+    k = te.reduce_axis((0, whole), name="k")
+    part = te.compute(
+        rows + (lanes,),
+        lambda *i: reduce(x(*i[:-1], k * lanes + i[-1]), axis=k),
+        name="row_part",
+    )
+    t = te.reduce_axis((0, n - whole * lanes), name="t")
+    tail = te.compute(rows, lambda *i: reduce(x(*i, whole * lanes + t), axis=t), name="row_tail")
+    j = te.reduce_axis((0, lanes), name="j")
+    fold = te.compute(rows, lambda *i: reduce(part(*i, j), axis=j), name="row_fold")
+    return te.compute(rows + (1,), lambda *i: combine(fold(*i[:-1]), tail(*i[:-1])), name="row")
+
+
+_REDUCERS = {  # kind: (one topi reduction, TE reducer, how two partial results combine)
+    "max": (topi.max, te.max, tirx.max),
+    "sum": (topi.sum, te.sum, lambda a, b: a + b),
+}
+
+
+def _reduction_lanes(dtype: str) -> int:
+    from tvm.target import Target
+
+    from .target import is_cpu, vector_lanes
+
+    target = Target.current(allow_none=True)
+    if target is None or not is_cpu(target):
+        return 8
+    return vector_lanes(target, dtype)
+
+
 def fast_softmax(x: te.Tensor, axis: int) -> te.Tensor:
     axis = _normalized_axis(axis, len(x.shape))
-    m = topi.max(x, axis=axis, keepdims=True)
+    m = _row_reduce(x, axis, "max")
     e = topi.fast_exp(topi.subtract(x, m))
-    s = topi.sum(e, axis=axis, keepdims=True)
+    s = _row_reduce(e, axis, "sum")
     return topi.divide(e, s)
 
 
 def fast_log_softmax(x: te.Tensor, axis: int) -> te.Tensor:
     axis = _normalized_axis(axis, len(x.shape))
-    m = topi.max(x, axis=axis, keepdims=True)
+    m = _row_reduce(x, axis, "max")
     shifted = topi.subtract(x, m)
-    s = topi.sum(topi.fast_exp(shifted), axis=axis, keepdims=True)
+    s = _row_reduce(topi.fast_exp(shifted), axis, "sum")
     return topi.subtract(shifted, topi.log(s))
 
 

@@ -9,7 +9,9 @@ reduction blocks reduce the trailing axes. The schedule:
   one row (no buffer of the full input size);
 - each reduction is vectorised by ``rfactor``: ``lanes`` partial results per row accumulated in
   vector registers, then folded; LLVM cannot vectorise a float reduction loop itself without
-  reassociation, which TVM's codegen does not allow;
+  reassociation, which TVM's codegen does not allow. ``rfactor`` needs a static extent; over a
+  symbolic one (softmax of attention scores) the legalisation has already written the split
+  (partials over whole vectors + a scalar tail), and the rule vectorises the partials;
 - injective blocks are vectorised on their innermost loop.
 """
 
@@ -110,7 +112,44 @@ class RowReduction(CPURule):
                     vectorize_innermost(sch, init, lanes)
                 except Exception:  # noqa: BLE001 - init name differs: leave it scalar
                     pass
+            else:
+                self._schedule_plain_reduction(sch, block, lanes)
         return sch
+
+    @staticmethod
+    def _schedule_plain_reduction(sch, block, lanes: int) -> None:
+        """A reduction that ``rfactor`` did not split.
+
+        Already split like an rfactor block (a static spatial axis of partial results right
+        before one symbolic reduction axis: how the legalisation writes row reductions over a
+        symbolic axis, see ``tvm_fusion.legalize._row_reduce``): the reduction loop goes
+        outside and the partials axis is vectorised. Any other reduction over a symbolic extent
+        gets its init out of the reduction loop, where lowering would put it: the extent may be
+        0 (the scalar tail of a row of whole vectors) and the init must run all the same."""
+        iters = sch.get(block).iter_vars
+        loops = sch.get_loops(block)
+        if not iters or iters[-1].iter_type != iters[-1].CommReduce:
+            return
+        if is_static(extent(sch, loops[-1])):
+            return
+        partials = iters[-2] if len(iters) > 1 else None
+        width = extent(sch, loops[-2]) if len(loops) > 1 else None
+        if (
+            partials is None
+            or partials.iter_type == partials.CommReduce
+            or not is_static(width)
+            or width % lanes
+        ):
+            sch.decompose_reduction(block, loops[-1])
+            return
+        sch.reorder(loops[-1], loops[-2])
+        reduce_loop = sch.get_loops(block)[-2]
+        vectorize_innermost(sch, block, lanes)
+        sch.decompose_reduction(block, reduce_loop)
+        try:
+            vectorize_innermost(sch, sch.get_sblock(sch.get(block).name_hint + "_init"), lanes)
+        except Exception:  # noqa: BLE001 - init name differs: leave it scalar
+            pass
 
     def _reduction_last(self, sch, infos, target):
         """Plain reductions whose output is the reduction itself (sum/max over rows)."""
