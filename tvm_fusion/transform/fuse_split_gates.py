@@ -649,12 +649,20 @@ def _blocked_weight(w: np.ndarray, transposed: bool, gates: int, width: int, blo
 
 
 def _gemm_stage(x, w, layout: str, block: int, width: int, gates: int, n_rows: int, name: str):
-    """``Y[rows, gate, d] = sum_k x[rows, k] * W(gate, d, k)`` for one weight layout."""
+    """``Y[rows, gate, d] = sum_k x[rows, k] * W(gate, d, k)`` for one weight layout. With the
+    blocked weight, ``Y`` is blocked like it, ``Y[rows, gate, d // V, d % V]``: every index is
+    then a plain iterator (an einsum, which ``pad_einsum`` can pad) and one ``V`` block of
+    units is one contiguous vector of each gate."""
     kk = te.reduce_axis((0, x.shape[-1]), name="k")
+    if layout == "blocked":  # (D/V, K, gates, V)
+
+        def blocked(*idx):
+            rows, gate, do, di = idx[:n_rows], idx[n_rows], idx[n_rows + 1], idx[n_rows + 2]
+            return te.sum(x[(*rows, kk)] * w[do, kk, gate, di], axis=kk)
+
+        return te.compute((*x.shape[:-1], gates, width // block, block), blocked, name=name)
 
     def weight(gate, d):
-        if layout == "blocked":  # (D/V, K, gates, V)
-            return w[d // block, kk, gate, d % block]
         if layout == "nk":  # (gates*D, K)
             return w[gate * width + d, kk]
         return w[kk, gate * width + d]  # (K, gates*D)
@@ -669,19 +677,27 @@ def _gemm_stage(x, w, layout: str, block: int, width: int, gates: int, n_rows: i
 def _bias_stage(y, bias, width: int, n_rows: int, name: str):
     per_feature = _int(bias.shape[-1]) != 1
     lead = [0] * (len(bias.shape) - 1)
+    blocked = len(y.shape) == n_rows + 3
+    block = y.shape[-1] if blocked else None
 
     def body(*idx):
-        gate, d = idx[n_rows], idx[n_rows + 1]
+        gate = idx[n_rows]
+        d = idx[n_rows + 1] * block + idx[n_rows + 2] if blocked else idx[n_rows + 1]
         return y(*idx) + bias[(*lead, gate * width + d if per_feature else 0)]
 
     return te.compute(y.shape, body, name=name)
 
 
-def _piece_stage(y, gate: int, width: int, name: str):
+def _piece_stage(y, gate: int, width: int, n_rows: int, name: str):
+    blocked = len(y.shape) == n_rows + 3
+    block = y.shape[-1] if blocked else None
+
     def body(*idx):
+        if blocked:
+            return y[(*idx[:-1], gate, idx[-1] // block, idx[-1] % block)]
         return y[(*idx[:-1], gate, idx[-1])]
 
-    return te.compute((*y.shape[:-2], width), body, name=name)
+    return te.compute((*y.shape[:n_rows], width), body, name=name)
 
 
 def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: list[str]):
@@ -700,7 +716,7 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
                 y = _bias_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_bias")
                 pos += 1
             for gate, piece in enumerate(g.pieces):
-                env[piece] = _piece_stage(y, gate, width, f"gate{gi}_{gate}")
+                env[piece] = _piece_stage(y, gate, width, n_rows, f"gate{gi}_{gate}")
             for dup, piece in g.aliases.items():
                 env[dup] = env[piece]
         externals = list(tensors[pos : pos + len(group.externals)])

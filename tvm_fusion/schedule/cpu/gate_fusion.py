@@ -1,16 +1,18 @@
 """CPU rule for FuseSplitGates' kernels: every gate of ``V`` units on one register tile.
 
 Applies to PrimFuncs carrying the ``tvm_fusion.gate_fusion`` attribute (block ``V``, number of
-gates). Such a kernel has one reduction block per gate GEMM, ``Y_j[rows, gate, d]``, reading the
-blocked weight ``Wb_j[d // V, k, gate, d % V]``, then the gate math, whose last block writes
-every result ``(rows, D)`` (FuseSplitGates makes it one block).
+gates). Such a kernel has one reduction block per gate GEMM, ``Y_j[rows, gate, d // V, d % V]``
+(blocked like the weight it reads, ``Wb_j[d // V, k, gate, d % V]``), then the gate math, whose
+last block writes every result ``(rows, D)`` (FuseSplitGates makes it one block).
 
 The schedule is driven by that last block: its rows are tiled by ``MR`` and its units by ``V``;
 the rest of the gate math and every GEMM are computed at that tile. In a tile each GEMM's
 reduction runs outermost and ``MR x gates x V`` accumulators stay in registers (rows and gates
 unrolled, ``V`` vectorised); then the gate math runs on the tile. The GEMM outputs are
 tile-local (``local`` scope): no buffer of ``rows x gates x D`` is ever allocated. Tiles run in
-parallel.
+parallel. Symbolic rows are padded to a multiple of ``MR`` in the GEMMs (``pad_einsum``; the
+inputs are copied into padded buffers), so their tiles carry no tail predicate; the results
+are written for the real rows only.
 """
 
 from __future__ import annotations
@@ -37,16 +39,35 @@ logger = logging.getLogger(__name__)
 
 
 def tile_rows(rows, gates: int, block: int, lanes: int, regs: int) -> int:
-    """Rows per register tile: ``rows x gates x block/lanes`` accumulators in half the regs."""
+    """Rows per register tile: ``rows x gates x block/lanes`` accumulators in half the regs.
+    Symbolic rows (None) get the tile of many rows; the rule pads them to a multiple of it."""
     per_row = gates * max(block // lanes, 1)
     mr = max(1, (regs // 2) // per_row)
     if is_static(rows):
         while mr > 1 and rows % mr:
             mr -= 1
         return min(mr, rows)
-    # Symbolic rows: one row per tile; a taller tile needs a tail predicate, under which TVM
-    # 0.27 does not compact the accumulator to registers (see cpu/matmul.py `_tile`).
-    return 1
+    return mr
+
+
+def _pad_rows(sch: s_tir.Schedule, gemm, n_rows: int, mr: int) -> list | None:
+    """Pad the last row axis of one gate GEMM ``Y[rows, g, do, di] += x[rows, k] *
+    Wb[do, k, g, di]`` to a multiple of ``mr`` (``pad_einsum``: ``x`` copied into a padded
+    buffer, ``Y`` computed over the padded rows, the cut back to the real rows inlined into
+    its readers), so that the tiles carry no tail predicate: under one, TVM 0.27 keeps the
+    accumulator at full size in memory (see cpu/matmul.py). Returns the padding copies, None
+    when ``pad_einsum`` refuses (the caller starts again from the unpadded function)."""
+    n_iters = len(sch.get(gemm).iter_vars)
+    factors = [mr if i == n_rows - 1 else 1 for i in range(n_iters)]
+    try:
+        sch.pad_einsum(gemm, factors)
+        pads = list(sch.get_producers(gemm))
+        (cut,) = sch.get_consumers(gemm)
+        sch.compute_inline(cut)
+    except Exception as err:  # noqa: BLE001 - not the expected form: no padding
+        logger.debug("gate fusion: rows not padded: %s", err)
+        return None
+    return pads
 
 
 class GateFusion(CPURule):
@@ -55,6 +76,12 @@ class GateFusion(CPURule):
             return None
         hints = func.attrs[GATE_ATTR]
         block, gates = int(hints["block"]), int(hints["gates"])
+        sch = self._schedule(func, target, block, gates, pad=True)
+        if sch is None:  # padding refused: symbolic rows one at a time
+            sch = self._schedule(func, target, block, gates, pad=False)
+        return sch
+
+    def _schedule(self, func, target: Target, block: int, gates: int, pad: bool):
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
         if infos is None:
@@ -74,9 +101,20 @@ class GateFusion(CPURule):
         # it; everything the results read is then computed at the tile (compute_at wants every
         # consumer under the loop, which holds once all outputs share it).
         *row_loops, unit_loop = sch.get_loops(finals[0])  # no row loop for a single row
+        pads: list = []
+        rows = extent(sch, row_loops[-1]) if row_loops else 1
+        mr = tile_rows(rows, gates, block, lanes, regs)
+        if not is_static(rows) and mr > 1:
+            if not pad:
+                mr = 1
+            else:
+                for red in reductions:
+                    padded = _pad_rows(sch, red, len(row_loops), mr)
+                    if padded is None:
+                        return None
+                    pads += padded
         jo, ji = sch.split(unit_loop, [None, block])
         if row_loops:
-            mr = tile_rows(extent(sch, row_loops[-1]), gates, block, lanes, regs)
             io, ii = sch.split(row_loops[-1], [None, mr])
             sch.reorder(*row_loops[:-1], jo, io, ii, ji)
             outer = [*row_loops[:-1], jo, io]
@@ -96,11 +134,12 @@ class GateFusion(CPURule):
         for red in reductions:
             sch.compute_at(red, io, preserve_unit_loops=True)
 
-        parallelize_outer(sch, outer, _target.num_cores(target), min_extent_per_core=4)
-
+        k_loops = []
         for red in reductions:
             sch.set_scope(red, 0, "local")
-            *tile, k_loop = sch.get_loops(red)[len(outer) :]  # rows, gate, unit, reduction
+            # rows, gate, unit(s), reduction under the tile (counted before the outer loops
+            # are fused for the parallel loop)
+            *tile, k_loop = sch.get_loops(red)[len(outer) :]
             sch.reorder(k_loop, *tile)
             unit = tile[-1]
             if extent(sch, unit) > lanes and extent(sch, unit) % lanes == 0:
@@ -111,6 +150,15 @@ class GateFusion(CPURule):
                 sch.vectorize(unit)
             for loop in tile[:-1]:
                 sch.unroll(loop)
+            k_loops.append(k_loop)
+
+        cores = _target.num_cores(target)
+        parallelize_outer(sch, outer, cores, min_extent_per_core=4)  # before decomposing
+        for copy in pads:
+            loops = sch.get_loops(copy)
+            vectorize_innermost(sch, copy, lanes)
+            parallelize_outer(sch, sch.get_loops(copy)[: max(len(loops) - 1, 1)], cores)
+        for red, k_loop in zip(reductions, k_loops, strict=True):
             init = sch.decompose_reduction(red, k_loop)
             vectorize_innermost(sch, init, lanes)
         return sch
