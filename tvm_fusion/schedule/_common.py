@@ -223,3 +223,10 @@ def parallelize_outer(
     fused = sch.fuse(*chosen) if len(chosen) > 1 else chosen[0]
     sch.parallel(fused)
     return fused
+
+
+def schedule_copy(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int, cores: int):
+    """A copy block (packed weight, padded input): innermost loop vectorised, the rest parallel."""
+    loops = sch.get_loops(block)
+    vectorize_innermost(sch, block, lanes)
+    parallelize_outer(sch, sch.get_loops(block)[: max(len(loops) - 1, 1)], cores)

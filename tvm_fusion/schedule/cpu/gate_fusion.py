@@ -30,6 +30,7 @@ from .._common import (
     is_reduction,
     is_static,
     parallelize_outer,
+    schedule_copy,
     try_inline_safe,
     vectorize_innermost,
 )
@@ -155,9 +156,7 @@ class GateFusion(CPURule):
         cores = _target.num_cores(target)
         parallelize_outer(sch, outer, cores, min_extent_per_core=4)  # before decomposing
         for copy in pads:
-            loops = sch.get_loops(copy)
-            vectorize_innermost(sch, copy, lanes)
-            parallelize_outer(sch, sch.get_loops(copy)[: max(len(loops) - 1, 1)], cores)
+            schedule_copy(sch, copy, lanes, cores)
         for red, k_loop in zip(reductions, k_loops, strict=True):
             init = sch.decompose_reduction(red, k_loop)
             vectorize_innermost(sch, init, lanes)

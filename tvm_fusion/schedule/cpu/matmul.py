@@ -42,6 +42,7 @@ from .._common import (
     loop_nest_work,
     parallelize_outer,
     same_domain,
+    schedule_copy,
     try_inline_safe,
     vectorize_innermost,
 )
@@ -307,9 +308,9 @@ class Matmul(CPURule):
             and panels >= cores * 8
         )
         if pb is not None and not is_const_b and not per_panel:
-            self._schedule_copy(sch, pb, lanes, cores)
+            schedule_copy(sch, pb, lanes, cores)
         for pad in a_pads:
-            self._schedule_copy(sch, pad, lanes, cores)
+            schedule_copy(sch, pad, lanes, cores)
         parallel = parallelize_outer(sch, outer, cores, min_extent_per_core=8, work=work)
         if per_panel:
             self._pack_per_panel(sch, pb, parallel if parallel is not None else jo, lanes, cores)
@@ -372,7 +373,7 @@ class Matmul(CPURule):
             vectorize_innermost(sch, pb, lanes)
         except Exception as err:  # noqa: BLE001 - pack the whole B up front instead
             logger.debug("matmul: B not packed per panel: %s", err)
-            self._schedule_copy(sch, pb, lanes, cores)
+            schedule_copy(sch, pb, lanes, cores)
 
     @staticmethod
     def _tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[int | None, int]:
@@ -419,9 +420,3 @@ class Matmul(CPURule):
             if param.same_as(buffer):  # in 0.27 a buffer parameter is the buffer itself
                 return i
         return None
-
-    @staticmethod
-    def _schedule_copy(sch: s_tir.Schedule, block, lanes: int, cores: int) -> None:
-        loops = sch.get_loops(block)
-        vectorize_innermost(sch, block, lanes)
-        parallelize_outer(sch, sch.get_loops(block)[: max(len(loops) - 1, 1)], cores)
