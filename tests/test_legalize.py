@@ -145,3 +145,38 @@ def test_symbolic_row_reductions_split_into_whole_vectors_and_a_tail(op):
         lse = m + np.log(np.exp(xd - m).sum(axis=-1, keepdims=True))
         expect = xd - lse if op is R.nn.log_softmax else np.exp(xd - lse)
         np.testing.assert_allclose(out[0], expect, rtol=1e-5, atol=1e-6, err_msg=str(n))
+
+
+def _reshape_module(src, dst):
+    x = relax.Var("x", relax.TensorType(src, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(R.reshape(x, relax.ShapeExpr(dst)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _legalized_ops(mod):
+    from tvm_fusion.legalize import legalize_map
+
+    with tvm.target.Target("llvm"):
+        mod = relax.transform.LegalizeOps(legalize_map(False))(mod)
+    return [b.value.op.name for b in mod["main"].body.blocks[0].bindings]
+
+
+def test_symbolic_reshape_kept_as_view():
+    """XLNet's rel_shift reshape ``(b, 2, 2s - 1, s) -> (b, 2, s, 2s - 1)``: TVM's reshape-pattern
+    analysis does not see through it, so stock legalises it into a copy kernel that stays one;
+    it is kept as ``R.reshape`` (a view in the VM). Reshapes the analysis does see, and static
+    ones, keep the stock legalisation (a kernel that becomes a view or fuses)."""
+    b, s = tvm.tirx.Var("b", "int64"), tvm.tirx.Var("s", "int64")
+    two = tvm.tirx.IntImm("int64", 2)
+    rel_shift = _reshape_module([b, two, s * 2 - 1, s], [b, two, s, s * 2 - 1])
+    assert _legalized_ops(rel_shift) == ["relax.reshape"]
+    heads = _reshape_module([b, s, 256], [b, s, 4, 64])
+    assert _legalized_ops(heads) == ["relax.call_tir"]
+    assert _legalized_ops(_reshape_module([4, 6], [6, 4])) == ["relax.call_tir"]
+    x = np.random.default_rng(5).standard_normal((3, 2, 9, 5)).astype("float32")
+    out, _ = run(rel_shift, [x], "tvm_fusion")
+    np.testing.assert_array_equal(out[0], x.reshape(3, 2, 5, 9))

@@ -129,6 +129,67 @@ class TestDataDependentTarget(ShapeBase):
             return y
 
 
+class TestSliceToEnd(ShapeBase):
+    """``x[:, 1:]`` as exporters write it (end INT64_MAX) has the extent
+    ``min(INT64_MAX, 2 * n) - min(1, 2 * n)``; it is matched to ``2 * n - 1``, so that a reshape
+    of the slice (XLNet's rel_shift) keeps its element count provably."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("n", "n * 2"), "float32")):
+            n = T.int64()
+            with R.dataflow():
+                y = R.strided_slice(x, [1], [1], [9223372036854775807], [1])
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor(("n", "n * 2"), "float32")):
+            n = T.int64()
+            with R.dataflow():
+                lv = R.strided_slice(x, [1], [1], [9223372036854775807], [1])
+                lv1 = R.match_cast(lv, R.Tensor((n, n * 2 - 1), "float32"))
+                y: R.Tensor((n, n * 2 - 1), "float32") = lv1
+                R.output(y)
+            return y
+
+
+class TestSliceToEndNotFired(ShapeBase):
+    """From 0, or to a bounded end, or over a static axis: the extent is already plain."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("n", 8), "float32"), z: R.Tensor(("n",), "float32")):
+            with R.dataflow():
+                a = R.strided_slice(x, [1], [1], [9223372036854775807], [1])
+                b = R.strided_slice(z, [0], [0], [9223372036854775807], [1])
+                c = R.strided_slice(z, [0], [1], [3], [1])
+                R.output(a, b, c)
+            return (a, b, c)
+
+    Expected = Before
+
+
+def test_slice_to_end_numerics():
+    """The matched slice computes the same numbers (the pipeline, llvm)."""
+    n = tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n, n * 2], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.strided_slice(x, [1], [1], [9223372036854775807], [1]))
+            out = bb.emit_output(relax.op.reshape(y, relax.ShapeExpr([n * 2 - 1, n])))
+        bb.emit_func_output(out)
+    compiled = engine.compile_module(bb.get(), host_target(), "tvm_fusion")
+    data = np.arange(3 * 6, dtype="float32").reshape(3, 6)
+    got = compiled.vm()["main"](tvm.runtime.tensor(data)).numpy()
+    np.testing.assert_array_equal(got, data[:, 1:].reshape(5, 3))
+
+
 class TestDataOfRunTimeLength(ShapeBase):
     """An int tensor computed from data whose length is symbolic (one argmax per row of a
     dynamic batch) is data, not a shape: left alone."""
