@@ -2,10 +2,11 @@
 
 Every engine runs in this one process on the same inputs: ``tvm-stock`` (stock TVM's fusing
 pipeline, ``relax.get_default_pipeline``), ``tvm-fusion`` (ours), ``onnxruntime`` (the workload's
-ONNX model) and ``torch`` (when installed). Each is warmed up, then timed; the median and the
-minimum are kept, each engine's outputs are checked against the workload's NumPy reference, and
-the ratios are computed from medians taken in the same run. Results go to a JSON file and a
-markdown table.
+ONNX model) and ``torch`` (when installed). Each engine is prepared and its outputs are checked
+against the workload's NumPy reference; then all are timed together in alternating rounds
+(:func:`tvm_fusion.engine.time_interleaved`), so that a slow phase of the machine falls on every
+engine. The median and the minimum are kept and the ratios are computed from the medians.
+Results go to a JSON file and a markdown table.
 """
 
 from __future__ import annotations
@@ -120,19 +121,18 @@ def skipped_notes(rows: Sequence[tuple[str, dict[str, EngineResult]]], title: st
     return ["", f"{title}:", *notes] if notes else []
 
 
-def run_engine(
+def prepare_engine(
     name: str,
     inst: models.Instance,
     target,
-    repeat: int,
-    budget_s: float,
     tvm_options: dict | None = None,
-) -> EngineResult:
-    """Prepare one engine for one workload instance, check its outputs, time it."""
+) -> tuple[EngineResult, Callable | None]:
+    """Prepare one engine for one workload instance and check its outputs; the runner to time
+    (None when the engine is skipped)."""
     result = EngineResult(name)
     if name in inst.skip:
         result.skipped = inst.skip[name]
-        return result
+        return result, None
     threads = engine.threads_for(target)
     reference = inst.reference(*inst.input_list())
     run: Callable
@@ -148,19 +148,19 @@ def run_engine(
     elif name == "onnxruntime":
         if not _have("onnxruntime"):
             result.skipped = "onnxruntime is not installed (pip install tvm-fusion[bench])"
-            return result
+            return result, None
         if inst.onnx_model is None:
             result.skipped = "no ONNX model for this workload"
-            return result
+            return result, None
         run = engine.onnxruntime_runner(inst.onnx_model, inst.inputs, threads)
         outputs = [np.asarray(o) for o in run()]
     elif name == "torch":
         if not _have("torch"):
             result.skipped = "torch is not installed"
-            return result
+            return result, None
         if inst.torch_fn is None:
             result.skipped = "no torch function for this workload"
-            return result
+            return result, None
         run = engine.torch_runner(inst.torch_fn, inst.input_list(), threads)
         outputs = run()
     else:  # pragma: no cover - parse_engines guards this
@@ -174,11 +174,7 @@ def run_engine(
             inst.name,
             result.max_abs_err,
         )
-    timing = engine.time_runs(run, repeat=repeat, budget_s=budget_s)
-    result.median_ms = timing["median_ms"]
-    result.min_ms = timing["min_ms"]
-    result.runs = timing["runs"]
-    return result
+    return result, run
 
 
 def run_bench(
@@ -199,11 +195,21 @@ def run_bench(
     results = []
     for wname in names:
         inst = models.build(wname, size)
-        per_engine = {}
+        per_engine, runs = {}, {}
         for ename in engine_names:
             if progress:
                 progress(f"{wname}: {ename}")
-            per_engine[ename] = run_engine(ename, inst, tgt, repeat, budget_s, tvm_options)
+            per_engine[ename], run = prepare_engine(ename, inst, tgt, tvm_options)
+            if run is not None:
+                runs[ename] = run
+        timings = engine.time_interleaved(runs, repeat=repeat, budget_s=budget_s)
+        for ename, timing in timings.items():
+            res = per_engine[ename]
+            res.median_ms, res.min_ms, res.runs = (
+                timing["median_ms"],
+                timing["min_ms"],
+                timing["runs"],
+            )
         results.append(WorkloadResult(wname, size, inst.expect, per_engine))
     return results
 
@@ -290,8 +296,7 @@ def write_results(
     path.write_text(json.dumps(payload, indent=2) + "\n")
     path.with_suffix(".md").write_text(
         f"# Benchmark ({payload['machine']['processor']}, {payload['machine']['threads']} "
-        f"threads, {payload['machine']['date']})\n\nMedian ms per run.\n\n"
-        + markdown_table(results, engines)
-        + "\n"
+        f"threads, {payload['machine']['date']})\n\nMedian ms per run, engines timed in "
+        "alternating rounds.\n\n" + markdown_table(results, engines) + "\n"
     )
     return path

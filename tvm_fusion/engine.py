@@ -146,6 +146,64 @@ def time_runs(run: Callable, repeat: int = 10, warmup: int = 1, budget_s: float 
     return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()), "runs": len(times)}
 
 
+def time_interleaved(
+    runs: dict[str, Callable],
+    repeat: int = 10,
+    budget_s: float = 10.0,
+    pause_s: float = 0.02,
+    block_s: float = 0.05,
+    rounds: int = 5,
+) -> dict[str, dict]:
+    """:func:`time_runs` for several engines at once, in alternating rounds.
+
+    Timing the engines one after the other puts a slow phase of a shared machine (another VM's
+    load, a frequency change) on whichever engine ran then: 20 % between two runs of one model
+    here. In rounds, each engine gets a block of runs in turn (about ``block_s`` of them, at
+    least one, at most ``repeat / rounds`` so that its runs spread over ``rounds`` rounds or
+    more), and a slow phase falls on all of them. Before each block the thread pools of the
+    previous engine get ``pause_s`` to go idle (ONNX Runtime's and TVM's workers spin after a
+    run and would take the cores from the next engine), then one untimed call warms the engine
+    when a run is shorter than ``block_s``. An engine stops at ``repeat`` runs, or at
+    ``budget_s`` of timed runs once it has 3. Returns ``{name: time_runs' dict}``."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    spent = dict.fromkeys(runs, 0.0)
+    estimate = {}
+    for name, run in runs.items():  # warm-up, and the size of the blocks
+        start = time.perf_counter()
+        run()
+        estimate[name] = time.perf_counter() - start
+
+    def done(name: str) -> bool:
+        n = len(times[name])
+        return n >= repeat or (n >= 3 and spent[name] >= budget_s)
+
+    while not all(done(name) for name in runs):
+        for name, run in runs.items():
+            if done(name):
+                continue
+            time.sleep(pause_s)
+            short = estimate[name] < block_s
+            if short:
+                run()
+            block = max(1, int(block_s / max(estimate[name], 1e-6))) if short else 1
+            block = min(block, -(-repeat // rounds))
+            for _ in range(min(block, repeat - len(times[name]))):
+                start = time.perf_counter()
+                run()
+                elapsed = time.perf_counter() - start
+                times[name].append(elapsed)
+                spent[name] += elapsed
+    result = {}
+    for name, values in times.items():
+        ms = np.array(values) * 1e3
+        result[name] = {
+            "median_ms": float(np.median(ms)),
+            "min_ms": float(ms.min()),
+            "runs": len(ms),
+        }
+    return result
+
+
 def max_error(outputs: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
     if len(outputs) != len(reference):
         return float("inf")

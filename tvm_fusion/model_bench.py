@@ -268,6 +268,7 @@ def run_case(
     from .frontend import load_onnx
 
     ours = functools.cache(lambda: load_onnx(case.path))  # a failure is raised again per engine
+    runs: dict[str, Callable] = {}
     for name in engines:
         if progress:
             progress(f"{case.name}: {name}")
@@ -294,7 +295,11 @@ def run_case(
                     case.name,
                     res.max_abs_err,
                 )
-        timing = engine.time_runs(run, repeat=repeat, budget_s=budget_s)
+        runs[name] = run
+    if progress and runs:
+        progress(f"{case.name}: timing {', '.join(runs)} in alternating rounds")
+    for name, timing in engine.time_interleaved(runs, repeat=repeat, budget_s=budget_s).items():
+        res = result.engines[name]
         res.median_ms, res.min_ms, res.runs = timing["median_ms"], timing["min_ms"], timing["runs"]
     return result
 
@@ -374,7 +379,8 @@ def write_results(
     dims_text = ", ".join(f"{k}={v}" for k, v in (dims or {}).items()) or "saved inputs"
     path.with_suffix(".md").write_text(
         f"# Models of {directory} ({machine['processor']}, {machine['threads']} threads, "
-        f"{machine['date']})\n\nInputs: {dims_text}. Median ms per run; outputs compared with "
+        f"{machine['date']})\n\nInputs: {dims_text}. Median ms per run, engines timed in "
+        f"alternating rounds; outputs compared with "
         f"ONNX Runtime's (rtol = atol = {RTOL}). Kernels: stock TVM's pipeline (on stock's "
         "import where it works, else on ours) vs ours.\n\n"
         + markdown_table(results, engines)

@@ -1,0 +1,51 @@
+"""The timing helpers of tvm_fusion.engine (no TVM compile: fake runs record their order)."""
+
+import time
+
+from tvm_fusion import engine
+
+
+def _recorder(log: list, name: str, seconds: float = 0.0):
+    def run():
+        log.append(name)
+        if seconds:
+            time.sleep(seconds)
+
+    return run
+
+
+def test_interleaved_alternates_engines_in_rounds():
+    log: list = []
+    runs = {"a": _recorder(log, "a"), "b": _recorder(log, "b")}
+    timings = engine.time_interleaved(runs, repeat=10, budget_s=10.0, pause_s=0.0, rounds=5)
+    assert {k: t["runs"] for k, t in timings.items()} == {"a": 10, "b": 10}
+    # warm-up once each, then blocks of at most repeat / rounds = 2 timed runs (+ 1 warm call
+    # each, the runs being short): a's and b's blocks alternate, b is not all timed after a.
+    assert log[:2] == ["a", "b"]
+    blocks = []
+    for name in log[2:]:
+        if not blocks or blocks[-1][0] != name:
+            blocks.append([name, 0])
+        blocks[-1][1] += 1
+    assert [b[0] for b in blocks] == ["a", "b"] * 5
+    assert all(b[1] == 3 for b in blocks)  # the warm call and 2 timed runs
+    assert all(t["min_ms"] <= t["median_ms"] for t in timings.values())
+
+
+def test_interleaved_long_runs_one_per_block_and_budget():
+    log: list = []
+    runs = {"slow": _recorder(log, "slow", 0.06), "fast": _recorder(log, "fast")}
+    timings = engine.time_interleaved(runs, repeat=10, budget_s=0.15, pause_s=0.0, rounds=5)
+    # the slow engine stops at its budget once it has 3 runs; no untimed warm call for it
+    assert timings["slow"]["runs"] == 3
+    assert timings["fast"]["runs"] == 10
+    assert log.count("slow") == 1 + 3
+    assert timings["slow"]["median_ms"] >= 60.0
+    # the slow engine's runs are spread between the fast engine's blocks
+    timed = log[2:]
+    first_fast, last_fast = timed.index("fast"), len(timed) - 1 - timed[::-1].index("fast")
+    assert any(first_fast < i < last_fast for i, n in enumerate(timed) if n == "slow")
+
+
+def test_interleaved_no_engines():
+    assert engine.time_interleaved({}) == {}
