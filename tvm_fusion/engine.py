@@ -150,7 +150,7 @@ def time_interleaved(
     runs: dict[str, Callable],
     repeat: int = 10,
     budget_s: float = 10.0,
-    pause_s: float = 0.02,
+    pause_s: float = 0.3,
     block_s: float = 0.05,
     rounds: int = 5,
 ) -> dict[str, dict]:
@@ -161,10 +161,11 @@ def time_interleaved(
     here. In rounds, each engine gets a block of runs in turn (about ``block_s`` of them, at
     least one, at most ``repeat / rounds`` so that its runs spread over ``rounds`` rounds or
     more), and a slow phase falls on all of them. Before each block the thread pools of the
-    previous engine get ``pause_s`` to go idle (ONNX Runtime's and TVM's workers spin after a
-    run and would take the cores from the next engine), then one untimed call warms the engine
-    when a run is shorter than ``block_s``. An engine stops at ``repeat`` runs, or at
-    ``budget_s`` of timed runs once it has 3. Returns ``{name: time_runs' dict}``."""
+    previous engine get ``pause_s`` to go idle: after a run, TVM's workers spin for about
+    250 ms (a whole core here; ``TVM_THREAD_POOL_SPIN_COUNT``) and ONNX Runtime's for about
+    50 ms, and a spinning pool halves the next engine's speed on 2 cores. Then one untimed call
+    warms the engine when a run is shorter than ``block_s``. An engine stops at ``repeat``
+    runs, or at ``budget_s`` of timed runs once it has 3. Returns ``{name: time_runs' dict}``."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     spent = dict.fromkeys(runs, 0.0)
     estimate = {}
