@@ -805,3 +805,110 @@ def test_two_summed_linears_with_runtime_weights_left_alone():
 
     mod, _, _ = _summed_linears(const_weights=False)
     assert _MergeSummedGemms(mod).transform().same_as(mod)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sibling linear layers of one input (Llama's gate_proj / up_proj): joined into one gate GEMM
+
+
+def _swiglu_mlp(layers: int = 1, width: int = 16, hidden: int = 8, up_also_output=False):
+    """Llama's MLP as the ONNX importer writes it (weights (K, N) constants, rows symbolic):
+    ``g = x @ Wg; (g * sigmoid(g)) * (x @ Wu)``, then the down projection; ``layers`` MLPs in a
+    row, each reading the previous one's result, in one dataflow block."""
+    rng = np.random.default_rng(5)
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((n, hidden), "float32"))
+    weights = []
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            h, extra = x, []
+            for _ in range(layers):
+                wg, wu = (rng.standard_normal((hidden, width)).astype("float32") / 3 for _ in "gu")
+                wd = rng.standard_normal((width, hidden)).astype("float32") / 3
+                weights.append((wg, wu, wd))
+                g = bb.emit(relax.op.matmul(h, relax.const(wg)))
+                act = bb.emit(relax.op.multiply(g, bb.emit(relax.op.sigmoid(g))))
+                u = bb.emit(relax.op.matmul(h, relax.const(wu)))
+                if up_also_output:
+                    extra.append(u)
+                h = bb.emit(relax.op.matmul(bb.emit(relax.op.multiply(act, u)), relax.const(wd)))
+            out = bb.emit_output(relax.Tuple([h, *extra]) if extra else h)
+        bb.emit_func_output(out)
+    return bb.get(), weights
+
+
+def test_sibling_linears_become_one_split_gemm():
+    from tvm_fusion.transform.fuse_split_gates import _MergeSiblingGemms
+
+    mod, [(wg, wu, wd)] = _swiglu_mlp()
+    merger = _MergeSiblingGemms(mod)
+    merged = merger.transform()
+    assert len(merger.merged) == 1
+    (x,) = merged["main"].params
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            wt = bb.emit(relax.op.permute_dims(relax.const(np.concatenate([wg.T, wu.T])), [1, 0]))
+            y = bb.emit(relax.op.matmul(x, wt))
+            parts = bb.emit(relax.op.split(y, 2, axis=-1))
+            g, u = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(2))
+            act = bb.emit(relax.op.multiply(g, bb.emit(relax.op.sigmoid(g))))
+            h = bb.emit(relax.op.matmul(bb.emit(relax.op.multiply(act, u)), relax.const(wd)))
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    tvm.ir.assert_structural_equal(merged, bb.get())
+
+
+def test_sibling_linears_fuse_into_one_gate_kernel_per_layer(target):
+    """Two MLPs in one block: the second layer's gate input depends on the first group's
+    result, so the groups are emitted in dependency order (a use before its definition
+    otherwise). Numerics vs stock at 1, 3 and 5 rows."""
+    mod, _ = _swiglu_mlp(layers=2)
+    with target:
+        fused = FuseSplitGates()(mod)
+    gate_funcs = [gv.name_hint for gv in fused.get_global_vars() if "fused_gates" in gv.name_hint]
+    assert len(gate_funcs) == 2, fused["main"].script()
+    main = fused["main"].script()
+    assert main.count("R.matmul") == 2 and "R.split" not in main, main  # down projections
+    for rows in (1, 3, 5):
+        inputs = [np.random.default_rng(rows).standard_normal((rows, 8)).astype("float32")]
+        with collect_rewrites() as counts:
+            compare_pipelines(mod, inputs, rtol=1e-4, atol=1e-4)
+        assert counts.get("FuseSplitGates") == 2
+
+
+def test_sibling_projections_read_by_other_ops_left_alone():
+    """q/k/v-style siblings (results reshaped, not gate math) and a gate sibling whose result
+    is also a function output are not joined."""
+    from tvm_fusion.transform.fuse_split_gates import _MergeSiblingGemms
+
+    rng = np.random.default_rng(0)
+    x = relax.Var("x", relax.TensorType((tvm.tirx.Var("n", "int64"), 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            q, k = (
+                bb.emit(relax.op.matmul(x, relax.const(rng.standard_normal((8, 16), "float32"))))
+                for _ in "qk"
+            )
+            q4, k4 = (bb.emit(relax.op.reshape(t, (x.ty.shape[0], 4, 4))) for t in (q, k))
+            out = bb.emit_output(relax.op.add(q4, k4))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert _MergeSiblingGemms(mod).transform().same_as(mod)
+    mod, _ = _swiglu_mlp(up_also_output=True)
+    assert _MergeSiblingGemms(mod).transform().same_as(mod)
+
+
+def test_sibling_linears_left_apart_when_the_joined_gemm_would_not_fuse(target):
+    """Width 3: no vector block divides it, the gate group is refused, so the two GEMMs stay
+    separate (a joined GEMM plus a split would only add a copy)."""
+    from tvm_fusion.transform.fuse_split_gates import _merge_siblings, _MergeSiblingGemms
+
+    mod, _ = _swiglu_mlp(width=3)
+    merger = _MergeSiblingGemms(mod)
+    assert not merger.transform().same_as(mod) and len(merger.merged) == 1  # joinable alone
+    assert _merge_siblings(mod, target).same_as(mod)
+    with target:
+        tvm.ir.assert_structural_equal(FuseSplitGates()(mod), mod)

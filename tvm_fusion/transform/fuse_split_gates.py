@@ -14,6 +14,12 @@ Matches, inside a dataflow block:
   state, the GRU hidden state, constants). Several GEMMs whose pieces meet in these ops (the GRU
   cell's input and hidden GEMMs) form one group.
 
+Two rewrites first bring other spellings of a gate GEMM to that form (constant weights only):
+two linear layers summed before the split (torch's LSTMCell: ``x @ Wih^T + h @ Whh^T``) become
+one GEMM over ``concat(x, h)``; sibling linear layers of one input whose results meet in the
+gate math (Llama's ``silu(x @ Wg) * (x @ Wu)``, GeGLU alike) become one GEMM over the joined
+weights, split into the members' results, where the group then fuses.
+
 Emits ONE ``call_tir`` whose PrimFunc computes, per output tile, every gate of every GEMM for
 ``V`` hidden units, then the gate math on that tile: the ``(rows, k * D)`` GEMM output never
 exists in memory. Constant weights (and biases) are laid out at compile time in vector-width
@@ -112,6 +118,7 @@ class FuseSplitGates:
         if target is None:
             target = _target.host_target()
         mod = _MergeSummedGemms(mod).transform()
+        mod = _merge_siblings(mod, target)
         rewriter = _Rewriter(mod, target)
         mod = rewriter.transform()
         record_rewrite(NAME, rewriter.count)
@@ -124,6 +131,42 @@ class FuseSplitGates:
 
 def _const_array(expr) -> np.ndarray | None:
     return expr.value.numpy() if isinstance(expr, GenericConst) else None
+
+
+def _const_linear(blk: _Block, var):
+    """(x, W as (N, K), bias array or None) of ``var = x @ W^T (+ b)`` or ``x @ W (+ b)``
+    with a constant 2-D float32 weight (and bias), else None."""
+    value, bias = blk.value.get(var), None
+    if _op(value) == "relax.add":
+        lhs, rhs = value.args
+        for mm, b in ((lhs, rhs), (rhs, lhs)):
+            if _op(blk.value.get(mm)) == "relax.matmul" and blk.single_use(mm):
+                bias = _const_array(b)
+                if bias is None:
+                    return None
+                value = blk.value[mm]
+                break
+        else:
+            return None
+    if _op(value) != "relax.matmul":
+        return None
+    x, w = value.args
+    weight = _const_array(w)
+    if weight is None and _op(blk.value.get(w)) == "relax.permute_dims":
+        perm = blk.value[w]
+        axes = perm.attrs.axes
+        inner = _const_array(perm.args[0])
+        if inner is not None and inner.ndim == 2 and (axes is None or list(axes) == [1, 0]):
+            weight = inner  # already (N, K)
+    elif weight is not None:
+        weight = weight.T if weight.ndim == 2 else None  # (K, N) -> (N, K)
+    if weight is None or _shape(x) is None or len(_shape(x)) < 2:
+        return None
+    if str(x.ty.dtype) != "float32" or weight.dtype != np.float32:
+        return None
+    if bias is not None and (bias.size not in (1, weight.shape[0]) or bias.ndim > 2):
+        return None
+    return x, weight, bias
 
 
 @mutator
@@ -155,41 +198,13 @@ class _MergeSummedGemms(PyExprMutator):
         return self.builder_.get() if changed else self.mod
 
     def _linear(self, blk: _Block, var):
-        """(x, W as (N, K), bias array or None) of ``x @ W^T (+ b)`` bound to ``var``."""
-        if not isinstance(var, relax.Var) or not blk.single_use(var) or var not in blk.value:
+        """(x, W as (N, K), bias array or None) of ``x @ W^T (+ b)`` bound to ``var``, x 2-D."""
+        if not isinstance(var, relax.Var) or not blk.single_use(var):
             return None
-        value, bias = blk.value[var], None
-        if _op(value) == "relax.add":
-            lhs, rhs = value.args
-            for mm, b in ((lhs, rhs), (rhs, lhs)):
-                if _op(blk.value.get(mm)) == "relax.matmul" and blk.single_use(mm):
-                    bias = _const_array(b)
-                    if bias is None:
-                        return None
-                    value = blk.value[mm]
-                    break
-            else:
-                return None
-        if _op(value) != "relax.matmul":
+        found = _const_linear(blk, var)
+        if found is None or len(_shape(found[0]) or []) != 2:
             return None
-        x, w = value.args
-        weight = _const_array(w)
-        if weight is None and _op(blk.value.get(w)) == "relax.permute_dims":
-            perm = blk.value[w]
-            axes = perm.attrs.axes
-            inner = _const_array(perm.args[0])
-            if inner is not None and inner.ndim == 2 and (axes is None or list(axes) == [1, 0]):
-                weight = inner  # already (N, K)
-        elif weight is not None:
-            weight = weight.T if weight.ndim == 2 else None  # (K, N) -> (N, K)
-        x_shape = _shape(x)
-        if weight is None or x_shape is None or len(x_shape) != 2:
-            return None
-        if str(x.ty.dtype) != "float32" or weight.dtype != np.float32:
-            return None
-        if bias is not None and (bias.size not in (1, weight.shape[0]) or bias.ndim > 2):
-            return None
-        return x, weight, bias
+        return found
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
         outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
@@ -230,6 +245,181 @@ class _MergeSummedGemms(PyExprMutator):
         new = bb.emit(out, name_hint=binding.var.name)
         self.set_var_remap(binding.var, new)
         return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Sibling GEMMs of one input whose results meet in gate math (Llama's gate_proj and up_proj)
+
+
+def _linear_users_elementwise(blk: _Block, var) -> bool:
+    users = blk.users.get(var, [])
+    return (
+        bool(users)
+        and var not in blk.outputs
+        and all(_op(blk.value.get(u)) in _ELEMENTWISE for u in users)
+    )
+
+
+def _elementwise_closure(blk: _Block, var, limit: int = 64) -> set:
+    """The bindings reached from ``var`` through elementwise ops only."""
+    seen: set = set()
+    stack = [var]
+    while stack and len(seen) < limit:
+        for user in blk.users.get(stack.pop(), []):
+            if user not in seen and _op(blk.value.get(user)) in _ELEMENTWISE:
+                seen.add(user)
+                stack.append(user)
+    return seen
+
+
+def _root(parent: dict, m):
+    while parent[m] is not m:
+        m = parent[m]
+    return m
+
+
+def _sibling_sets(blk: _Block) -> list[list]:
+    """Sets (block order) of >= 2 linear layers ``x @ W_i (+ b_i)`` with the same input ``x``,
+    constant weights of one shape, results read by elementwise ops only, that meet in those
+    ops: ``silu(x @ Wg) * (x @ Wu)`` (SwiGLU as Llama/Mistral write it), GeGLU alike. Sibling
+    projections read by anything else (attention's q/k/v, reshaped into heads) are not sets."""
+    by_input: dict = {}
+    for b in blk.bindings:
+        if not isinstance(b, relax.VarBinding) or b.var in blk.outputs:
+            continue
+        users = blk.users.get(b.var, [])
+        if _op(b.value) == "relax.matmul" and len(users) == 1:
+            if _const_linear(blk, users[0]) is not None:
+                continue  # the bias add is the linear layer
+        found = _const_linear(blk, b.var)
+        if found is None or not isinstance(found[0], relax.Var):
+            continue
+        if not _linear_users_elementwise(blk, b.var):
+            continue
+        key = (found[0], found[1].shape)
+        by_input.setdefault(key, []).append(b.var)
+    sets = []
+    for members in by_input.values():
+        if len(members) < 2:
+            continue
+        closures = {m: _elementwise_closure(blk, m) for m in members}
+        parent = {m: m for m in members}
+        for i, a in enumerate(members):
+            for b in members[i + 1 :]:
+                if closures[a] & closures[b]:
+                    parent[_root(parent, b)] = _root(parent, a)
+        joined: dict = {}
+        for m in members:
+            joined.setdefault(_root(parent, m), []).append(m)
+        sets += [sorted(ms, key=lambda v: blk.index[v]) for ms in joined.values() if len(ms) > 1]
+    return sets
+
+
+@mutator
+class _MergeSiblingGemms(PyExprMutator):
+    """Each set of :func:`_sibling_sets` becomes one GEMM over the joined weights, split into
+    the members' results: ``split(x @ [Wg Wu]^T (+ [bg bu]), 2)``, the form torch's ``chunk``
+    SwiGLU exports as, which the matcher below fuses (one kernel: both projections per output
+    tile, the gate math on it; the up projection's result is never written). Sets named in
+    ``exclude`` (first member) are left alone; ``merged`` lists ``(first member, joined GEMM
+    output)`` of the rewrites made."""
+
+    def __init__(self, mod: IRModule, exclude: frozenset = frozenset()):
+        super().__init__(mod)
+        self.mod = mod
+        self.exclude = exclude
+        self.uses: dict = {}
+        self.plan: dict = {}  # first member -> (members, x, W (k*N, K), bias or None)
+        self.merged: list = []
+
+    def transform(self) -> IRModule:
+        changed = False
+        for gv, func in self.mod.functions_items():
+            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
+                continue
+            self.uses = use_counts(func)
+            self.plan = {}
+            new_func = self.visit_expr(func)
+            if self.plan:
+                changed = True
+                self.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
+        return self.builder_.get() if changed else self.mod
+
+    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
+        outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
+        blk = _Block(block, self.uses, outputs)
+        for members in _sibling_sets(blk):
+            if members[0] in self.exclude:
+                continue
+            linears = [_const_linear(blk, m) for m in members]
+            x = linears[0][0]
+            weight = np.concatenate([w for _, w, _ in linears], axis=0)
+            bias = None
+            if any(b is not None for _, _, b in linears):
+                n = linears[0][1].shape[0]
+                bias = np.concatenate(
+                    [
+                        np.zeros(n, np.float32) if b is None else np.broadcast_to(b.reshape(-1), n)
+                        for _, _, b in linears
+                    ]
+                )
+            self.plan[members[0]] = (members, x, weight, bias)
+        return super().visit_dataflow_block_(block)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        found = self.plan.get(binding.var)
+        if found is None:
+            return super().visit_var_binding_(binding)
+        members, x, weight, bias = found
+        bb = self.builder_
+        wt = bb.emit(relax.op.permute_dims(relax.const(weight), axes=[1, 0]))
+        out = relax.op.matmul(self.visit_expr(x), wt)
+        if bias is not None:
+            out = relax.op.add(bb.emit(out), relax.const(bias.astype(np.float32)))
+        joined = bb.emit(out, name_hint=binding.var.name + "_siblings")
+        parts = bb.emit(relax.op.split(joined, len(members), axis=-1))
+        for i, member in enumerate(members):
+            self.set_var_remap(member, bb.emit(relax.TupleGetItem(parts, i), member.name))
+        self.merged.append((members[0], joined))
+        return None
+
+
+def _merge_siblings(mod: IRModule, target) -> IRModule:
+    """:class:`_MergeSiblingGemms` where the joined GEMM then fuses with its gate math; a set
+    whose joined GEMM would not (a gate group the matcher or the target refuses) keeps its
+    separate GEMMs: a lone joined GEMM plus a split costs a copy that separate GEMMs do not."""
+    exclude: set = set()
+    while True:
+        merger = _MergeSiblingGemms(mod, frozenset(exclude))
+        new = merger.transform()
+        if not merger.merged:
+            return mod
+        fused = _fused_gemm_outputs(new, target)
+        refused = {first for first, joined in merger.merged if joined not in fused}
+        if not refused:
+            return new
+        for first in refused:
+            skip(logger, f"sibling GEMMs from {first.name}", "the joined GEMM would not fuse")
+        exclude |= refused
+
+
+def _fused_gemm_outputs(mod: IRModule, target) -> set:
+    """Every binding of a gate group that :class:`_Rewriter` would fuse in ``mod``."""
+    found: set = set()
+    for func in mod.functions.values():
+        if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
+            continue
+        uses = use_counts(func)
+        for block in func.body.blocks:
+            if not isinstance(block, relax.DataflowBlock):
+                continue
+            outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
+            blk = _Block(block, uses, outputs)
+            gemms = _find_gemms(blk)
+            for group in _grow(blk, gemms) if gemms else []:
+                if _plan_block(group, target) is not None:
+                    found |= {v for g in group.gemms for v in g.chain}
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -745,6 +935,59 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
     return fn
 
 
+def _plan_block(group: _Group, target) -> int | None:
+    """The vector block V of ``group`` on ``target`` (set on the group), None when none fits."""
+    from ..schedule import gate_block
+
+    n_gates = sum(g.gates for g in group.gemms)
+    rows = 1
+    for d in group.rows:
+        rows = rows * _int(d) if _int(d) is not None and rows is not None else None
+    block = gate_block(target, group.width, n_gates, rows)
+    if block is None:
+        skip(logger, f"gates of width {group.width}", "no vector block divides the width")
+    group.block = block
+    return block
+
+
+def _emission_order(blk: _Block, groups: list[_Group]) -> list | None:
+    """The block's bindings outside the groups and the groups (each one call), in an order
+    that defines every variable before its use: block order, each group at its last binding,
+    and whatever is not ready yet (a binding reading a group result that the group's place
+    comes after; the next layer's gate input in a Llama block) waits for it. None on a
+    cycle."""
+    items: list = []
+    region: set = set()
+    for g in groups:
+        members = set(g.ops) | {v for gemm in g.gemms for v in gemm.chain}
+        region |= members
+        items.append((max(blk.index[v] for v in members), 1, g))
+    items += [(blk.index[b.var], 0, b) for b in blk.bindings if b.var not in region]
+    items.sort(key=lambda t: (t[0], t[1]))
+
+    def needs(item) -> set:
+        if isinstance(item, _Group):
+            exprs = [e for g in item.gemms for e in (g.x, g.weight, g.bias) if e is not None]
+            exprs += list(item.externals)
+        else:
+            exprs = [item.value]
+        return {v for e in exprs for v in vars_in(e) if v in blk.index}
+
+    def provides(item) -> list:
+        return list(item.outputs) if isinstance(item, _Group) else [item.var]
+
+    pending = [item for _, _, item in items]
+    defined: set = set()
+    order = []
+    while pending:
+        ready = next((i for i, item in enumerate(pending) if needs(item) <= defined), None)
+        if ready is None:
+            return None
+        order.append(pending.pop(ready))
+        defined.update(provides(order[-1]))
+    return order
+
+
 @mutator
 class _Rewriter(PyExprMutator):
     def __init__(self, mod: IRModule, target):
@@ -771,47 +1014,22 @@ class _Rewriter(PyExprMutator):
         self._blk = blk
         gemms = _find_gemms(blk)
         groups = _grow(blk, gemms) if gemms else []
-        groups = [g for g in groups if self._plan_block(g) is not None]
+        groups = [g for g in groups if _plan_block(g, self.target) is not None]
         if not groups:
             return super().visit_dataflow_block_(block)
         return self._emit(block, blk, groups)
 
-    def _plan_block(self, group: _Group) -> int | None:
-        from ..schedule import gate_block
-
-        n_gates = sum(g.gates for g in group.gemms)
-        rows = 1
-        for d in group.rows:
-            rows = rows * _int(d) if _int(d) is not None and rows is not None else None
-        block = gate_block(self.target, group.width, n_gates, rows)
-        if block is None:
-            skip(logger, f"gates of width {group.width}", "no vector block divides the width")
-        group.block = block
-        return block
-
     def _emit(self, block, blk: _Block, groups: list[_Group]) -> relax.BindingBlock:
-        removed = set()
-        for g in groups:
-            removed |= set(g.ops)
-            for gemm in g.gemms:
-                removed |= set(gemm.chain)
-        # non-region bindings that depend on a group's results are emitted after the groups
-        region = removed
-        dependents = set()
-        for b in blk.bindings:
-            if b.var in region:
-                continue
-            if any(v in region or v in dependents for v in vars_in(b.value)):
-                dependents.add(b.var)
+        order = _emission_order(blk, groups)
+        if order is None:
+            skip(logger, "gate groups of a block", "their inputs and results form a cycle")
+            return super().visit_dataflow_block_(block)
         self.builder_._begin_dataflow_block()
-        for b in blk.bindings:
-            if b.var not in region and b.var not in dependents:
-                self.visit_binding(b)
-        for g in groups:
-            self._emit_group(g)
-        for b in blk.bindings:
-            if b.var in dependents:
-                self.visit_binding(b)
+        for item in order:
+            if isinstance(item, _Group):
+                self._emit_group(item)
+            else:
+                self.visit_binding(item)
         return self.builder_._end_block()
 
     def _emit_group(self, group: _Group) -> None:
