@@ -65,6 +65,12 @@ class EngineResult:
     compile_s: float | None = None
     skipped: str | None = None  # why the engine did not run
 
+    def set_timing(self, timing: dict) -> None:
+        """Keep a timing of :func:`tvm_fusion.engine.time_interleaved` / ``time_runs``."""
+        self.median_ms = timing["median_ms"]
+        self.min_ms = timing["min_ms"]
+        self.runs = timing["runs"]
+
 
 @dataclasses.dataclass
 class WorkloadResult:
@@ -204,12 +210,7 @@ def run_bench(
                 runs[ename] = run
         timings = engine.time_interleaved(runs, repeat=repeat, budget_s=budget_s)
         for ename, timing in timings.items():
-            res = per_engine[ename]
-            res.median_ms, res.min_ms, res.runs = (
-                timing["median_ms"],
-                timing["min_ms"],
-                timing["runs"],
-            )
+            per_engine[ename].set_timing(timing)
         results.append(WorkloadResult(wname, size, inst.expect, per_engine))
     return results
 

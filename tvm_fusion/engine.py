@@ -142,8 +142,12 @@ def time_runs(run: Callable, repeat: int = 10, warmup: int = 1, budget_s: float 
         elapsed = time.perf_counter() - start
         times.append(elapsed)
         spent += elapsed
-    ms = np.array(times) * 1e3
-    return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()), "runs": len(times)}
+    return _summary(times)
+
+
+def _summary(seconds: Sequence[float]) -> dict:
+    ms = np.array(seconds) * 1e3
+    return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()), "runs": len(ms)}
 
 
 def time_interleaved(
@@ -194,15 +198,7 @@ def time_interleaved(
                 elapsed = time.perf_counter() - start
                 times[name].append(elapsed)
                 spent[name] += elapsed
-    result = {}
-    for name, values in times.items():
-        ms = np.array(values) * 1e3
-        result[name] = {
-            "median_ms": float(np.median(ms)),
-            "min_ms": float(ms.min()),
-            "runs": len(ms),
-        }
-    return result
+    return {name: _summary(values) for name, values in times.items()}
 
 
 def max_error(outputs: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:

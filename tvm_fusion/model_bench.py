@@ -299,8 +299,7 @@ def run_case(
     if progress and runs:
         progress(f"{case.name}: timing {', '.join(runs)} in alternating rounds")
     for name, timing in engine.time_interleaved(runs, repeat=repeat, budget_s=budget_s).items():
-        res = result.engines[name]
-        res.median_ms, res.min_ms, res.runs = timing["median_ms"], timing["min_ms"], timing["runs"]
+        result.engines[name].set_timing(timing)
     return result
 
 

@@ -169,6 +169,24 @@ def _const_linear(blk: _Block, var):
     return x, weight, bias
 
 
+def _apply_plans(rewrite) -> IRModule:
+    """Run a planning rewrite (``_MergeSummedGemms``, ``_MergeSiblingGemms``) over every Relax
+    function of ``rewrite.mod``: per function it resets ``uses`` and ``plan``, visits (the
+    dataflow blocks fill ``plan``, the bindings carry it out) and keeps the result only where
+    something was planned. The module itself when nothing was."""
+    changed = False
+    for gv, func in rewrite.mod.functions_items():
+        if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
+            continue
+        rewrite.uses = use_counts(func)
+        rewrite.plan = {}
+        new_func = rewrite.visit_expr(func)
+        if rewrite.plan:
+            changed = True
+            rewrite.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
+    return rewrite.builder_.get() if changed else rewrite.mod
+
+
 @mutator
 class _MergeSummedGemms(PyExprMutator):
     """``(x1 @ W1^T + b1) + (x2 @ W2^T + b2)`` with constant weights, whose sum only feeds a
@@ -185,17 +203,7 @@ class _MergeSummedGemms(PyExprMutator):
         self.plan: dict = {}  # sum var -> (x1, x2, W (N, K1+K2), b or None)
 
     def transform(self) -> IRModule:
-        changed = False
-        for gv, func in self.mod.functions_items():
-            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
-                continue
-            self.uses = use_counts(func)
-            self.plan = {}
-            new_func = self.visit_expr(func)
-            if self.plan:
-                changed = True
-                self.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
-        return self.builder_.get() if changed else self.mod
+        return _apply_plans(self)
 
     def _linear(self, blk: _Block, var):
         """(x, W as (N, K), bias array or None) of ``x @ W^T (+ b)`` bound to ``var``, x 2-D."""
@@ -207,10 +215,9 @@ class _MergeSummedGemms(PyExprMutator):
         return found
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
-        outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
-        blk = _Block(block, self.uses, outputs)
+        blk = _Block.of(block, self.uses)
         for b in blk.bindings:
-            if _op(b.value) != "relax.add" or b.var in outputs:
+            if _op(b.value) != "relax.add" or b.var in blk.outputs:
                 continue
             users = blk.users.get(b.var, [])
             ops = {_op(blk.value.get(u)) for u in users}
@@ -333,21 +340,10 @@ class _MergeSiblingGemms(PyExprMutator):
         self.merged: list = []
 
     def transform(self) -> IRModule:
-        changed = False
-        for gv, func in self.mod.functions_items():
-            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
-                continue
-            self.uses = use_counts(func)
-            self.plan = {}
-            new_func = self.visit_expr(func)
-            if self.plan:
-                changed = True
-                self.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
-        return self.builder_.get() if changed else self.mod
+        return _apply_plans(self)
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
-        outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
-        blk = _Block(block, self.uses, outputs)
+        blk = _Block.of(block, self.uses)
         for members in _sibling_sets(blk):
             if members[0] in self.exclude:
                 continue
@@ -413,8 +409,7 @@ def _fused_gemm_outputs(mod: IRModule, target) -> set:
         for block in func.body.blocks:
             if not isinstance(block, relax.DataflowBlock):
                 continue
-            outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
-            blk = _Block(block, uses, outputs)
+            blk = _Block.of(block, uses)
             gemms = _find_gemms(blk)
             for group in _grow(blk, gemms) if gemms else []:
                 if _plan_block(group, target) is not None:
@@ -472,6 +467,12 @@ class _Block:
         for b in self.bindings:
             for v in vars_in(b.value):
                 self.users.setdefault(v, []).append(b.var)
+
+    @classmethod
+    def of(cls, block: relax.DataflowBlock, uses: dict) -> _Block:
+        """The block, its outputs being the variables bound outside the dataflow."""
+        outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
+        return cls(block, uses, outputs)
 
     def single_use(self, var) -> bool:
         return self.uses.get(var, 0) == 1 and var not in self.outputs
@@ -1009,8 +1010,7 @@ class _Rewriter(PyExprMutator):
         return self.builder_.get()
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
-        outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
-        blk = _Block(block, self.uses, outputs)
+        blk = _Block.of(block, self.uses)
         self._blk = blk
         gemms = _find_gemms(blk)
         groups = _grow(blk, gemms) if gemms else []
