@@ -10,9 +10,9 @@ the rest of the gate math and every GEMM are computed at that tile. In a tile ea
 reduction runs outermost and ``MR x gates x V`` accumulators stay in registers (rows and gates
 unrolled, ``V`` vectorised); then the gate math runs on the tile. The GEMM outputs are
 tile-local (``local`` scope): no buffer of ``rows x gates x D`` is ever allocated. Tiles run in
-parallel. Symbolic rows are padded to a multiple of ``MR`` in the GEMMs (``pad_einsum``; the
-inputs are copied into padded buffers), so their tiles carry no tail predicate; the results
-are written for the real rows only.
+parallel. Symbolic rows are padded to a multiple of ``MR`` in the GEMMs (``pad_einsum``, then
+the inputs read in place with the row index clamped, see ``inline_padding``), so their tiles
+carry no tail predicate; the results are written for the real rows only.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ... import target as _target
 from .._common import (
     CPURule,
     extent,
+    inline_padding,
     is_reduction,
     is_static,
     parallelize_outer,
@@ -114,6 +115,18 @@ class GateFusion(CPURule):
                     if padded is None:
                         return None
                     pads += padded
+                # Read the inputs in place, rows clamped (see inline_padding).
+                inlined = inline_padding(sch, pads)
+                if inlined is not None:
+                    names = [
+                        [sch.get(b).name_hint for b in group]
+                        for group in (reductions, finals, inner)
+                    ]
+                    sch, pads = inlined, []
+                    reductions, finals, inner = (
+                        [sch.get_sblock(n) for n in group] for group in names
+                    )
+                    *row_loops, unit_loop = sch.get_loops(finals[0])
         jo, ji = sch.split(unit_loop, [None, block])
         if row_loops:
             io, ii = sch.split(row_loops[-1], [None, mr])

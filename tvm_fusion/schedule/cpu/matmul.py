@@ -38,6 +38,7 @@ from .._common import (
     CPURule,
     extent,
     inline_is_cheap,
+    inline_padding,
     is_static,
     loop_nest_work,
     parallelize_outer,
@@ -207,8 +208,21 @@ class Matmul(CPURule):
                 mr = 1
             else:
                 a_pads, epilogue = padded
+                # A's copy is read in place with its rows clamped; B's (padded columns, its
+                # vector axis) stays a copy: clamped lanes would make its packing a gather.
+                a_buf = _is_mac(sch.get(block).body)[0].source
+                rows_pad = [p for p in a_pads if sch.get(p).writes[0].source.same_as(a_buf)]
+                inlined = inline_padding(sch, rows_pad) if rows_pad else None
+                if inlined is not None:
+                    name = sch.get(block).name_hint
+                    names = [sch.get(info.block_rv).name_hint for info in epilogue]
+                    kept = [sch.get(p).name_hint for p in a_pads if p not in rows_pad]
+                    sch = inlined
+                    block = sch.get_sblock(name)
+                    epilogue = [_Block(sch.get_sblock(n)) for n in names]
+                    a_pads = [sch.get_sblock(n) for n in kept]
                 stmt = sch.get(block)
-                a_load, b_load = _is_mac(stmt.body)  # now reading the padded copies
+                a_load, b_load = _is_mac(stmt.body)
                 loops = sch.get_loops(block)
                 loop_of = dict(zip(iters, loops, strict=True))
                 j_ext = extent(sch, loop_of[j_var])
