@@ -14,6 +14,7 @@ from .fuse_split_gates import FuseSplitGates
 from .gather_to_slice import GatherToSlice
 from .order_for_memory import OrderForMemory
 from .place_shape_on_host import PlaceShapeOnHost
+from .sink_views_past_epilogues import SinkViewsPastEpilogues
 from .strip_bookend_views import StripBookendViews
 
 GRAPH_PASSES: list[tuple[str, type]] = [
@@ -22,6 +23,7 @@ GRAPH_PASSES: list[tuple[str, type]] = [
     ("fuse_split_gates", FuseSplitGates),
     ("fuse_cross_entropy", FuseCrossEntropy),
     ("fuse_linear_cross_entropy", FuseLinearCrossEntropy),  # chunks what the last one made
+    ("sink_views_past_epilogues", SinkViewsPastEpilogues),
 ]
 POST_FUSION_PASSES: list[tuple[str, type]] = [
     ("strip_bookend_views", StripBookendViews),
@@ -37,6 +39,7 @@ __all__ = [
     "GatherToSlice",
     "OrderForMemory",
     "PlaceShapeOnHost",
+    "SinkViewsPastEpilogues",
     "StripBookendViews",
     "collect_rewrites",
 ]
