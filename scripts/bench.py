@@ -19,6 +19,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--size", default="seed", choices=["seed", "small"])
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--budget", type=float, default=10.0)
+    parser.add_argument("--min-time", type=float, default=0.5)
     parser.add_argument("--target", default=None)
     parser.add_argument("--tuning-db", default=None)
     parser.add_argument("--output", default="bench/results.json")
@@ -37,6 +38,8 @@ def main(argv=None) -> int:
         str(args.repeat),
         "--budget",
         str(args.budget),
+        "--min-time",
+        str(args.min_time),
         "--output",
         args.output,
     ]

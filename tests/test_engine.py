@@ -49,3 +49,15 @@ def test_interleaved_long_runs_one_per_block_and_budget():
 
 def test_interleaved_no_engines():
     assert engine.time_interleaved({}) == {}
+
+
+def test_interleaved_min_time_raises_repeat_for_short_runs():
+    """``min_time_s``: a 2 ms engine gets about 60 ms of timed runs instead of ``repeat`` = 3;
+    a 30 ms engine keeps ``repeat`` (2 runs would make 60 ms, fewer than 3)."""
+    log: list = []
+    runs = {"short": _recorder(log, "short", 0.002), "long": _recorder(log, "long", 0.03)}
+    timings = engine.time_interleaved(runs, repeat=3, budget_s=10.0, pause_s=0.0, min_time_s=0.06)
+    assert 12 <= timings["short"]["runs"] <= 30, timings["short"]
+    assert timings["long"]["runs"] == 3
+    plain = engine.time_interleaved(runs, repeat=3, budget_s=10.0, pause_s=0.0)
+    assert plain["short"]["runs"] == 3

@@ -192,6 +192,7 @@ def run_bench(
     budget_s: float = 10.0,
     tvm_options: dict | None = None,
     progress: Callable[[str], None] | None = None,
+    min_time_s: float = 0.0,
 ) -> list[WorkloadResult]:
     names = list(workloads) if workloads else models.names()
     for n in names:
@@ -208,7 +209,9 @@ def run_bench(
             per_engine[ename], run = prepare_engine(ename, inst, tgt, tvm_options)
             if run is not None:
                 runs[ename] = run
-        timings = engine.time_interleaved(runs, repeat=repeat, budget_s=budget_s)
+        timings = engine.time_interleaved(
+            runs, repeat=repeat, budget_s=budget_s, min_time_s=min_time_s
+        )
         for ename, timing in timings.items():
             per_engine[ename].set_timing(timing)
         results.append(WorkloadResult(wname, size, inst.expect, per_engine))

@@ -200,6 +200,7 @@ def cmd_bench_models(args) -> int:
         repeat=args.repeat,
         budget_s=args.budget,
         progress=lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True),
+        min_time_s=args.min_time,
     )
     print(model_bench.markdown_table(results, engines))
     output = "bench/models.json" if args.output is None else args.output
@@ -227,6 +228,7 @@ def cmd_bench(args) -> int:
         budget_s=args.budget,
         tvm_options=_pipeline_options(args),
         progress=lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True),
+        min_time_s=args.min_time,
     )
     print(bench.markdown_table(results, engines))
     output = "bench/results.json" if args.output is None else args.output
@@ -349,6 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="seed", choices=["seed", "small"])
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--budget", type=float, default=10.0, help="seconds of timing per engine")
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=0.5,
+        help="seconds of timed runs per engine at least: short runs get more than --repeat",
+    )
     p.add_argument(
         "--output",
         default=None,

@@ -157,6 +157,7 @@ def time_interleaved(
     pause_s: float = 0.3,
     block_s: float = 0.05,
     rounds: int = 5,
+    min_time_s: float = 0.0,
 ) -> dict[str, dict]:
     """:func:`time_runs` for several engines at once, in alternating rounds.
 
@@ -169,7 +170,10 @@ def time_interleaved(
     250 ms (a whole core here; ``TVM_THREAD_POOL_SPIN_COUNT``) and ONNX Runtime's for about
     50 ms, and a spinning pool halves the next engine's speed on 2 cores. Then one untimed call
     warms the engine when a run is shorter than ``block_s``. An engine stops at ``repeat``
-    runs, or at ``budget_s`` of timed runs once it has 3. Returns ``{name: time_runs' dict}``."""
+    runs, or at ``budget_s`` of timed runs once it has 3. ``min_time_s`` raises ``repeat`` for an
+    engine whose runs are short, to about that many seconds of timed runs (its warm-up run's time
+    sets the count): 20 runs of a 0.3 ms model are 6 ms of samples, too few to outlast a slow
+    phase of the machine. Returns ``{name: time_runs' dict}``."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     spent = dict.fromkeys(runs, 0.0)
     estimate = {}
@@ -177,10 +181,14 @@ def time_interleaved(
         start = time.perf_counter()
         run()
         estimate[name] = time.perf_counter() - start
+    wanted = {
+        name: max(repeat, min(int(min_time_s / max(t, 1e-6)), 100_000)) if min_time_s else repeat
+        for name, t in estimate.items()
+    }
 
     def done(name: str) -> bool:
         n = len(times[name])
-        return n >= repeat or (n >= 3 and spent[name] >= budget_s)
+        return n >= wanted[name] or (n >= 3 and spent[name] >= budget_s)
 
     while not all(done(name) for name in runs):
         for name, run in runs.items():
@@ -191,8 +199,8 @@ def time_interleaved(
             if short:
                 run()
             block = max(1, int(block_s / max(estimate[name], 1e-6))) if short else 1
-            block = min(block, -(-repeat // rounds))
-            for _ in range(min(block, repeat - len(times[name]))):
+            block = min(block, -(-wanted[name] // rounds))
+            for _ in range(min(block, wanted[name] - len(times[name]))):
                 start = time.perf_counter()
                 run()
                 elapsed = time.perf_counter() - start

@@ -257,6 +257,7 @@ def run_case(
     repeat: int,
     budget_s: float,
     progress: Callable[[str], None] | None = None,
+    min_time_s: float = 0.0,
 ) -> ModelResult:
     import onnx
 
@@ -298,7 +299,8 @@ def run_case(
         runs[name] = run
     if progress and runs:
         progress(f"{case.name}: timing {', '.join(runs)} in alternating rounds")
-    for name, timing in engine.time_interleaved(runs, repeat=repeat, budget_s=budget_s).items():
+    timings = engine.time_interleaved(runs, repeat=repeat, budget_s=budget_s, min_time_s=min_time_s)
+    for name, timing in timings.items():
         result.engines[name].set_timing(timing)
     return result
 
@@ -312,10 +314,13 @@ def run_models(
     repeat: int = 10,
     budget_s: float = 10.0,
     progress: Callable[[str], None] | None = None,
+    min_time_s: float = 0.0,
 ) -> list[ModelResult]:
     engine_names = parse_model_engines(engines)
     cases = load_cases(directory, dims, only)
-    return [run_case(c, engine_names, target, repeat, budget_s, progress) for c in cases]
+    return [
+        run_case(c, engine_names, target, repeat, budget_s, progress, min_time_s) for c in cases
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
