@@ -114,6 +114,18 @@ def _build(n, k, seed, ops, loss, unaries):
         ["exp_tanh", "tanh", "sigmoid", "negative", "exp_tanh", "gelu"],
     )
 )
+# Found by this test: silu(tanh(x @ W + b)) leaves two epilogue blocks reading the GEMM's
+# result; reverse-inlining one into the write-back left the other reading a buffer nobody wrote.
+@example(
+    (
+        1,
+        4,
+        0,
+        ["matmul", "matmul", "matmul", "matmul", "unary", "unary"],
+        False,
+        ["tanh", "tanh", "tanh", "tanh", "tanh", "silu"],
+    )
+)
 def test_same_numbers_as_stock(graph):
     mod, x = _build(*graph)
     stock, _ = run(mod, [x], "stock")

@@ -89,6 +89,16 @@ def same_domain(sch: s_tir.Schedule, producer, consumer) -> bool:
     return p_shape == c_shape
 
 
+def sole_consumer(sch: s_tir.Schedule, producer) -> bool:
+    """``producer`` has one consumer block. TVM 0.27's ``reverse_compute_inline`` does not
+    check it: inlining one of two consumers into the producer makes the producer write the
+    consumer's buffer, and the other consumer reads a buffer nobody writes any more ("Buffer
+    matmul_intermediate is used before its definition" at build time; found by
+    tests/test_differential.py on ``silu(tanh(x @ W + b))``, whose silu reads its input twice
+    after inlining)."""
+    return len(sch.get_consumers(producer)) == 1
+
+
 def try_inline_safe(sch: s_tir.Schedule, infos: list) -> list:
     """dlight's ``try_inline`` minus inlining into or out of reduction blocks and minus
     inlining that would blow expressions up (see :data:`MAX_INLINED_EXPR`)."""
@@ -111,6 +121,8 @@ def try_inline_safe(sch: s_tir.Schedule, infos: list) -> list:
                     pass
             producers = sch.get_producers(block)
             if len(producers) != 1 or is_reduction(sch, producers[0]):
+                continue
+            if not sole_consumer(sch, producers[0]):
                 continue
             if not same_domain(sch, producers[0], block):
                 continue

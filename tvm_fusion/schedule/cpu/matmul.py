@@ -44,6 +44,7 @@ from .._common import (
     parallelize_outer,
     same_domain,
     schedule_copy,
+    sole_consumer,
     try_inline_safe,
     vectorize_innermost,
 )
@@ -292,7 +293,7 @@ class Matmul(CPURule):
         # Epilogue on the tile: elementwise consumers fold into the write-back, the rest are
         # computed under the tile loop.
         for info in epilogue:
-            if not same_domain(sch, acc, info.block_rv):
+            if not same_domain(sch, acc, info.block_rv) or not sole_consumer(sch, acc):
                 break
             if not inline_is_cheap(sch, acc, [info.block_rv]):
                 break  # a chain of fast-math ops would multiply the expression size
