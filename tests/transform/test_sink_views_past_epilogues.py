@@ -114,6 +114,42 @@ class TestDynamicChainIntoNextGemm(SinkBase):
             return z
 
 
+class TestBiasAddBeforeTheView(SinkBase):
+    """addmm = matmul + bias, then the view: elementwise math on a GEMM result of its shape
+    counts as the GEMM's result (it is in the GEMM's group already)."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(
+            x: R.Tensor((6, 8), "float32"),
+            w: R.Tensor((8, 16), "float32"),
+            b: R.Tensor((16,), "float32"),
+        ):
+            with R.dataflow():
+                y = R.add(R.matmul(x, w), b)
+                r = R.reshape(y, (2, 3, 16))
+                o = R.nn.gelu(r)
+                R.output(o)
+            return o
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(
+            x: R.Tensor((6, 8), "float32"),
+            w: R.Tensor((8, 16), "float32"),
+            b: R.Tensor((16,), "float32"),
+        ):
+            with R.dataflow():
+                lv = R.matmul(x, w)
+                y = R.add(lv, b)
+                o_flat = R.nn.gelu(y)
+                o = R.reshape(o_flat, (2, 3, 16))
+                R.output(o)
+            return o
+
+
 class TestViewChangesLastAxis(SinkBase):
     """(6, 16) viewed as (2, 3, 4, 4): the epilogue's last axis is not the GEMM's."""
 
