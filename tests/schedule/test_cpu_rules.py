@@ -365,7 +365,9 @@ def test_gate_block_fills_the_registers_for_one_row_tiles(target):
     assert gate_block(target, 1024, 2, 64) == gate_block(target, 1024, 2, None) == lanes
 
 
-@pytest.mark.parametrize("name", ["swiglu", "lstm_cell"])  # GRU: 6 gates, one row fits
+# GRU: two GEMMs of 3 gates, accumulated one after the other: 2 rows per tile (it had 1 while
+# the rule counted the group's 6 gates against the registers)
+@pytest.mark.parametrize("name", ["swiglu", "lstm_cell", "gru_cell"])
 def test_symbolic_gate_rows_padded_to_register_tiles(name, target):
     """A gate kernel over symbolic rows: the GEMM's rows are padded to a multiple of the tile
     (``pad_einsum`` on the blocked GEMM ``Y[n, g, d // V, d % V]``), so each tile holds several

@@ -939,8 +939,11 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
 def _plan_block(group: _Group, target) -> int | None:
     """The vector block V of ``group`` on ``target`` (set on the group), None when none fits."""
     from ..schedule import gate_block
+    from ..target import is_gpu
 
-    n_gates = sum(g.gates for g in group.gemms)
+    # On CPU each GEMM of the group accumulates in registers on its own (one after the other in
+    # a tile): its gates, not the group's, share the register budget (a GRU's two GEMMs of 3).
+    n_gates = (sum if is_gpu(target) else max)(g.gates for g in group.gemms)
     rows = 1
     for d in group.rows:
         rows = rows * _int(d) if _int(d) is not None and rows is not None else None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from tvm import s_tir
+from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
@@ -72,6 +72,24 @@ def _pad_rows(sch: s_tir.Schedule, gemm, n_rows: int, mr: int) -> list | None:
     return pads
 
 
+def _gemm_gates(sch: s_tir.Schedule, gemms: list, n_rows: int, gates: int) -> int:
+    """The most gates one GEMM of the kernel computes: its output beyond the row axes is
+    ``gates_j x width`` elements, and the gates of all GEMMs sum to ``gates``."""
+    sizes = []
+    for gemm in gemms:
+        size = 1
+        for iv in sch.get(gemm).iter_vars[n_rows:]:
+            if iv.iter_type != iv.CommReduce:
+                ext = iv.dom.extent
+                size *= int(ext.value) if isinstance(ext, tirx.IntImm) else 0
+        sizes.append(size)
+    total = sum(sizes)
+    if not all(sizes) or total % gates:
+        return gates
+    width = total // gates
+    return max(size // width for size in sizes) if all(s % width == 0 for s in sizes) else gates
+
+
 class GateFusion(CPURule):
     def apply(self, func, target: Target, tunable: bool):
         if not self.applicable(func, target) or GATE_ATTR not in func.attrs:
@@ -105,7 +123,11 @@ class GateFusion(CPURule):
         *row_loops, unit_loop = sch.get_loops(finals[0])  # no row loop for a single row
         pads: list = []
         rows = extent(sch, row_loops[-1]) if row_loops else 1
-        mr = tile_rows(rows, gates, block, lanes, regs)
+        # The GEMMs of a tile accumulate one after the other: the widest one's gates, not the
+        # group's, share the registers (a GRU's two GEMMs of 3 gates: 2 rows per tile, not 1).
+        mr = tile_rows(
+            rows, _gemm_gates(sch, reductions, len(row_loops), gates), block, lanes, regs
+        )
         if not is_static(rows) and mr > 1:
             if not pad:
                 mr = 1
