@@ -47,6 +47,19 @@ def expr_children(expr) -> list:
     return out
 
 
+def vars_in(expr) -> set:
+    """The variables an expression reads."""
+    found = set()
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, tirx.Var):
+            found.add(e)
+        else:
+            stack.extend(expr_children(e))
+    return found
+
+
 def expr_size(expr, limit: int = 1 << 20) -> int:
     """Number of nodes in an expression tree (shared nodes counted each time), capped."""
     count = 0

@@ -265,12 +265,14 @@ def _clamped_copy(store):
             bounds[c.a] = c.b
         else:
             return None
+    from ..tir_util import vars_in
+
     indices = []
     clamp = list(bounds)
     for index in load.indices:
         if isinstance(index, tirx.Var) and index in bounds:
             indices.append(tirx.Min(index, bounds.pop(index) - 1))
-        elif any(v in bounds for v in _free_vars(index)):
+        elif any(v in bounds for v in vars_in(index)):
             return None
         else:
             indices.append(index)
@@ -284,7 +286,7 @@ def _clamped_copy(store):
 def _reads_padding_spatially(sch: s_tir.Schedule, pad, padded: set) -> bool:
     """Every reader of ``pad``'s buffer indexes its padded positions by spatial iterators only:
     a padded reduction axis needs the zeros of the copy."""
-    from ..tir_util import expr_children
+    from ..tir_util import expr_children, vars_in
 
     buffer = sch.get(pad).writes[0].source
     for consumer in sch.get_consumers(pad):
@@ -297,23 +299,10 @@ def _reads_padding_spatially(sch: s_tir.Schedule, pad, padded: set) -> bool:
             e = stack.pop()
             if isinstance(e, TensorLoad) and e.source.same_as(buffer):
                 for i in padded:
-                    if any(v in reduce for v in _free_vars(e.indices[i])):
+                    if any(v in reduce for v in vars_in(e.indices[i])):
                         return False
             stack.extend(expr_children(e))
     return True
-
-
-def _free_vars(expr) -> list:
-    from ..tir_util import expr_children
-
-    found, stack = [], [expr]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, tirx.Var):
-            found.append(e)
-        else:
-            stack.extend(expr_children(e))
-    return found
 
 
 def _replace_blocks(stmt, new_bodies: dict):
@@ -372,6 +361,12 @@ def _replace_blocks(stmt, new_bodies: dict):
     return None
 
 
+def same_blocks(old: s_tir.Schedule, new: s_tir.Schedule, blocks: list) -> list:
+    """``blocks`` of schedule ``old`` as block RVs of ``new`` (a schedule of a rebuilt
+    function, see :func:`inline_padding`), found by name."""
+    return [new.get_sblock(old.get(b).name_hint) for b in blocks]
+
+
 def inline_padding(sch: s_tir.Schedule, pads: list) -> s_tir.Schedule | None:
     """Read the inputs of a ``pad_einsum``-padded block in place instead of through padded
     copies.
@@ -385,9 +380,9 @@ def inline_padding(sch: s_tir.Schedule, pads: list) -> s_tir.Schedule | None:
     invariant in the reduction. (Inlining the ``if_then_else`` copy instead halves the GEMM's
     speed: a branch per load.) TIR has no Python statement mutator in TVM 0.27 and schedules
     cannot change a block's body, so this rebuilds the function and returns a new schedule
-    of it with the copies inlined (block RVs of ``sch`` do not carry over: look blocks up by
-    name); None when a copy has another form, pads an axis its reader reduces over, or does not
-    inline (``sch`` is unchanged)."""
+    of it with the copies inlined (block RVs of ``sch`` do not carry over:
+    :func:`same_blocks` finds them in it); None when a copy has another form, pads an axis
+    its reader reduces over, or does not inline (``sch`` is unchanged)."""
     new_bodies = {}
     names = []
     for pad in pads:

@@ -122,13 +122,13 @@ class _Rewriter(PyExprMutator):
         # var (original) -> (flat value, unflattened shape S) for views that have been sunk
         self.flat: dict = {}
         self.var2val: dict = {}
-        self.started: set = set()
+        self.starts: set = set()  # views of GEMM results not yet sunk past any op
 
     def transform(self) -> IRModule:
         for gv, func in self.mod.functions_items():
             if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
                 continue
-            self.flat, self.started = {}, set()
+            self.flat, self.starts = {}, set()
             self.var2val = relax.analysis.get_var2val(func)
             before = self.count
             new_func = self.visit_expr(func)
@@ -174,6 +174,7 @@ class _Rewriter(PyExprMutator):
         if not prove_equal(src_shape[-1], shape[-1]):
             return skip(logger, f"view {var.name}", "it changes the last axis")
         self.flat[var] = (src, shape)
+        self.starts.add(var)
         return False
 
     def _gemm_result(self, var, depth: int = 8) -> bool:
@@ -196,10 +197,11 @@ class _Rewriter(PyExprMutator):
     def _sink(self, binding: relax.VarBinding) -> bool:
         call, var = binding.value, binding.var
         shape = static_shape(var)
-        if shape is None or not any(isinstance(a, relax.Var) and a in self.flat for a in call.args):
+        sunk = [a for a in call.args if isinstance(a, relax.Var) and a in self.flat]
+        if shape is None or not sunk:
             return False
         what = f"{op_name(call)} {var.name}"
-        views = [self.flat[a] for a in call.args if isinstance(a, relax.Var) and a in self.flat]
+        views = [self.flat[a] for a in sunk]
         flat_shape = static_shape(views[0][0])
         if not all(_same_shape(s, shape) for _, s in views):
             return skip(logger, what, "its result does not have the view's shape")
@@ -232,12 +234,10 @@ class _Rewriter(PyExprMutator):
             relax.Call(call.op, args, call.attrs, call.ty_args), name_hint=f"{var.name}_flat"
         )
         self.flat[var] = (flat_out, shape)
-        for arg in call.args:
-            if isinstance(arg, relax.Var) and arg in self.flat and arg not in self.started:
-                self.started.add(arg)
-                if op_name(self.var2val.get(arg)) == "relax.reshape":
-                    if self._gemm_result(self.var2val[arg].args[0]):
-                        self.count += 1  # a GEMM's view sunk past (at least) one op
+        for arg in sunk:
+            if arg in self.starts:
+                self.starts.remove(arg)
+                self.count += 1  # a GEMM's view sunk past (at least) one op
         new = bb.normalize(relax.op.reshape(flat_out, shape))
         self.builder_.emit_normalized(relax.VarBinding(var, new))
         return True

@@ -31,6 +31,7 @@ from .._common import (
     is_reduction,
     is_static,
     parallelize_outer,
+    same_blocks,
     schedule_copy,
     try_inline_safe,
     vectorize_innermost,
@@ -140,14 +141,10 @@ class GateFusion(CPURule):
                 # Read the inputs in place, rows clamped (see inline_padding).
                 inlined = inline_padding(sch, pads)
                 if inlined is not None:
-                    names = [
-                        [sch.get(b).name_hint for b in group]
-                        for group in (reductions, finals, inner)
-                    ]
-                    sch, pads = inlined, []
                     reductions, finals, inner = (
-                        [sch.get_sblock(n) for n in group] for group in names
+                        same_blocks(sch, inlined, group) for group in (reductions, finals, inner)
                     )
+                    sch, pads = inlined, []
                     *row_loops, unit_loop = sch.get_loops(finals[0])
         jo, ji = sch.split(unit_loop, [None, block])
         if row_loops:

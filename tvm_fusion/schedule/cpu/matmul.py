@@ -33,7 +33,7 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
 from ... import target as _target
-from ...tir_util import expr_children, expr_size
+from ...tir_util import expr_size, vars_in
 from .._common import (
     CPURule,
     extent,
@@ -42,6 +42,7 @@ from .._common import (
     is_static,
     loop_nest_work,
     parallelize_outer,
+    same_blocks,
     same_domain,
     schedule_copy,
     sole_consumer,
@@ -61,18 +62,6 @@ class _Block:
 
     def __init__(self, block_rv):
         self.block_rv = block_rv
-
-
-def _vars_in(expr) -> set:
-    found = set()
-    stack = [expr]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, tirx.Var):
-            found.add(e)
-        else:
-            stack.extend(expr_children(e))
-    return found
 
 
 def _is_mac(store) -> tuple | None:
@@ -131,8 +120,8 @@ class Matmul(CPURule):
         a_load, b_load = mac
         iters = [iv.var for iv in stmt.iter_vars]
         k_var = iters[-1]
-        a_vars = set().union(*(_vars_in(i) for i in a_load.indices))
-        b_vars = set().union(*(_vars_in(i) for i in b_load.indices))
+        a_vars = set().union(*(vars_in(i) for i in a_load.indices))
+        b_vars = set().union(*(vars_in(i) for i in b_load.indices))
         if k_var not in a_vars or k_var not in b_vars:
             return None
         spatial = iters[:-1]
@@ -215,13 +204,13 @@ class Matmul(CPURule):
                 rows_pad = [p for p in a_pads if sch.get(p).writes[0].source.same_as(a_buf)]
                 inlined = inline_padding(sch, rows_pad) if rows_pad else None
                 if inlined is not None:
-                    name = sch.get(block).name_hint
-                    names = [sch.get(info.block_rv).name_hint for info in epilogue]
-                    kept = [sch.get(p).name_hint for p in a_pads if p not in rows_pad]
+                    kept = [p for p in a_pads if p not in rows_pad]
+                    (block,) = same_blocks(sch, inlined, [block])
+                    epilogue = [
+                        _Block(b) for b in same_blocks(sch, inlined, [i.block_rv for i in epilogue])
+                    ]
+                    a_pads = same_blocks(sch, inlined, kept)
                     sch = inlined
-                    block = sch.get_sblock(name)
-                    epilogue = [_Block(sch.get_sblock(n)) for n in names]
-                    a_pads = [sch.get_sblock(n) for n in kept]
                 stmt = sch.get(block)
                 a_load, b_load = _is_mac(stmt.body)
                 loops = sch.get_loops(block)
