@@ -365,7 +365,25 @@ def test_gate_block_fills_the_registers_for_one_row_tiles(target):
     assert gate_block(target, 1024, 2, 64) == gate_block(target, 1024, 2, None) == lanes
 
 
-# GRU: two GEMMs of 3 gates, accumulated one after the other: 2 rows per tile (it had 1 while
+def test_gate_tile_rows_fill_the_registers_left_by_the_weight_vectors():
+    """Rows per gate tile on AVX2 (16 registers, 8 lanes): the accumulators take what one
+    row's weight vectors and the broadcast input leave; #2890's 3 gates of 8 units get 4 rows
+    (the 4 x 24 micro-kernel; half the registers gave 2 rows and 5 loads per 6 FMAs)."""
+    from tvm_fusion.schedule.cpu.gate_fusion import tile_rows
+
+    assert tile_rows(64, 3, 8, 8, 16) == tile_rows(None, 3, 8, 8, 16) == 4
+    assert tile_rows(64, 4, 8, 8, 16) == 2  # LSTM: 8 accumulators + 4 weight vectors
+    assert tile_rows(64, 2, 8, 8, 16) == 4  # SwiGLU: 6 fit, 4 divides the rows
+    assert tile_rows(None, 2, 8, 8, 16) == 6
+    assert tile_rows(1, 4, 16, 8, 16) == 1
+    assert tile_rows(64, 3, 16, 16, 32) == 8  # AVX-512: 9 fit, 8 divides
+    for gates in (1, 2, 3, 4, 6):
+        for regs, lanes in ((16, 8), (32, 16)):
+            mr = tile_rows(None, gates, lanes, lanes, regs)
+            assert mr == 1 or (mr + 1) * gates + 1 <= regs
+
+
+# GRU: two GEMMs of 3 gates, accumulated one after the other: 4 rows per tile (it had 1 while
 # the rule counted the group's 6 gates against the registers)
 @pytest.mark.parametrize("name", ["swiglu", "lstm_cell", "gru_cell"])
 def test_symbolic_gate_rows_padded_to_register_tiles(name, target):
