@@ -47,9 +47,27 @@ def test_tune_resume_and_apply(tmp_path):
     assert report.tasks and any(line.startswith("task 1/") for line in lines)
     assert any(line.startswith("seeded ") for line in lines), lines  # our schedule recorded
     assert (tmp_path / "database_tuning_record.json").stat().st_size > 0
+    assert any(" measured again 3x" in line and "ours untuned" in line for line in lines), lines
+    # a record measured in a lucky moment: the finalists are measured again, and it loses
+    from tvm.s_tir import meta_schedule as ms
+
+    db = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    best = db.get_all_tuning_records()[0]
+    lucky = ms.database.TuningRecord(
+        best.trace, best.workload, [tvm.tirx.FloatImm("float64", 1e-9)], best.target,
+        best.args_info,
+    )  # fmt: skip
+    db.commit_tuning_record(lucky)
     # resumable: the budget is spent, a second run measures nothing more
     again = tuning.tune(mod, target, tmp_path, trials=4, progress=lines.append)
     assert again.trials_before == 4 and again.trials_after == 4
+    name = again.tasks[0]
+    assert again.verified[name][0] == pytest.approx(1e-6)  # ms, as the lucky record claimed
+    assert again.best_ms[name] == again.verified[name][1] > 1e-4
+    assert (tmp_path / "database_tuning_record.unverified.json").exists()
+    db = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    secs = [float(t) for r in db.get_all_tuning_records() for t in r.run_secs]
+    assert min(secs) > 1e-7, secs
     # applied by the pipeline, same numbers
     (out,), compiled = run(mod, inputs, "tvm_fusion", tuning_db=str(tmp_path))
     np.testing.assert_allclose(out, inst.reference(*inputs)[0], rtol=1e-4, atol=1e-5)

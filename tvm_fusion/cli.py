@@ -157,6 +157,7 @@ def cmd_tune(args) -> int:
         rpc=args.rpc_tracker,
         rpc_key=args.rpc_key,
         trials_per_iter=args.trials_per_iter,
+        verify=args.verify,
         progress=lambda line: print(f"  .. {line}", file=sys.stderr, flush=True),
         **options,
     )
@@ -314,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="seed", choices=["seed", "small"], help="workload size")
     p.add_argument("--trials", type=int, default=64, help="measurements in all (resumable)")
     p.add_argument("--trials-per-iter", type=int, default=16)
+    p.add_argument(
+        "--verify",
+        type=int,
+        default=8,
+        metavar="K",
+        help="measure the K best records of each task again, 3 times each, and keep the median"
+        " (0: MetaSchedule's single measurement)",
+    )
     p.add_argument("--work-dir", required=True, help="JSON database and logs (resumable)")
     p.add_argument(
         "--pipeline",
