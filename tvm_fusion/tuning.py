@@ -15,6 +15,9 @@ database in ``work_dir`` (``database_workload.json``, ``database_tuning_record.j
 - candidates are built by :func:`build_candidate` (the stock build function spends 32 s here
   importing every tensor intrinsic, in each builder process of each batch); builds time out
   after ``build_timeout`` seconds and such candidates are skipped;
+- after the search, the fastest records and our default are measured again (3 rounds, fresh
+  arguments; :func:`verify_finalists`) and the database keeps those medians: MetaSchedule's
+  single measurements keep lucky records (``verify=0`` skips this);
 - applied by ``build_pipeline(tuning_db=work_dir)`` (CLI: ``--tuning-db DIR``) before the
   default schedules, which then leave the tuned PrimFuncs alone;
 - measured locally, or on the machines of an RPC tracker (``rpc="HOST:PORT"`` and ``rpc_key``).
