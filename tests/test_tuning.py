@@ -145,6 +145,34 @@ def test_stock_pipeline_tuned_with_the_same_budget(tmp_path):
     )
 
 
+def test_packed_default_that_beats_every_record_keeps_the_task(tmp_path, monkeypatch):
+    """Our GEMM schedule packs the constant weight, so it cannot be a record. When the records
+    are measured again, it is timed beside them (last candidate); where it wins, the task's
+    records are left out and the pipeline schedules the task itself (packed, right numbers).
+    The timings are faked: the packed default is made the fastest."""
+    mod, inputs, w = _tiny()
+    calls = []
+
+    def fake_time(candidates, rounds):
+        calls.append(len(candidates))
+        return [[1e-3] * rounds for _ in candidates[:-1]] + [[1e-9] * rounds]
+
+    monkeypatch.setattr(tuning, "_time_here", fake_time)
+    lines = []
+    report = tuning.tune(
+        mod, tvm_fusion.host_target(), tmp_path, trials=2, verify=1, progress=lines.append
+    )
+    assert calls and calls[0] >= 2  # a record and the packed default
+    assert any("beats every record" in line for line in lines), lines
+    (name,) = report.tasks
+    assert name not in report.best_ms and report.verified[name][1] == pytest.approx(1e-6)
+    assert "our default schedule" in report.to_text()
+    (out,), compiled = run(mod, inputs, "tvm_fusion", tuning_db=str(tmp_path))
+    np.testing.assert_allclose(out, _expect(inputs[0], w), rtol=1e-5, atol=1e-5)
+    names = [gv.name_hint for gv in compiled.lowered.get_global_vars()]
+    assert any(n.endswith("_prepacked") for n in names), names
+
+
 def test_record_is_correct_tells_a_wrong_schedule():
     """The gate group's bias repacked the way MetaSchedule's RewriteLayout did it before
     KeepLayoutFreeWeights (C[v] read as C_global[v % width], every gate reading gate 0's
