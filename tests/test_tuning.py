@@ -153,9 +153,10 @@ def test_packed_default_that_beats_every_record_keeps_the_task(tmp_path, monkeyp
     mod, inputs, w = _tiny()
     calls = []
 
-    def fake_time(candidates, rounds):
+    def fake_time(candidates, rounds):  # the packed default comes last in the first call
         calls.append(len(candidates))
-        return [[1e-3] * rounds for _ in candidates[:-1]] + [[1e-9] * rounds]
+        last = 1e-9 if len(calls) == 1 else 1e-3
+        return [[1e-3] * rounds for _ in candidates[:-1]] + [[last] * rounds]
 
     monkeypatch.setattr(tuning, "_time_here", fake_time)
     lines = []

@@ -320,7 +320,12 @@ def verify_finalists(
     new_secs: dict[tuple, float] = {}
     dropped: set[tuple] = set()
     for task in tasks:
-        records = [r for r in _records(database, task.dispatched[0], 1 << 30) if r.run_secs]
+        records, keys = [], set()
+        for r in _records(database, task.dispatched[0], 1 << 30):
+            key = _record_key(r)  # one schedule recorded twice (a resumed run) is timed once
+            if r.run_secs and key not in keys:
+                records.append(r)
+                keys.add(key)
         if not records:
             continue
         claimed = {id(r): _mean_secs(r.run_secs) for r in records}
