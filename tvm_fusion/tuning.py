@@ -116,6 +116,16 @@ def _records(database: ms.database.JSONDatabase, mod: tvm.IRModule, limit: int) 
     return list(database.get_top_k(database.commit_workload(mod), limit))
 
 
+def _random_array(rng, shape: list[int], dtype: str):
+    """Random data for a kernel argument: normal floats, zero integers (indices: 0 is in range
+    for every gather)."""
+    import numpy as np
+
+    if dtype.startswith(("float", "bfloat")):
+        return rng.standard_normal(shape).astype(dtype)
+    return np.zeros(shape, dtype)
+
+
 def record_is_correct(record, target, rtol: float = 1e-3, atol: float = 1e-4) -> bool | None:
     """Run ``record``'s schedule and its unscheduled workload on the same random inputs and
     compare every buffer afterwards. None where that cannot be checked here (a non-CPU target,
@@ -136,12 +146,7 @@ def record_is_correct(record, target, rtol: float = 1e-3, atol: float = 1e-4) ->
     record.trace.apply_to_schedule(sch, remove_postproc=False)
     rng = np.random.default_rng(0)
     dev = tvm.cpu()
-    data = [
-        rng.standard_normal(shape).astype(dtype)
-        if dtype.startswith(("float", "bfloat"))
-        else np.zeros(shape, dtype)  # indices: 0 is in range for every gather
-        for shape, dtype in shapes
-    ]
+    data = [_random_array(rng, shape, dtype) for shape, dtype in shapes]
     results = []
     for mod in (workload, sch.mod):
         func = tvm.compile(mod, target=target)
@@ -164,10 +169,18 @@ def trials_spent(work_dir: str | Path) -> int:
     return total
 
 
+def _mean_secs(secs) -> float:
+    return sum(float(t) for t in secs) / len(secs)
+
+
+def _median(values: list[float]) -> float:
+    """The middle of ``values`` (the upper one of an even count); inf when there are none."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("inf")
+
+
 def _best_ms(records) -> float | None:
-    times = [
-        sum(float(t) for t in r.run_secs) / len(r.run_secs) * 1e3 for r in records if r.run_secs
-    ]
+    times = [_mean_secs(r.run_secs) * 1e3 for r in records if r.run_secs]
     return min(times) if times else None
 
 
@@ -185,8 +198,7 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
         for result in runner_results:
             self.trials[task_id] += 1
             if result.run_secs:
-                secs = sum(float(t) for t in result.run_secs) / len(result.run_secs)
-                self.best[task_id] = min(self.best[task_id], secs * 1e3)
+                self.best[task_id] = min(self.best[task_id], _mean_secs(result.run_secs) * 1e3)
         best = self.best[task_id]
         done = sum(1 for t in self.trials if t)
         self.report(
@@ -277,14 +289,12 @@ def seed_default_schedules(tasks, target, database, builder, runner, say) -> int
                 args_info,
             )
         )
-        secs = sum(float(t) for t in result.run_secs) / len(result.run_secs)
-        say(f"seeded {task.task_name} with the default schedule: {secs * 1e3:.4f} ms")
+        say(
+            f"seeded {task.task_name} with the default schedule: "
+            f"{_mean_secs(result.run_secs) * 1e3:.4f} ms"
+        )
         seeded += 1
     return seeded
-
-
-def _mean_secs(secs) -> float:
-    return sum(float(t) for t in secs) / len(secs)
 
 
 def verify_finalists(
@@ -377,7 +387,7 @@ def verify_finalists(
                 for (r, _b), secs in zip(runnable, times[: len(runnable)], strict=True):
                     samples[id(r)] = secs
                 if len(times) > len(runnable):
-                    packed_secs = sorted(times[-1])[len(times[-1]) // 2]
+                    packed_secs = _median(times[-1])
                 packed = None
             else:
                 for _round in range(rounds):
@@ -393,9 +403,8 @@ def verify_finalists(
                 if b.artifact_path:
                     shutil.rmtree(Path(b.artifact_path).parent, ignore_errors=True)
             for r in finalists:
-                times = sorted(samples[id(r)])
-                # a record that no longer builds or runs drops to the end
-                verified[id(r)] = times[len(times) // 2] if times else float("inf")
+                # a record that no longer builds or runs drops to the end (inf)
+                verified[id(r)] = _median(samples[id(r)])
         best = min(verified.values())
         unconfirmed = [r for r in records if id(r) not in verified and claimed[id(r)] < best]
         say(
@@ -433,15 +442,12 @@ def _time_here(candidates: list[tuple[str, list]], rounds: int) -> list[list[flo
     held, times = [], [[] for _ in candidates]
     for _round in range(rounds):
         for i, (mod, (_path, infos)) in enumerate(zip(modules, candidates, strict=True)):
-            args = []
-            for info in infos:
-                shape, dtype = [int(d) for d in info.shape], str(info.dtype)
-                data = (
-                    rng.uniform(-1, 1, shape).astype(dtype)
-                    if dtype.startswith(("float", "bfloat"))
-                    else np.zeros(shape, dtype)  # indices: 0 is in range for every gather
+            args = [
+                tvm.runtime.tensor(
+                    _random_array(rng, [int(d) for d in info.shape], str(info.dtype)), device
                 )
-                args.append(tvm.runtime.tensor(data, device))
+                for info in infos
+            ]
             held.append(args)
             evaluator = mod.time_evaluator(mod.entry_name, device, number=3, min_repeat_ms=100)
             times[i].append(float(np.median(evaluator(*args).results)))
