@@ -17,8 +17,9 @@ All in one process, medians of repeated runs, written to ``bench/capabilities.js
   graph vs ours, forward and forward+backward, with ONNX Runtime and PyTorch times;
 - ``views``: the gelu with bookend views vs the same gelu without views, and the MHA transpose
   with views vs a plain transpose of the same bytes, both compiled by tvm_fusion;
-- ``tuned``: the #2890 gate after same-budget tuning runs of ours and stock's (when
-  ``tune/gate_2890_tvm_fusion`` and ``tune/gate_2890_stock`` exist);
+- ``tuned``: issue #5's gate workloads (LSTM x(1, 1024), the #2890 gate, SwiGLU) after
+  same-budget tuning runs of ours and stock's (those with ``tune/<workload>_tvm_fusion`` and
+  ``tune/<workload>_stock``);
 - ``shapes``: the shape idioms of ONNX exporters (issue #8): shape-only kernels and shape
   copies in the CUDA build, stock vs ours, and llvm times (run it with
   ``--only shapes --output bench/shapes.json``);
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -341,36 +343,60 @@ def bench_gates(target, repeat: int, budget: float, size: str) -> list[dict]:
     return rows
 
 
+# Issue #5's three figures, each after same-budget tuning runs of ours and stock's.
+TUNED = (
+    ("lstm_cell", "lstm_cell x(1,1024)"),
+    ("gate_2890", "gate_2890 x(64,1024)"),
+    ("swiglu", "swiglu x(64,2048)"),
+)
+
+
 def bench_tuned(target, repeat: int, budget: float, size: str) -> list[dict]:
-    """The #2890 gate at x(64, 1024) after tuning runs of the same budget, ours and stock's:
-    ``tune/gate_2890_tvm_fusion`` and ``tune/gate_2890_stock`` (``scripts/tune.py gate_2890
+    """Issue #5's gate workloads after tuning runs of the same budget, ours and stock's:
+    ``tune/<workload>_tvm_fusion`` and ``tune/<workload>_stock`` (``tvm-fusion tune <workload>
     --trials N --work-dir ... [--pipeline stock]``), with the untuned pipelines and ONNX
-    Runtime beside them."""
+    Runtime beside them. A workload without both databases is left out; stock's untuned
+    pipeline is timed with a few runs only (seconds per call on SwiGLU)."""
+    rows = []
+    for workload, label in TUNED:
+        ours_db = Path(f"tune/{workload}_tvm_fusion")
+        stock_db = Path(f"tune/{workload}_stock")
+        if ours_db.is_dir() and stock_db.is_dir():
+            rows.append(
+                _tuned_row(target, workload, label, ours_db, stock_db, repeat, budget, size)
+            )
+    return rows
+
+
+def _tuned_row(target, workload, label, ours_db, stock_db, repeat, budget, size) -> dict:
     from tvm_fusion import engine, models
     from tvm_fusion.tuning import trials_spent
 
-    inst = models.build("gate_2890", size)
-    ours_db, stock_db = Path("tune/gate_2890_tvm_fusion"), Path("tune/gate_2890_stock")
-    row = {"case": "gate_2890 x(64,1024)"}
+    inst = models.build(workload, size)
+    row: dict = {"case": label, "trials (ours/stock)": None}
+    columns = ("stock", "stock_tuned", "ours", "ours_tuned", "onnxruntime")
+    row.update(dict.fromkeys(columns))
+    row.update(dict.fromkeys(("ours_tuned / ORT", "stock_tuned / ORT", "ours_tuned / stock_tuned")))
     runs = {}
-    for label, pipeline, db in (
+    slow = {}
+    for name, pipeline, db in (
         ("stock", "stock", None),
         ("stock_tuned", "stock", stock_db),
         ("ours", "tvm_fusion", None),
         ("ours_tuned", "tvm_fusion", ours_db),
     ):
-        if db is not None and not db.is_dir():
-            row[label] = None
-            continue
         options = {"tuning_db": str(db)} if db is not None else {}
         compiled = engine.compile_module(inst.mod, target, pipeline, **options)
         runner = engine.TvmRunner(compiled, inst.input_list())
+        start = time.perf_counter()
         err = engine.max_error(runner.outputs(), inst.reference(*inst.input_list()))
-        if err < 1e-3:
-            runs[label] = runner
+        if err >= 1e-3:
+            row[name] = f"wrong ({err:.2g})"
+        elif time.perf_counter() - start > 1.0:  # stock's untuned SwiGLU: seconds per call
+            slow[name] = runner
         else:
-            row[label] = f"wrong ({err:.2g})"
-    row["trials"] = {str(db): trials_spent(db) for db in (ours_db, stock_db) if db.is_dir()}
+            runs[name] = runner
+    row["trials (ours/stock)"] = f"{trials_spent(ours_db)}/{trials_spent(stock_db)}"
     try:
         runs["onnxruntime"] = engine.onnxruntime_runner(
             inst.onnx_model, inst.inputs, engine.threads_for(target)
@@ -379,8 +405,15 @@ def bench_tuned(target, repeat: int, budget: float, size: str) -> list[dict]:
         row["onnxruntime"] = None
     # all engines in alternating rounds: a slow phase of the machine falls on all of them
     times = engine.time_interleaved(runs, repeat=repeat, budget_s=budget, min_time_s=0.5)
-    row.update({label: t["median_ms"] for label, t in times.items()})
-    return [row]
+    times.update(engine.time_interleaved(slow, repeat=3, budget_s=budget))
+    row.update({name: t["median_ms"] for name, t in times.items()})
+    ort = row.get("onnxruntime")
+    for name in ("ours_tuned", "stock_tuned"):
+        if isinstance(row.get(name), float) and isinstance(ort, float):
+            row[f"{name} / ORT"] = row[name] / ort
+    if isinstance(row.get("ours_tuned"), float) and isinstance(row.get("stock_tuned"), float):
+        row["ours_tuned / stock_tuned"] = row["ours_tuned"] / row["stock_tuned"]
+    return row
 
 
 def bench_shapes(target, repeat: int, budget: float, size: str) -> list[dict]:
