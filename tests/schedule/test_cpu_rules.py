@@ -501,3 +501,25 @@ def test_symbolic_injective_loop_left_whole(target):
     m = rng.standard_normal((2, 1, 11, 11)).astype("float32")
     out, _ = run(mod, [x, m], "tvm_fusion")
     np.testing.assert_allclose(out[0], np.exp(x * 0.125 + m), rtol=1e-5)
+
+
+def test_long_reduction_runs_in_k_blocks(target):
+    """K >= 1024 with a packed weight: the reduction runs in blocks of 256 outside the row
+    tiles (a panel's 256 x NR block of B is reused from L1 by every row tile), the
+    accumulators stay local to a panel, and the numbers are right; K = 256 is not blocked."""
+    rng = np.random.default_rng(11)
+    for k, blocked in ((2048, True), (256, False)):
+        w = (rng.standard_normal((k, 512)) / np.sqrt(k)).astype("float32")
+        x = rng.standard_normal((64, k)).astype("float32")
+        mod = _module(lambda bb, a, w=w: R.matmul(a, relax.const(w)), (64, k))
+        (func,) = _prim_funcs(mod, target)
+        sch = cpu.Matmul().apply(func, target, False)
+        (update,) = [b for b in tir_util.block_names(sch.mod["main"]) if b.endswith("_update")]
+        extents = [int(sch.get(loop).extent) for loop in sch.get_loops(sch.get_sblock(update))]
+        # [panels, k blocks, row tiles, 256, rows, vectors, lanes] when blocked
+        assert (extents[1:4] == [k // 256, 64 // extents[4], 256]) == blocked, extents
+        for buf in tir_util.compacted_allocations(sch.mod["main"]):
+            if not buf.name.endswith("_global"):
+                assert tir_util.num_elements(buf) <= 64 * 16 * 4, (buf.name, buf.shape)
+        out, _ = run(mod, [x], "tvm_fusion")
+        np.testing.assert_allclose(out[0], x @ w, rtol=1e-4, atol=1e-4)

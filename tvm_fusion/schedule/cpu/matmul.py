@@ -16,7 +16,9 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
   otherwise it is packed at run time when there are enough rows to repay it, else read in place;
 - the epilogue is computed on the tile: inlined into the accumulator's write-back when it is
   elementwise, else computed at the tile loop, so the full GEMM output never exists in memory;
-- the loop over (column panels, row tiles) is parallel;
+- a long reduction (K >= 1024, B packed) runs in blocks of 256 (as MLAS): ``panel, k block,
+  row tile, k``, so a panel's KC x NR block of B is read from L1 by every row tile;
+- the loop over (column panels, row tiles) is parallel (column panels alone when K is blocked);
 - symbolic rows (``batch * seq``) and a symbolic vector axis (attention's ``seq`` columns) are
   padded to a multiple of the tile (``pad_einsum``: operands copied into padded buffers, the
   result cut back where it is written), so the tile loops carry no tail predicate, which would
@@ -54,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 PREPROC = "meta_schedule.layout_rewrite_preproc"
 GATE_ATTR = "tvm_fusion.gate_fusion"
+K_BLOCK_MIN = 1024  # shorter reductions keep a panel's whole K x NR block in L1/L2
 
 
 class _Block:
@@ -278,6 +281,17 @@ class Matmul(CPURule):
             sch.unroll(ii)
 
         tile_loop = io if io is not None else jo
+        outer = other_outer + [loop_of[v] for v in outer_cols] + [jo]
+        kc = self._k_block(sch, pb, outer, io, loop_of[k_var], mr * n_gates * nr, cores)
+        if kc:
+            # K in blocks: a panel's KC x NR block of B stays in L1 while every row tile of the
+            # panel reads it, the accumulators of all the panel's rows stay local in between.
+            ko, ki = sch.split(loop_of[k_var], [None, kc])
+            sch.reorder(ko, io, ki)
+            loop_of[k_var] = ko
+            tile_loop = jo
+        else:
+            outer += [io] if io is not None else []
         acc = sch.cache_write(block, 0, "local")
         # Epilogue on the tile: elementwise consumers fold into the write-back, the rest are
         # computed under the tile loop.
@@ -300,8 +314,6 @@ class Matmul(CPURule):
             sch.reverse_compute_at(info.block_rv, tile_loop, preserve_unit_loops=True)
             vectorize_innermost(sch, info.block_rv, lanes)
 
-        outer = other_outer + [loop_of[v] for v in outer_cols] + [jo]
-        outer += [io] if io is not None else []
         panels = j_ext // nr if is_static(j_ext) else None
         per_panel = (
             pb is not None
@@ -378,6 +390,33 @@ class Matmul(CPURule):
         except Exception as err:  # noqa: BLE001 - pack the whole B up front instead
             logger.debug("matmul: B not packed per panel: %s", err)
             schedule_copy(sch, pb, lanes, cores)
+
+    @staticmethod
+    def _k_block(sch, pb, outer: list, io, k_loop, tile_elems: int, cores: int) -> int | None:
+        """KC for blocking the reduction of a packed-B GEMM (the MLAS/GotoBLAS order ``panel,
+        k block, row tile, k``), or None. Only where it pays and stays small: B packed (its
+        panel's KC x NR block is contiguous), a long static K (1024 or more) with a block of
+        256 (else 512, 128) dividing it, several static row tiles re-reading each block, the
+        panel's accumulators (all its rows) within 32 KiB, and enough panels above to feed the
+        cores (the row tiles are no longer parallel). SwiGLU's down projection (64 x 5632 @
+        5632 x 2048): 10.7 -> 10.1-10.4 ms, 9.9 -> 9.1 in another phase (the B panel, 360 KiB
+        per K, was re-read from L2 by each of the 16 row tiles)."""
+        if pb is None or io is None:
+            return None
+        k_ext, tiles = extent(sch, k_loop), extent(sch, io)
+        if not is_static(k_ext) or k_ext < K_BLOCK_MIN or not is_static(tiles) or tiles < 2:
+            return None
+        if tiles * tile_elems * 4 > 32 * 1024:
+            return None
+        work = 1
+        for loop in outer:
+            ext = extent(sch, loop)
+            if not is_static(ext):
+                return None
+            work *= ext
+        if work < cores * 8:
+            return None
+        return next((kc for kc in (256, 512, 128) if k_ext % kc == 0), None)
 
     @staticmethod
     def _tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[int | None, int]:
