@@ -373,7 +373,9 @@ def _tuned_row(target, workload, label, ours_db, stock_db, repeat, budget, size)
     from tvm_fusion.tuning import trials_spent
 
     inst = models.build(workload, size)
-    row: dict = {"case": label, "trials (ours/stock)": None}
+    reference = inst.reference(*inst.input_list())
+    row: dict = {"case": label if size == "seed" else f"{workload} ({size})"}
+    row["trials (ours/stock)"] = None
     columns = ("stock", "stock_tuned", "ours", "ours_tuned", "onnxruntime")
     row.update(dict.fromkeys(columns))
     row.update(dict.fromkeys(("ours_tuned / ORT", "stock_tuned / ORT", "ours_tuned / stock_tuned")))
@@ -389,10 +391,12 @@ def _tuned_row(target, workload, label, ours_db, stock_db, repeat, budget, size)
         compiled = engine.compile_module(inst.mod, target, pipeline, **options)
         runner = engine.TvmRunner(compiled, inst.input_list())
         start = time.perf_counter()
-        err = engine.max_error(runner.outputs(), inst.reference(*inst.input_list()))
+        outputs = runner.outputs()
+        seconds = time.perf_counter() - start
+        err = engine.max_error(outputs, reference)
         if err >= 1e-3:
             row[name] = f"wrong ({err:.2g})"
-        elif time.perf_counter() - start > 1.0:  # stock's untuned SwiGLU: seconds per call
+        elif seconds > 1.0:  # stock's untuned SwiGLU: seconds per call
             slow[name] = runner
         else:
             runs[name] = runner

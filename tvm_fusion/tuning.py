@@ -228,6 +228,7 @@ def build_candidate(mod: tvm.IRModule, target, _params=None):
 
 
 PACKS_WEIGHTS = "it packs weights"
+NO_RULE = "no rule of ours applies"
 
 
 def _default_schedule(workload: tvm.IRModule, target) -> tuple[tvm.s_tir.Schedule | None, str]:
@@ -244,7 +245,7 @@ def _default_schedule(workload: tvm.IRModule, target) -> tuple[tvm.s_tir.Schedul
     except Exception as err:  # noqa: BLE001 - MetaSchedule's copy of the PrimFunc may differ
         return None, first_line(err)
     if not spaces:
-        return None, "no rule of ours applies"
+        return None, NO_RULE
     try:
         replayed = tvm.s_tir.Schedule(workload)
         spaces[0].trace.apply_to_schedule(replayed, remove_postproc=False)
@@ -267,7 +268,7 @@ def seed_default_schedules(tasks, target, database, builder, runner, say) -> int
         workload = task.dispatched[0]
         replayed, why = _default_schedule(workload, target)
         if replayed is None or why:
-            if why != "no rule of ours applies":
+            if why != NO_RULE:
                 say(f"default schedule of {task.task_name} not seeded: {why}")
             continue
         (built,) = builder.build([ms.builder.BuilderInput(replayed.mod, target)])
@@ -330,12 +331,13 @@ def verify_finalists(
     new_secs: dict[tuple, float] = {}
     dropped: set[tuple] = set()
     for task in tasks:
-        records, keys = [], set()
+        records, key_of, seen = [], {}, set()
         for r in _records(database, task.dispatched[0], 1 << 30):
             key = _record_key(r)  # one schedule recorded twice (a resumed run) is timed once
-            if r.run_secs and key not in keys:
+            if r.run_secs and key not in seen:
                 records.append(r)
-                keys.add(key)
+                key_of[id(r)] = key
+                seen.add(key)
         if not records:
             continue
         claimed = {id(r): _mean_secs(r.run_secs) for r in records}
@@ -414,14 +416,14 @@ def verify_finalists(
             + (f"; {len(unconfirmed)} unconfirmed faster one(s) left out" if unconfirmed else "")
         )
         summary[task.task_name] = (min(claimed.values()) * 1e3, min(best, packed_secs) * 1e3)
-        new_secs.update({_record_key(r): verified[id(r)] for r in records if id(r) in verified})
-        dropped.update(_record_key(r) for r in unconfirmed)
+        new_secs.update({key_of[id(r)]: verified[id(r)] for r in records if id(r) in verified})
+        dropped.update(key_of[id(r)] for r in unconfirmed)
         if packed_secs < best:
             say(
                 f"{task.task_name}: our default schedule (packed weights) {packed_secs * 1e3:.4f}"
                 " ms beats every record: they are left out, the pipeline schedules the task"
             )
-            dropped.update(_record_key(r) for r in records)
+            dropped.update(key_of.values())
     if new_secs or dropped:
         _rewrite_database(database, new_secs, dropped, say)
     return summary
@@ -465,8 +467,8 @@ def _rewrite_database(
 ) -> None:
     """Write the records of ``database`` back to its JSON files, with the run time of those in
     ``new_secs`` (by :func:`_record_key`) replaced and those in ``dropped`` left out, keeping
-    the file before as
-    ``database_tuning_record.unverified.json``. Open the database again to read them."""
+    the file before as ``database_tuning_record.unverified.json``. Open the database again to
+    read them."""
     import shutil
     import tempfile
 

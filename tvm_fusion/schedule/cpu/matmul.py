@@ -282,7 +282,8 @@ class Matmul(CPURule):
 
         tile_loop = io if io is not None else jo
         outer = other_outer + [loop_of[v] for v in outer_cols] + [jo]
-        kc = self._k_block(sch, pb, outer, io, loop_of[k_var], mr * n_gates * nr, cores)
+        tile_bytes = mr * n_gates * nr * int(dtype.removeprefix("float")) // 8
+        kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores)
         if kc:
             # K in blocks: a panel's KC x NR block of B stays in L1 while every row tile of the
             # panel reads it, the accumulators of all the panel's rows stay local in between.
@@ -392,21 +393,21 @@ class Matmul(CPURule):
             schedule_copy(sch, pb, lanes, cores)
 
     @staticmethod
-    def _k_block(sch, pb, outer: list, io, k_loop, tile_elems: int, cores: int) -> int | None:
+    def _k_block(sch, pb, outer: list, io, k_loop, tile_bytes: int, cores: int) -> int | None:
         """KC for blocking the reduction of a packed-B GEMM (the MLAS/GotoBLAS order ``panel,
         k block, row tile, k``), or None. Only where it pays and stays small: B packed (its
         panel's KC x NR block is contiguous), a long static K (1024 or more) with a block of
         256 (else 512, 128) dividing it, several static row tiles re-reading each block, the
         panel's accumulators (all its rows) within 32 KiB, and enough panels above to feed the
         cores (the row tiles are no longer parallel). SwiGLU's down projection (64 x 5632 @
-        5632 x 2048): 10.7 -> 10.1-10.4 ms, 9.9 -> 9.1 in another phase (the B panel, 360 KiB
-        per K, was re-read from L2 by each of the 16 row tiles)."""
+        5632 x 2048): 10.7 -> 10.1-10.4 ms, 9.9 -> 9.1 in another phase (the whole 5632 x 16
+        panel, 360 KiB, was re-read from L2 by each of the 16 row tiles)."""
         if pb is None or io is None:
             return None
         k_ext, tiles = extent(sch, k_loop), extent(sch, io)
         if not is_static(k_ext) or k_ext < K_BLOCK_MIN or not is_static(tiles) or tiles < 2:
             return None
-        if tiles * tile_elems * 4 > 32 * 1024:
+        if tiles * tile_bytes > 32 * 1024:
             return None
         work = 1
         for loop in outer:
