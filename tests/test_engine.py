@@ -35,16 +35,42 @@ def test_interleaved_alternates_engines_in_rounds():
 def test_interleaved_long_runs_one_per_block_and_budget():
     log: list = []
     runs = {"slow": _recorder(log, "slow", 0.06), "fast": _recorder(log, "fast")}
-    timings = engine.time_interleaved(runs, repeat=10, budget_s=0.15, pause_s=0.0, rounds=5)
-    # the slow engine stops at its budget once it has 3 runs; no untimed warm call for it
+    timings = engine.time_interleaved(
+        runs, repeat=10, budget_s=0.15, pause_s=0.0, rounds=5, warm_s=0.05
+    )
+    # the slow engine stops at its budget once it has 3 runs; no untimed warm call for it (its
+    # runs are over warm_s): its first call after each pause is a timed one
     assert timings["slow"]["runs"] == 3
     assert timings["fast"]["runs"] == 10
     assert log.count("slow") == 1 + 3
     assert timings["slow"]["median_ms"] >= 60.0
+    assert timings["slow"]["first_call_ms"] >= 60.0
     # the slow engine's runs are spread between the fast engine's blocks
     timed = log[2:]
     first_fast, last_fast = timed.index("fast"), len(timed) - 1 - timed[::-1].index("fast")
     assert any(first_fast < i < last_fast for i, n in enumerate(timed) if n == "slow")
+
+
+def test_interleaved_warms_each_block_and_keeps_first_calls_apart():
+    """An engine whose first call after another engine's is slow (60 ms, then 20 ms): its
+    medians are of the warm calls, ``first_call_ms`` is the slow first call; under ``warm_s``
+    every block (one run each, the runs being over ``block_s``) starts with the warm call."""
+    log: list = []
+
+    def engine_run(name):
+        def run():
+            time.sleep(0.02 if log and log[-1] == name else 0.06)
+            log.append(name)
+
+        return run
+
+    runs = {"a": engine_run("a"), "b": engine_run("b")}
+    timings = engine.time_interleaved(runs, repeat=4, budget_s=10.0, pause_s=0.0, rounds=4)
+    for name in runs:
+        assert timings[name]["runs"] == 4
+        assert 19.0 <= timings[name]["median_ms"] < 40.0, timings[name]
+        assert timings[name]["first_call_ms"] >= 59.0, timings[name]
+        assert log.count(name) == 1 + 4 * 2  # the estimate, then a warm and a timed call each
 
 
 def test_interleaved_no_engines():

@@ -158,6 +158,7 @@ def time_interleaved(
     block_s: float = 0.05,
     rounds: int = 5,
     min_time_s: float = 0.0,
+    warm_s: float = 1.0,
 ) -> dict[str, dict]:
     """:func:`time_runs` for several engines at once, in alternating rounds.
 
@@ -169,12 +170,18 @@ def time_interleaved(
     previous engine get ``pause_s`` to go idle: after a run, TVM's workers spin for about
     250 ms (a whole core here; ``TVM_THREAD_POOL_SPIN_COUNT``) and ONNX Runtime's for about
     50 ms, and a spinning pool halves the next engine's speed on 2 cores. Then one untimed call
-    warms the engine when a run is shorter than ``block_s``. An engine stops at ``repeat``
+    warms the engine (wakes its pool, brings its clocks and caches back) when a run is shorter
+    than ``warm_s``: the first call after the pause is slower, by more than the noise for some
+    engines (SwiGLU's MLP here: TVM +4-9 %, ONNX Runtime +3-4 %), and the medians are of calls
+    in the steady state that a model served back to back runs in. That first call's time is kept
+    apart: ``first_call_ms`` in the result, the median of the first calls after the pauses (the
+    first timed call of a block for an engine not warmed). An engine stops at ``repeat``
     runs, or at ``budget_s`` of timed runs once it has 3. ``min_time_s`` raises ``repeat`` for an
     engine whose runs are short, to about that many seconds of timed runs (its warm-up run's time
     sets the count): 20 runs of a 0.3 ms model are 6 ms of samples, too few to outlast a slow
-    phase of the machine. Returns ``{name: time_runs' dict}``."""
+    phase of the machine. Returns ``{name: time_runs' dict + first_call_ms}``."""
     times: dict[str, list[float]] = {name: [] for name in runs}
+    first: dict[str, list[float]] = {name: [] for name in runs}
     spent = dict.fromkeys(runs, 0.0)
     estimate = {}
     for name, run in runs.items():  # warm-up, and the size of the blocks
@@ -195,18 +202,27 @@ def time_interleaved(
             if done(name):
                 continue
             time.sleep(pause_s)
-            short = estimate[name] < block_s
-            if short:
+            warm = estimate[name] < warm_s
+            if warm:
+                start = time.perf_counter()
                 run()
+                first[name].append(time.perf_counter() - start)
+            short = estimate[name] < block_s
             block = max(1, int(block_s / max(estimate[name], 1e-6))) if short else 1
             block = min(block, -(-wanted[name] // rounds))
-            for _ in range(min(block, wanted[name] - len(times[name]))):
+            for i in range(min(block, wanted[name] - len(times[name]))):
                 start = time.perf_counter()
                 run()
                 elapsed = time.perf_counter() - start
+                if i == 0 and not warm:  # the first call after the pause is a timed one
+                    first[name].append(elapsed)
                 times[name].append(elapsed)
                 spent[name] += elapsed
-    return {name: _summary(values) for name, values in times.items()}
+    result = {}
+    for name, values in times.items():
+        result[name] = _summary(values)
+        result[name]["first_call_ms"] = float(np.median(first[name]) * 1e3) if first[name] else None
+    return result
 
 
 def max_error(outputs: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
