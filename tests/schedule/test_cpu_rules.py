@@ -523,3 +523,34 @@ def test_long_reduction_runs_in_k_blocks(target):
                 assert tir_util.num_elements(buf) <= 64 * 16 * 4, (buf.name, buf.shape)
         out, _ = run(mod, [x], "tvm_fusion")
         np.testing.assert_allclose(out[0], x @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_long_gemm_on_avx2_gets_tiles_of_4_rows_by_3_vectors():
+    """AVX2 (16 registers), K >= 1024, a constant weight: 4 x 24 tiles (12 accumulators), the
+    weight's 376 columns padded to 384 in its compile-time packing (no padded copy per call, no
+    (rows, padded columns) buffer), the cut back to 40 columns reading the accumulators; the
+    numbers are right when run. K = 256 keeps the 4 x 16 tile (40 columns: 8 wide, no padding);
+    so do AVX-512 targets (32 registers), for which 4 x 3 vectors was not measured."""
+    avx2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
+    avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})
+    rng = np.random.default_rng(12)
+    for k, target, wide in ((2048, avx2, True), (256, avx2, False), (2048, avx512, False)):
+        w = (rng.standard_normal((k, 376)) / np.sqrt(k)).astype("float32")
+        x = rng.standard_normal((64, k)).astype("float32")
+        mod = _module(lambda bb, a, w=w: R.matmul(a, relax.const(w)), (64, k))
+        (func,) = _prim_funcs(mod, target)
+        sch = cpu.Matmul().apply(func, target, False)
+        main = sch.mod["main"]
+        (update,) = [b for b in tir_util.block_names(main) if b.endswith("_update")]
+        extents = [int(sch.get(loop).extent) for loop in sch.get_loops(sch.get_sblock(update))]
+        # [panels, (k blocks,) row tiles, k, rows, vectors, lanes]
+        assert (extents[0] == 16 and extents[-3:-1] == [4, 3]) == wide, extents
+        if wide:
+            packed = [b for b in tir_util.compacted_allocations(main) if b.name.endswith("_global")]
+            assert [tuple(int(d) for d in b.shape) for b in packed] == [(16, k, 24)]
+            for buf in tir_util.compacted_allocations(main):
+                if not buf.name.endswith("_global"):  # the accumulators of one panel at most
+                    assert tir_util.num_elements(buf) <= 64 * 24, (buf.name, buf.shape)
+        if target is avx2:
+            out, _ = run(mod, [x], "tvm_fusion", target=avx2)
+            np.testing.assert_allclose(out[0], x @ w, rtol=1e-4, atol=1e-4)
