@@ -172,7 +172,7 @@ def time_interleaved(
     50 ms, and a spinning pool halves the next engine's speed on 2 cores. Then one untimed call
     warms the engine (wakes its pool, brings its clocks and caches back) when a run is shorter
     than ``warm_s``: the first call after the pause is slower, by more than the noise for some
-    engines (SwiGLU's MLP here: TVM +4-9 %, ONNX Runtime +3-4 %), and the medians are of calls
+    engines (SwiGLU's MLP here: TVM +5-9 %, ONNX Runtime +3-4 %), and the medians are of calls
     in the steady state that a model served back to back runs in. That first call's time is kept
     apart: ``first_call_ms`` in the result, the median of the first calls after the pauses (the
     first timed call of a block for an engine not warmed). An engine stops at ``repeat``
