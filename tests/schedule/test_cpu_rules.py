@@ -528,9 +528,9 @@ def test_long_reduction_runs_in_k_blocks(target):
 def test_long_gemm_on_avx2_gets_tiles_of_4_rows_by_3_vectors():
     """AVX2 (16 registers), K >= 1024, a constant weight: 4 x 24 tiles (12 accumulators), the
     weight's 376 columns padded to 384 in its compile-time packing (no padded copy per call, no
-    (rows, padded columns) buffer), the cut back to 40 columns reading the accumulators; the
-    numbers are right when run. K = 256 keeps the 4 x 16 tile (40 columns: 8 wide, no padding);
-    so do AVX-512 targets (32 registers), for which 4 x 3 vectors was not measured."""
+    (rows, padded columns) buffer), the cut back to 376 columns reading the accumulators; the
+    numbers are right when run. K = 256 keeps the narrower tile (8 wide, dividing 376, no
+    padding); so do AVX-512 targets (32 registers), for which 4 x 3 vectors was not measured."""
     avx2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
     avx512 = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})
     rng = np.random.default_rng(12)

@@ -261,7 +261,8 @@ class Matmul(CPURule):
                 if wide is not None:
                     # the columns of a constant B padded for the wide tile: the zeros join the
                     # packing, done at compile time, instead of a padded copy of B per call
-                    b_pads = [p for p in a_pads if self._writes_read_of(sch, p, pb)]
+                    b_buf = sch.get(pb).reads[0].source
+                    b_pads = [p for p in a_pads if sch.get(p).writes[0].source.same_as(b_buf)]
                     for pad in b_pads:
                         sch.compute_inline(pad)
                         a_pads.remove(pad)
@@ -466,12 +467,6 @@ class Matmul(CPURule):
         if (padded - j_ext) * 16 > j_ext:
             return None
         return nr, mr
-
-    @staticmethod
-    def _writes_read_of(sch, producer, consumer) -> bool:
-        """Whether ``producer`` writes a buffer ``consumer`` reads."""
-        reads = [r.source for r in sch.get(consumer).reads]
-        return any(any(w.source.same_as(r) for r in reads) for w in sch.get(producer).writes)
 
     @staticmethod
     def _tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[int | None, int]:
