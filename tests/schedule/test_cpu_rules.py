@@ -554,3 +554,29 @@ def test_long_gemm_on_avx2_gets_tiles_of_4_rows_by_3_vectors():
         if target is avx2:
             out, _ = run(mod, [x], "tvm_fusion", target=avx2)
             np.testing.assert_allclose(out[0], x @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_wide_tile_refused_falls_back_to_the_standard_tile(monkeypatch):
+    """When a step of the wide tile fails (here ``pad_einsum`` refuses to pad the weight's 376
+    columns to 384), the rule schedules the GEMM again with its standard tile (8 wide, dividing
+    376: no padding needed) instead of leaving it unscheduled; the numbers are right."""
+    avx2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
+    rng = np.random.default_rng(13)
+    w = (rng.standard_normal((2048, 376)) / np.sqrt(2048)).astype("float32")
+    x = rng.standard_normal((64, 2048)).astype("float32")
+    mod = _module(lambda bb, a: R.matmul(a, relax.const(w)), (64, 2048))
+    (func,) = _prim_funcs(mod, avx2)
+
+    def refuse(self, *args, **kwargs):
+        raise tvm.TVMError("pad_einsum refused (test)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tvm.s_tir.Schedule, "pad_einsum", refuse)
+        sch = cpu.Matmul().apply(func, avx2, False)
+        assert sch is not None
+        main = sch.mod["main"]
+        (update,) = [b for b in tir_util.block_names(main) if b.endswith("_update")]
+        extents = [int(sch.get(loop).extent) for loop in sch.get_loops(sch.get_sblock(update))]
+        assert extents[-1] == 8 and extents[-3:-1] != [4, 3], extents
+        out, _ = run(mod, [x], "tvm_fusion", target=avx2)
+    np.testing.assert_allclose(out[0], x @ w, rtol=1e-4, atol=1e-4)

@@ -95,15 +95,26 @@ def _is_mac(store) -> tuple | None:
     return None
 
 
+class _WideRefused(Exception):
+    """A step of the wide tile's schedule failed: schedule the function again without it."""
+
+
 class Matmul(CPURule):
     """GEMM/GEMV + epilogue on llvm (see module docstring)."""
 
     def __init__(self, max_gate_axis: int = 8):
         self.max_gate_axis = max_gate_axis
 
-    def apply(self, func, target: Target, tunable: bool):  # noqa: C901 - one linear recipe
+    def apply(self, func, target: Target, tunable: bool):
         if not self.applicable(func, target):
             return None
+        try:
+            return self._apply(func, target, wide_ok=True)
+        except _WideRefused as err:
+            logger.debug("matmul: no wide tile (%s): the standard tile", err)
+            return self._apply(func, target, wide_ok=False)
+
+    def _apply(self, func, target: Target, wide_ok: bool):  # noqa: C901 - one linear recipe
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
         if infos is None:
@@ -187,9 +198,10 @@ class Matmul(CPURule):
         layout_free = {int(i) for i in func.attrs.get("layout_free_buffers", [])}
         b_param = self._param_index(func, b_load.source)
         is_const_b = b_param is not None and b_param in layout_free
-        wide = self._wide_tile(
-            m_ext, j_ext, extent(sch, loop_of[k_var]), lanes, regs, n_gates, is_const_b
-        )
+        k_ext = extent(sch, loop_of[k_var])
+        wide = self._wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates, is_const_b)
+        if not wide_ok:
+            wide = None
         if wide is not None:
             nr, mr = wide
             logger.debug("matmul: %s rows x %s columns in tiles of %s x %s", m_ext, j_ext, mr, nr)
@@ -207,6 +219,8 @@ class Matmul(CPURule):
                 factors[j_var] = nr
             padded = self._pad(sch, block, iters, factors, epilogue)
             if padded is False or (padded is None and pad_cols):
+                if wide is not None:
+                    raise _WideRefused("columns not padded")
                 return None  # padded but not understood, or columns that need the padding
             if padded is None:
                 mr = 1
@@ -269,6 +283,8 @@ class Matmul(CPURule):
                 if is_const_b:
                     sch.annotate(pb, PREPROC, True)
             except Exception as err:  # noqa: BLE001
+                if wide is not None:
+                    raise _WideRefused(f"B not packed: {err}") from err
                 logger.debug("matmul: B not packed: %s", err)
                 return None
             loops = sch.get_loops(block)
