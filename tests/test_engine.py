@@ -19,11 +19,11 @@ def test_interleaved_alternates_engines_in_rounds():
     runs = {"a": _recorder(log, "a"), "b": _recorder(log, "b")}
     timings = engine.time_interleaved(runs, repeat=10, budget_s=10.0, pause_s=0.0, rounds=5)
     assert {k: t["runs"] for k, t in timings.items()} == {"a": 10, "b": 10}
-    # warm-up once each, then blocks of at most repeat / rounds = 2 timed runs (+ 1 warm call
-    # each, the runs being short): a's and b's blocks alternate, b is not all timed after a.
-    assert log[:2] == ["a", "b"]
+    # warm-up 3 times each, then blocks of at most repeat / rounds = 2 timed runs (+ 1 warm
+    # call each, the runs being short): a's and b's blocks alternate, b is not all timed after a.
+    assert log[:6] == ["a"] * 3 + ["b"] * 3
     blocks = []
-    for name in log[2:]:
+    for name in log[6:]:
         if not blocks or blocks[-1][0] != name:
             blocks.append([name, 0])
         blocks[-1][1] += 1
@@ -70,7 +70,8 @@ def test_interleaved_warms_each_block_and_keeps_first_calls_apart():
         assert timings[name]["runs"] == 4
         assert 19.0 <= timings[name]["median_ms"] < 40.0, timings[name]
         assert timings[name]["first_call_ms"] >= 59.0, timings[name]
-        assert log.count(name) == 1 + 4 * 2  # the estimate, then a warm and a timed call each
+        # the estimate (3 calls), then a warm and a timed call each
+        assert log.count(name) == 3 + 4 * 2
 
 
 def test_interleaved_no_engines():
@@ -87,3 +88,19 @@ def test_interleaved_min_time_raises_repeat_for_short_runs():
     assert timings["long"]["runs"] == 3
     plain = engine.time_interleaved(runs, repeat=3, budget_s=10.0, pause_s=0.0)
     assert plain["short"]["runs"] == 3
+
+
+def test_interleaved_sizes_blocks_by_the_fastest_warm_up_call():
+    """A first call 25x slower than the rest (a model's first call in a process) does not size
+    the samples: with ``min_time_s`` = 0.2 s of 2 ms runs, about 100 runs are timed, not the 4
+    that a 50 ms estimate would give."""
+    log: list = []
+
+    def run():
+        time.sleep(0.05 if not log else 0.002)
+        log.append("a")
+
+    timings = engine.time_interleaved(
+        {"a": run}, repeat=3, budget_s=10.0, pause_s=0.0, min_time_s=0.2
+    )
+    assert 60 <= timings["a"]["runs"] <= 100, timings["a"]

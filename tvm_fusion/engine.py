@@ -177,17 +177,23 @@ def time_interleaved(
     apart: ``first_call_ms`` in the result, the median of the first calls after the pauses (the
     first timed call of a block for an engine not warmed). An engine stops at ``repeat``
     runs, or at ``budget_s`` of timed runs once it has 3. ``min_time_s`` raises ``repeat`` for an
-    engine whose runs are short, to about that many seconds of timed runs (its warm-up run's time
-    sets the count): 20 runs of a 0.3 ms model are 6 ms of samples, too few to outlast a slow
-    phase of the machine. Returns ``{name: time_runs' dict + first_call_ms}``."""
+    engine whose runs are short, to about that many seconds of timed runs: 20 runs of a 0.3 ms
+    model are 6 ms of samples, too few to outlast a slow phase of the machine. The count and the
+    blocks are sized by the fastest of up to 3 warm-up calls (one when the first is over
+    ``warm_s``): the first call of a model in a process is the slowest (LSTM's 0.1 ms cell:
+    0.7-1.0 ms), and sized by it, an engine got a tenth of its ``min_time_s``.
+    Returns ``{name: time_runs' dict + first_call_ms}``."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     first: dict[str, list[float]] = {name: [] for name in runs}
     spent = dict.fromkeys(runs, 0.0)
     estimate = {}
     for name, run in runs.items():  # warm-up, and the size of the blocks
-        start = time.perf_counter()
-        run()
-        estimate[name] = time.perf_counter() - start
+        calls = []
+        while len(calls) < 3 and (not calls or calls[0] < warm_s):
+            start = time.perf_counter()
+            run()
+            calls.append(time.perf_counter() - start)
+        estimate[name] = min(calls)
     wanted = {
         name: max(repeat, min(int(min_time_s / max(t, 1e-6)), 100_000)) if min_time_s else repeat
         for name, t in estimate.items()
