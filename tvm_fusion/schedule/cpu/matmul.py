@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 
-from tvm import s_tir, tirx
+from tvm import DataType, s_tir, tirx
 from tvm.ir.expr import TensorLoad
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
@@ -199,9 +199,11 @@ class Matmul(CPURule):
         b_param = self._param_index(func, b_load.source)
         is_const_b = b_param is not None and b_param in layout_free
         k_ext = extent(sch, loop_of[k_var])
-        wide = self._wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates, is_const_b)
-        if not wide_ok:
-            wide = None
+        wide = (
+            self._wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates, is_const_b)
+            if wide_ok
+            else None
+        )
         if wide is not None:
             nr, mr = wide
             logger.debug("matmul: %s rows x %s columns in tiles of %s x %s", m_ext, j_ext, mr, nr)
@@ -314,7 +316,7 @@ class Matmul(CPURule):
 
         tile_loop = io if io is not None else jo
         outer = other_outer + [loop_of[v] for v in outer_cols] + [jo]
-        tile_bytes = mr * n_gates * nr * int(dtype.removeprefix("float")) // 8
+        tile_bytes = mr * n_gates * nr * DataType(dtype).bits // 8
         kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores)
         if kc:
             # K in blocks: a panel's KC x NR block of B stays in L1 while every row tile of the
