@@ -176,6 +176,7 @@ class ScheduleInfo:
     vectorized: bool
     thread_bound: bool
     loops: int
+    rule: str | None = None  # the schedule rule that scheduled it (None: a tuning database)
 
 
 def schedule_info(mod: tvm.IRModule) -> list[ScheduleInfo]:
@@ -193,9 +194,24 @@ def schedule_info(mod: tvm.IRModule) -> list[ScheduleInfo]:
                 vectorized=tirx.ForKind.VECTORIZED in kinds,
                 thread_bound=tirx.ForKind.THREAD_BINDING in kinds,
                 loops=len(kinds),
+                rule=_rule_of(func),
             )
         )
     return infos
+
+
+def _rule_of(func: tirx.PrimFunc) -> str | None:
+    from .schedule import RULE_ATTR
+
+    name = func.attrs.get(RULE_ATTR, None)
+    return str(name) if name is not None else None
+
+
+def fallback_kernels(mod: tvm.IRModule) -> list[str]:
+    """Kernels of a lowered module that only a rule of last resort scheduled (``Fallback``)."""
+    from .schedule import FALLBACK_RULES
+
+    return [info.name for info in schedule_info(mod) if info.rule in FALLBACK_RULES]
 
 
 def peak_bytes(lowered: tvm.IRModule, function: str = "main") -> int | None:

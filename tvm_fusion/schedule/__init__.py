@@ -3,12 +3,18 @@
 ``default_rules(target)`` is the ordered list the pipeline applies: our rules first, then
 dlight's defaults. A rule's ``apply(func, target, tunable)`` returns None when it does not apply.
 
-``default_schedule_passes(target)`` wraps them for the pipeline's Phase 4: constant weights are
-marked layout-free first, so that the matmul rule may pack them; the packing blocks it creates
-are split out and folded at compile time afterwards.
+``default_schedule_pass(target)`` applies them in the pipeline's Phase 4 (:class:`ApplyRules`,
+dlight's ``ApplyDefaultSchedule`` plus two things: each scheduled PrimFunc records the name of the
+rule that scheduled it in its ``tvm_fusion.schedule_rule`` attribute, which
+``tvm_fusion.analysis.schedule_info`` and ``tvm-fusion explain`` report, and a rule that raises
+is treated as one that declines). Constant weights are marked layout-free first, so that the
+matmul rule may pack them; the packing blocks it creates are split out and folded at compile time
+afterwards.
 """
 
 from __future__ import annotations
+
+import logging
 
 import tvm
 from tvm import relax
@@ -17,6 +23,12 @@ from tvm.target import Target
 
 from .. import target as _target
 from . import cpu, cuda
+
+logger = logging.getLogger(__name__)
+
+RULE_ATTR = "tvm_fusion.schedule_rule"
+# The rules of last resort: a kernel of an op class that has a rule of its own must not land here.
+FALLBACK_RULES = ("Fallback",)
 
 
 def default_rules(target: Target) -> list[dl.ScheduleRule]:
@@ -34,7 +46,57 @@ def default_rules(target: Target) -> list[dl.ScheduleRule]:
 
 def default_schedule_pass(target: Target) -> tvm.transform.Pass:
     """Apply :func:`default_rules` to every PrimFunc that is not yet scheduled."""
-    return dl.ApplyDefaultSchedule(*default_rules(target))
+    return ApplyRules(*default_rules(target))
+
+
+def rule_name(rule) -> str:
+    """``Matmul`` for our rules, ``dlight.gpu.Matmul`` for dlight's."""
+    cls = type(rule)
+    return cls.__name__ if cls.__module__.startswith(__name__) else f"dlight.{_family(cls)}"
+
+
+def _family(cls) -> str:
+    parts = cls.__module__.split(".")
+    family = parts[parts.index("dlight") + 1] if "dlight" in parts else parts[-1]
+    return f"{family}.{cls.__name__}"
+
+
+@tvm.transform.module_pass(opt_level=0, name="ApplyRules")
+class ApplyRules:
+    """Schedule every PrimFunc not yet scheduled with the first rule that applies, as dlight's
+    ``ApplyDefaultSchedule`` does, and record that rule's name in the function's
+    ``tvm_fusion.schedule_rule`` attribute (what a MetaSchedule database scheduled keeps no
+    such attribute). A rule that raises counts as one that declines: the kernel goes to the
+    next rule instead of failing the build (dlight's GPU Matmul raises on some fused gate
+    kernels in apache-tvm 0.27); the error is logged at debug level."""
+
+    def __init__(self, *rules):
+        self.rules = list(rules)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        updated = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs.get("tirx.is_scheduled", 0):
+                continue
+            target = func.attrs.get("target", None) or Target.current(allow_none=False)
+            for rule in self.rules:
+                try:
+                    space = rule.apply(func, target, False)
+                except Exception as err:  # noqa: BLE001 - a rule's bug must not fail the build
+                    logger.debug("%s: %s raised, next rule: %s", gv.name_hint, rule_name(rule), err)
+                    continue
+                if space is None:
+                    continue
+                sch = space if not isinstance(space, list) else space[0]
+                updated[gv] = (
+                    sch.mod["main"]
+                    .with_attr("tirx.is_scheduled", True)
+                    .with_attr(RULE_ATTR, rule_name(rule))
+                )
+                break
+        for gv, func in updated.items():
+            mod[gv] = func
+        return mod
 
 
 def prepare_passes() -> list[tvm.transform.Pass]:
