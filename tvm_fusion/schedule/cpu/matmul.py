@@ -193,8 +193,6 @@ class Matmul(CPURule):
         m_ext = extent(sch, loop_of[i_var]) if i_var is not None else 1
 
         nr, mr = self._tile(m_ext, j_ext, lanes, regs, n_gates)
-        if nr is None:
-            return None
         layout_free = {int(i) for i in func.attrs.get("layout_free_buffers", [])}
         b_param = self._param_index(func, b_load.source)
         is_const_b = b_param is not None and b_param in layout_free
@@ -208,8 +206,9 @@ class Matmul(CPURule):
             nr, mr = wide
             logger.debug("matmul: %s rows x %s columns in tiles of %s x %s", m_ext, j_ext, mr, nr)
         a_pads: list = []
-        pad_rows = mr > 1 and not is_static(m_ext)
+        pad_rows = mr > 1 and (not is_static(m_ext) or m_ext % mr != 0)
         pad_cols = not is_static(j_ext) or j_ext % nr != 0
+        static_cols = is_static(j_ext)
         if pad_rows or pad_cols:
             # Symbolic rows or columns: pad their domain to a multiple of the tile (operands
             # copied into padded buffers, the result cut back to the real extent), so the
@@ -256,6 +255,7 @@ class Matmul(CPURule):
         # (the LM head's 125 MiB weight, packed again by every row chunk).
         cores = _target.num_cores(target)
         pb = None
+        const_pack = False  # B packed at compile time
         divisible = (is_static(j_ext) and j_ext % nr == 0) or pad_cols
         if pack and b_index is not None and divisible:
             b_batch = [v for v in spatial if v in b_vars and v in a_vars]
@@ -274,15 +274,21 @@ class Matmul(CPURule):
             try:
                 index_map = tirx.IndexMap.from_func(packed, ndim=len(iters), index_dtype="int64")
                 pb = sch.reindex_cache_read(block, b_index, "global", index_map)
-                if wide is not None:
-                    # the columns of a constant B padded for the wide tile: the zeros join the
-                    # packing, done at compile time, instead of a padded copy of B per call
+                const_pack = is_const_b
+                if is_const_b and pad_cols:
+                    # the padded columns of a constant B: the zeros join the packing, done at
+                    # compile time, instead of a padded copy of B per call
                     b_buf = sch.get(pb).reads[0].source
                     b_pads = [p for p in a_pads if sch.get(p).writes[0].source.same_as(b_buf)]
                     for pad in b_pads:
-                        sch.compute_inline(pad)
-                        a_pads.remove(pad)
-                if is_const_b:
+                        try:
+                            sch.compute_inline(pad)
+                            a_pads.remove(pad)
+                        except Exception:  # noqa: BLE001 - the padded copy is packed per call
+                            if wide is not None:
+                                raise
+                            const_pack = False
+                if const_pack:
                     sch.annotate(pb, PREPROC, True)
             except Exception as err:  # noqa: BLE001
                 if wide is not None:
@@ -348,7 +354,7 @@ class Matmul(CPURule):
                 continue
             sch.reverse_compute_at(info.block_rv, tile_loop, preserve_unit_loops=True)
             vectorize_innermost(sch, info.block_rv, lanes)
-        if wide is not None and pad_cols:
+        if pad_cols and static_cols:
             # the cut back to the real columns reads the tile's accumulators, not a (rows,
             # padded columns) copy of them in memory
             try:
@@ -359,13 +365,13 @@ class Matmul(CPURule):
         panels = j_ext // nr if is_static(j_ext) else None
         per_panel = (
             pb is not None
-            and not is_const_b
+            and not const_pack
             and not other_outer
             and not outer_cols
             and panels is not None
             and panels >= cores * 8
         )
-        if pb is not None and not is_const_b and not per_panel:
+        if pb is not None and not const_pack and not per_panel:
             schedule_copy(sch, pb, lanes, cores)
         for pad in a_pads:
             schedule_copy(sch, pad, lanes, cores)
@@ -487,10 +493,13 @@ class Matmul(CPURule):
         return nr, mr
 
     @staticmethod
-    def _tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[int | None, int]:
-        """(NR, MR): NR a multiple of ``lanes`` dividing the vector axis; MR rows so that
-        MR * gates * NR / lanes accumulators use about half the registers. A symbolic vector
-        axis (attention's ``seq`` columns) gets two vectors; the caller pads it to NR."""
+    def _tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[int, int]:
+        """(NR, MR): NR a multiple of ``lanes`` (or a narrow axis' own width); MR rows so that
+        MR * gates * NR / lanes accumulators use about half the registers. Any extent gets a
+        tile: a vector axis that no tile width divides (a vocabulary of 50257, 211 columns) or
+        a symbolic one (attention's ``seq`` columns) is padded to NR by the caller, and rows
+        that MR does not divide (97, a prime) are padded to MR unless a divisor of them at
+        least half as tall exists (129 rows: tiles of 3)."""
         budget = regs // 2
         if not is_static(j_ext):
             vecs = 2 if n_gates * 2 <= budget else 1
@@ -498,24 +507,28 @@ class Matmul(CPURule):
         else:
             # Symbolic rows get the same tile; the caller pads their domain to a multiple of MR.
             small_m = is_static(m_ext) and m_ext <= 2
-            for vecs in (4, 2, 1) if small_m else (2, 4, 1):
+            choices = [v for v in ((4, 2, 1) if small_m else (2, 4, 1)) if n_gates * v <= budget]
+            vecs = next((v for v in choices if j_ext % (v * lanes) == 0), None)
+            if vecs is not None:
                 nr = vecs * lanes
-                if j_ext % nr == 0 and n_gates * vecs <= budget:
-                    break
             else:
-                # narrow axes: one vector of the largest power of two dividing the extent
+                # a narrow axis that half a vector divides keeps its own width (no padding);
+                # anything else is padded to whole vectors, no more of them than it fills
                 nr = lanes
                 while nr > 1 and j_ext % nr:
                     nr //= 2
-                if nr < 2:
-                    return None, 1
                 vecs = 1
+                if nr < max(lanes // 2, 4) or j_ext > lanes:
+                    vecs = min(choices[0], -(-j_ext // lanes)) if choices else 1
+                    nr = vecs * lanes
         per_row = n_gates * max(vecs, 1)
         mr = max(1, budget // per_row)
         if is_static(m_ext):
-            while mr > 1 and m_ext % mr:
-                mr -= 1
-            mr = min(mr, m_ext)
+            if m_ext <= mr:
+                return nr, m_ext
+            divisor = next(d for d in range(mr, 0, -1) if m_ext % d == 0)
+            if 2 * divisor >= mr:
+                mr = divisor
         return nr, mr
 
     @staticmethod
