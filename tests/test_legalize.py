@@ -8,6 +8,7 @@ from scipy.special import erf
 from tvm import relax
 from tvm.relax import op as R
 
+from tvm_fusion import analysis
 from tvm_fusion.legalize import fast_math_legalize_map
 
 # (op, reference, input range, bound) -- the bounds documented in tvm_fusion/legalize.py:
@@ -120,14 +121,22 @@ def _legalized_blocks(mod):
 def test_symbolic_row_reductions_split_into_whole_vectors_and_a_tail(op):
     """Over a symbolic last axis, max and sum are each written as partials over the whole
     vectors, their fold and a scalar tail (what rfactor would make, which it cannot for a
-    symbolic extent); a static axis keeps the one-block reduction. Numbers are right for row
-    lengths below, at and between multiples of the vector width."""
+    symbolic extent); a static axis of at least two vectors gets the partials too, its tail
+    one masked vector (no scalar tail), and a shorter one keeps the one-block reduction
+    (``llvm`` here: 4 lanes). Numbers are right for row lengths below, at and between
+    multiples of the vector width."""
     seq = tvm.tirx.Var("seq", "int64")
     names = _legalized_blocks(_unary_module(lambda v: op(v, axis=-1), (3, seq)))
     for part in ("row_part", "row_fold", "row_tail"):
         assert sum(n.startswith(part) for n in names) == 2, names
-    static = _legalized_blocks(_unary_module(lambda v: op(v, axis=-1), (3, 40)))
-    assert not any(n.startswith("row_") for n in static), static
+    odd = _legalized_blocks(_unary_module(lambda v: op(v, axis=-1), (3, 41)))
+    for part in ("row_part", "row_fold", "row_tail"):
+        assert sum(n.startswith(part) for n in odd) == 2, odd
+    whole = _legalized_blocks(_unary_module(lambda v: op(v, axis=-1), (3, 40)))
+    assert sum(n.startswith("row_part") for n in whole) == 2, whole
+    assert not any(n.startswith("row_tail") for n in whole), whole
+    short = _legalized_blocks(_unary_module(lambda v: op(v, axis=-1), (3, 7)))
+    assert not any(n.startswith("row_") for n in short), short
 
     mod = _unary_module(lambda v: op(v, axis=-1), (3, seq))
     compiled = None
@@ -145,6 +154,56 @@ def test_symbolic_row_reductions_split_into_whole_vectors_and_a_tail(op):
         lse = m + np.log(np.exp(xd - m).sum(axis=-1, keepdims=True))
         expect = xd - lse if op is R.nn.log_softmax else np.exp(xd - lse)
         np.testing.assert_allclose(out[0], expect, rtol=1e-5, atol=1e-6, err_msg=str(n))
+
+
+def _softmax_reference(x, log):
+    xd = x.astype("float64")
+    m = xd.max(axis=-1, keepdims=True)
+    lse = m + np.log(np.exp(xd - m).sum(axis=-1, keepdims=True))
+    return xd - lse if log else np.exp(xd - lse)
+
+
+@pytest.mark.parametrize("n", [7, 16, 33, 77, 999])
+def test_static_row_reductions_at_any_length(n):
+    """Static rows of every length (shorter than two vectors, whole vectors, whole vectors
+    and a tail), softmax and log_softmax on the host target, one row of them made large so
+    that a lane missing from the max would overflow: numbers right, scheduled by the row rule."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((5, n)).astype("float32") * 5
+    x[2, n - 1] = 80.0  # the tail's last element is the row's max
+    for op, log in ((R.nn.softmax, False), (R.nn.log_softmax, True)):
+        out, compiled = run(_unary_module(lambda v, op=op: op(v, axis=-1), (5, n)), [x])
+        np.testing.assert_allclose(out[0], _softmax_reference(x, log), rtol=1e-5, atol=1e-6)
+        rules = {i.rule for i in analysis.schedule_info(compiled.lowered)}
+        assert rules == {"RowReduction"}, rules
+
+
+@pytest.mark.parametrize("n", [5, 32, 771])
+def test_layer_and_rms_norm_at_any_length(n):
+    """Layer norm and RMS norm over the last axis take our legalisation (row sums in the split
+    form): right against NumPy, scheduled by the row rule (RMS norm fell to the fallback)."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((6, n)) * 3 + 1).astype("float32")
+    g = rng.standard_normal(n).astype("float32")
+    b = rng.standard_normal(n).astype("float32")
+    xd = x.astype("float64")
+    mean = xd.mean(-1, keepdims=True)
+    var = ((xd - mean) ** 2).mean(-1, keepdims=True)
+    cases = [
+        (
+            lambda v: R.nn.layer_norm(v, relax.const(g), relax.const(b), [-1]),
+            (xd - mean) / np.sqrt(var + 1e-5) * g + b,
+        ),
+        (
+            lambda v: R.nn.rms_norm(v, relax.const(g), [-1]),
+            xd / np.sqrt((xd * xd).mean(-1, keepdims=True) + 1e-5) * g,
+        ),
+    ]
+    for build, expect in cases:
+        out, compiled = run(_unary_module(build, (6, n)), [x])
+        np.testing.assert_allclose(out[0], expect, rtol=1e-4, atol=1e-5)
+        rules = {i.rule for i in analysis.schedule_info(compiled.lowered)}
+        assert rules == {"RowReduction"}, rules
 
 
 def _reshape_module(src, dst):

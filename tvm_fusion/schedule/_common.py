@@ -40,6 +40,17 @@ def is_reduction(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> bool:
     return stmt.init is not None or any(iv.iter_type == iv.CommReduce for iv in stmt.iter_vars)
 
 
+def is_trivial_reduction(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> bool:
+    """A reduction whose every reduction iterator has extent 1 (a GEMM with K = 1, a softmax
+    over rows of one element): elementwise in effect, the init folds away once lowered."""
+    stmt = sch.get(block)
+    reduce = [iv for iv in stmt.iter_vars if iv.iter_type == iv.CommReduce]
+    # dlight's normalize_prim_func drops unit iterators: an init with none left is one too
+    return (bool(reduce) or stmt.init is not None) and all(
+        isinstance(iv.dom.extent, tirx.IntImm) and int(iv.dom.extent) == 1 for iv in reduce
+    )
+
+
 # Inlining substitutes a producer's expression at every load of it: a consumer that reads it k
 # times gets k copies. Fast-math polynomials read their input ~15 times, so a chain of them
 # grows exponentially (a tanh(tanh(sigmoid(x))) chain reached gigabytes of IR). Inlining stops
@@ -188,6 +199,27 @@ def vectorize_innermost(
     # LLVM's loop vectoriser does vectorise the plain loop, with a scalar epilogue: a softmax
     # over a symbolic (4, 4, 128, 128) runs 0.21 ms so against 0.89 ms split (0.19 static).
     return None
+
+
+def vectorize_with_tail(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int) -> bool:
+    """A static innermost loop that :func:`vectorize_innermost` left scalar because ``lanes``
+    does not divide it (a softmax row of 77, 999): partitioned into the whole vectors,
+    vectorised, and a scalar tail of fewer than ``lanes`` iterations. The last step of a
+    schedule: the block is replaced by the two parts (``block`` is no longer valid). Returns
+    whether it did so."""
+    loops = sch.get_loops(block)
+    if not loops or is_vectorized(sch, loops[-1]):
+        return False
+    ext = extent(sch, loops[-1])
+    if not is_static(ext) or ext < 2 * lanes or ext % lanes == 0:
+        return False
+    try:
+        head, _tail = sch.loop_partition(loops[-1], [ext - ext % lanes, None])
+        _, vec = sch.split(head, [None, lanes])
+        sch.vectorize(vec)
+    except Exception:  # noqa: BLE001 - the loop stays whole, for LLVM's vectoriser
+        return False
+    return True
 
 
 # A parallel region costs a few microseconds to launch: not worth it for less work than this

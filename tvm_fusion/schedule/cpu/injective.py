@@ -16,6 +16,7 @@ from .._common import (
     CPURule,
     block_dtype,
     is_reduction,
+    is_trivial_reduction,
     is_vectorized,
     loop_nest_work,
     parallelize_outer,
@@ -31,7 +32,9 @@ class Injective(CPURule):
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
         if not infos or any(
-            not info.is_injective() or is_reduction(sch, info.block_rv) for info in infos
+            (not info.is_injective() or is_reduction(sch, info.block_rv))
+            and not is_trivial_reduction(sch, info.block_rv)
+            for info in infos
         ):
             return None
         remaining = try_inline_safe(sch, list(infos))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from tvm import s_tir
+from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
@@ -35,9 +35,14 @@ from .._common import (
     loop_nest_work,
     parallelize_outer,
     vectorize_innermost,
+    vectorize_with_tail,
 )
 
 logger = logging.getLogger(__name__)
+
+
+def _unit(extent) -> bool:
+    return isinstance(extent, tirx.IntImm) and int(extent) == 1
 
 
 def _leading_s(kinds: str) -> int:
@@ -52,6 +57,11 @@ class RowReduction(CPURule):
         infos = normalize_prim_func(sch)
         if not infos or all(info.is_injective() for info in infos):
             return None
+        last_iters = sch.get(infos[-1].block_rv).iter_vars
+        if last_iters and all(
+            iv.iter_type == iv.CommReduce or _unit(iv.dom.extent) for iv in last_iters
+        ):
+            return self._total_reduction(sch, infos, target)
         for info in infos:
             kinds = info.dom_kind()
             if not kinds.startswith("S") or set(kinds) - {"S", "R"}:
@@ -79,6 +89,8 @@ class RowReduction(CPURule):
         reductions = [i.block_rv for i in infos[:-1] if not i.is_injective()]
         rf_blocks = {}
         for block in reductions:
+            if self._is_partials(sch, block, lanes):
+                continue  # already split into lanes (legalize._row_reduce)
             rf = self._rfactor(sch, block, lanes)
             if rf is not None:
                 rf_blocks[block] = rf
@@ -114,33 +126,46 @@ class RowReduction(CPURule):
                     pass
             else:
                 self._schedule_plain_reduction(sch, block, lanes)
+        # last: the partition replaces the blocks it splits
+        for info in infos[:-1]:
+            if info.is_injective():
+                vectorize_with_tail(sch, info.block_rv, lanes)
+        if len(loops) > rows:
+            vectorize_with_tail(sch, last, lanes)
         return sch
+
+    @staticmethod
+    def _is_partials(sch, block, lanes: int) -> bool:
+        """A reduction already split like an rfactor block: one reduction iterator after a
+        static spatial axis of ``lanes`` partial results (``legalize._row_reduce``)."""
+        iters = sch.get(block).iter_vars
+        if len(iters) < 2 or iters[-1].iter_type != iters[-1].CommReduce:
+            return False
+        partials = iters[-2]
+        width = partials.dom.extent
+        return (
+            partials.iter_type != partials.CommReduce
+            and isinstance(width, tirx.IntImm)
+            and int(width) % lanes == 0
+        )
 
     @staticmethod
     def _schedule_plain_reduction(sch, block, lanes: int) -> None:
         """A reduction that ``rfactor`` did not split.
 
         Already split like an rfactor block (a static spatial axis of partial results right
-        before one symbolic reduction axis: how the legalisation writes row reductions over a
-        symbolic axis, see ``tvm_fusion.legalize._row_reduce``): the reduction loop goes
-        outside and the partials axis is vectorised. Any other reduction over a symbolic extent
+        before one reduction axis: how the legalisation writes row reductions over a symbolic
+        or an odd static axis, see ``tvm_fusion.legalize._row_reduce``): the reduction loop
+        goes outside and the partials axis is vectorised. Any other reduction over a symbolic extent
         gets its init out of the reduction loop, where lowering would put it: the extent may be
         0 (the scalar tail of a row of whole vectors) and the init must run all the same."""
         iters = sch.get(block).iter_vars
         loops = sch.get_loops(block)
         if not iters or iters[-1].iter_type != iters[-1].CommReduce:
             return
-        if is_static(extent(sch, loops[-1])):
-            return
-        partials = iters[-2] if len(iters) > 1 else None
-        width = extent(sch, loops[-2]) if len(loops) > 1 else None
-        if (
-            partials is None
-            or partials.iter_type == partials.CommReduce
-            or not is_static(width)
-            or width % lanes
-        ):
-            sch.decompose_reduction(block, loops[-1])
+        if not RowReduction._is_partials(sch, block, lanes):
+            if not is_static(extent(sch, loops[-1])):
+                sch.decompose_reduction(block, loops[-1])
             return
         sch.reorder(loops[-1], loops[-2])
         reduce_loop = sch.get_loops(block)[-2]
@@ -167,6 +192,24 @@ class RowReduction(CPURule):
         parallelize_outer(sch, loops[:rows], _target.num_cores(target), work=work)
         if rf is not None:
             sch.compute_at(rf, sch.get_loops(block)[0], preserve_unit_loops=True)
+            rf_loops = sch.get_loops(rf)
+            sch.vectorize(rf_loops[-1])
+            sch.decompose_reduction(rf, rf_loops[-2])
+        return sch
+
+    def _total_reduction(self, sch, infos, target):
+        """A reduction to one value (a loss' mean over the rows), elementwise producers
+        before it: the producers inlined, the reduction vectorised by ``rfactor`` where the
+        vector width divides it, serial (one value, no rows to share out)."""
+        if not all(info.is_injective() for info in infos[:-1]):
+            return None
+        infos = self._inline_injective(sch, infos)
+        block = infos[-1].block_rv
+        lanes = _target.vector_lanes(target, block_dtype(sch, block))
+        for info in infos[:-1]:
+            vectorize_innermost(sch, info.block_rv, lanes)
+        rf = self._rfactor(sch, block, lanes)
+        if rf is not None:
             rf_loops = sch.get_loops(rf)
             sch.vectorize(rf_loops[-1])
             sch.decompose_reduction(rf, rf_loops[-2])
