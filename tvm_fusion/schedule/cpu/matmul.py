@@ -52,6 +52,7 @@ from .._common import (
     sole_consumer,
     try_inline_safe,
     vectorize_innermost,
+    write_order,
 )
 
 logger = logging.getLogger(__name__)
@@ -275,9 +276,9 @@ class Matmul(CPURule):
                 index_map = tirx.IndexMap.from_func(packed, ndim=len(iters), index_dtype="int64")
                 pb = sch.reindex_cache_read(block, b_index, "global", index_map)
                 const_pack = is_const_b
-                if is_const_b and pad_cols:
-                    # the padded columns of a constant B: the zeros join the packing, done at
-                    # compile time, instead of a padded copy of B per call
+                if pad_cols:
+                    # B's padded columns: the zeros join the packing (done at compile time for
+                    # a constant B) instead of a padded copy of B per call that is then packed
                     b_buf = sch.get(pb).reads[0].source
                     b_pads = [p for p in a_pads if sch.get(p).writes[0].source.same_as(b_buf)]
                     for pad in b_pads:
@@ -287,7 +288,7 @@ class Matmul(CPURule):
                         except Exception:  # noqa: BLE001 - the padded copy is packed per call
                             if wide is not None:
                                 raise
-                            const_pack = False
+                            const_pack = False  # its input is the padded copy now
                 if const_pack:
                     sch.annotate(pb, PREPROC, True)
             except Exception as err:  # noqa: BLE001
@@ -434,6 +435,7 @@ class Matmul(CPURule):
         """Pack B's panel under the panel loop (the loop must be the panel loop alone)."""
         try:
             sch.compute_at(pb, panel_loop, preserve_unit_loops=True)
+            write_order(sch, pb)
             vectorize_innermost(sch, pb, lanes)
         except Exception as err:  # noqa: BLE001 - pack the whole B up front instead
             logger.debug("matmul: B not packed per panel: %s", err)
