@@ -91,6 +91,9 @@ def test_batched_matmul(target, b, m, k, n):
 @example(family="rms_norm", m=3, n=771)
 @example(family="cross_entropy", m=7, n=1021)
 @example(family="log_softmax", m=2, n=1)
+@example(family="softmax", m=1, n=77)
+@example(family="log_softmax", m=1, n=1021)
+@example(family="cross_entropy", m=1, n=999)
 def test_row_reductions(target, family, m, n):
     _check(target, family, {"m": m, "n": n})
 

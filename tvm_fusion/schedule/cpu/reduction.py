@@ -31,6 +31,7 @@ from .._common import (
     extent,
     inline_is_cheap,
     is_reduction,
+    is_trivial_reduction,
     is_static,
     loop_nest_work,
     parallelize_outer,
@@ -46,6 +47,14 @@ KEEP_EXPR = 48  # expression nodes: more, and a block read twice is computed onc
 
 def _unit(extent) -> bool:
     return isinstance(extent, tirx.IntImm) and int(extent) == 1
+
+
+def _is_partial_iters(iters) -> bool:
+    """``(..., lanes: static spatial, k: reduction)``, the partials of ``legalize._row_reduce``."""
+    if len(iters) < 2 or iters[-1].iter_type != iters[-1].CommReduce:
+        return False
+    partials = iters[-2]
+    return partials.iter_type != partials.CommReduce and isinstance(partials.dom.extent, tirx.IntImm)
 
 
 def _leading_s(kinds: str) -> int:
@@ -65,6 +74,8 @@ class RowReduction(CPURule):
             iv.iter_type == iv.CommReduce or _unit(iv.dom.extent) for iv in last_iters
         ):
             return self._total_reduction(sch, infos, target)
+        if infos[-1].is_injective() and self._one_row(sch, infos):
+            return self._single_row(sch, infos, target)
         for info in infos:
             kinds = info.dom_kind()
             if not kinds.startswith("S") or set(kinds) - {"S", "R"}:
@@ -142,15 +153,7 @@ class RowReduction(CPURule):
         """A reduction already split like an rfactor block: one reduction iterator after a
         static spatial axis of ``lanes`` partial results (``legalize._row_reduce``)."""
         iters = sch.get(block).iter_vars
-        if len(iters) < 2 or iters[-1].iter_type != iters[-1].CommReduce:
-            return False
-        partials = iters[-2]
-        width = partials.dom.extent
-        return (
-            partials.iter_type != partials.CommReduce
-            and isinstance(width, tirx.IntImm)
-            and int(width) % lanes == 0
-        )
+        return _is_partial_iters(iters) and int(iters[-2].dom.extent) % lanes == 0
 
     @staticmethod
     def _schedule_plain_reduction(sch, block, lanes: int) -> None:
@@ -200,6 +203,50 @@ class RowReduction(CPURule):
             rf_loops = sch.get_loops(rf)
             sch.vectorize(rf_loops[-1])
             sch.decompose_reduction(rf, rf_loops[-2])
+        return sch
+
+    @staticmethod
+    def _one_row(sch, infos) -> bool:
+        """One row (batch-1 logits, a (1, n) softmax): the output's spatial iterators but the
+        innermost have extent 1, and so do every reduction's, a lanes axis of partials
+        (``legalize._row_reduce``) apart."""
+        out_iters = sch.get(infos[-1].block_rv).iter_vars
+        if len(out_iters) < 1 or not all(_unit(iv.dom.extent) for iv in out_iters[:-1]):
+            return False
+        for info in infos[:-1]:
+            iters = sch.get(info.block_rv).iter_vars
+            spatial = [iv for iv in iters if iv.iter_type != iv.CommReduce]
+            if is_reduction(sch, info.block_rv) and spatial:
+                # the innermost may be a lanes axis of partials
+                if not all(_unit(iv.dom.extent) for iv in spatial[:-1]):
+                    return False
+        return True
+
+    def _single_row(self, sch, infos, target):
+        """A row reduction over one row: the row rule's schedule without the row loop (every
+        block at the root, in order), nothing parallel."""
+        infos = self._inline_injective(sch, infos)
+        last = infos[-1].block_rv
+        lanes = _target.vector_lanes(target, block_dtype(sch, last))
+        for info in infos[:-1]:
+            block = info.block_rv
+            if info.is_injective() and not is_reduction(sch, block):
+                vectorize_innermost(sch, block, lanes)
+            elif not self._is_partials(sch, block, lanes) and (
+                rf := self._rfactor(sch, block, lanes)
+            ) is not None:
+                rf_loops = sch.get_loops(rf)
+                sch.vectorize(rf_loops[-1])
+                sch.decompose_reduction(rf, rf_loops[-2])
+            elif is_trivial_reduction(sch, block):
+                vectorize_innermost(sch, block, lanes)  # a masked tail vector
+            else:
+                self._schedule_plain_reduction(sch, block, lanes)
+        vectorize_innermost(sch, last, lanes)
+        for info in infos[:-1]:
+            if info.is_injective() and not is_reduction(sch, info.block_rv):
+                vectorize_with_tail(sch, info.block_rv, lanes)
+        vectorize_with_tail(sch, last, lanes)
         return sch
 
     def _total_reduction(self, sch, infos, target):
