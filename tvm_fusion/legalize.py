@@ -254,6 +254,37 @@ def _last_axis_reduction(kind: str, mean: bool = False) -> LegalizeFunc:
     return legalize
 
 
+def _matmul_one_column(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr | None:
+    """``A (..., m, k) @ B (k, 1)`` or ``@ B (k,)``, a GEMM of one static column: a row of dot
+    products, written as the row sum of ``A * B^T`` (:func:`_row_reduce`, vectorised at any K).
+    As a GEMM the rule would pad the one column to a vector tile, 16 times the work; stock's
+    reduction over an odd K stays scalar (95 x 2387 @ 2387 x 1: 8x ONNX Runtime's time)."""
+    a, b = call.args
+    if a.ty.dtype not in _FLOAT or b.ty.dtype != a.ty.dtype or call.ty.dtype != a.ty.dtype:
+        return None
+    if a.ty.ndim < 2 or b.ty.ndim not in (1, 2):
+        return None
+    if not isinstance(b.ty.shape, relax.ShapeExpr):
+        return None
+    b_shape = list(b.ty.shape.values)
+    if b.ty.ndim == 2 and not (isinstance(b_shape[1], tirx.IntImm) and int(b_shape[1]) == 1):
+        return None
+    k = b_shape[0]
+    if not isinstance(k, tirx.IntImm) or int(k) < 2 * _reduction_lanes(a.ty.dtype):
+        return None
+    column = b.ty.ndim == 2
+
+    def compute(x: te.Tensor, w: te.Tensor) -> te.Tensor:
+        w_at = (lambda j: w[j, 0]) if column else (lambda j: w[j])
+        product = te.compute(x.shape, lambda *i: x(*i) * w_at(i[-1]), name="dot")
+        row = _row_reduce(product, len(x.shape) - 1, "sum")
+        if column:
+            return row
+        return te.compute(tuple(x.shape[:-1]), lambda *i: row(*i, 0), name="dots")
+
+    return bb.call_te(compute, a, b, primfunc_name_hint="matmul_one_column")
+
+
 def _softmax_like(name: str, compute) -> LegalizeFunc:
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr | None:
         x = call.args[0]
@@ -379,5 +410,6 @@ def fast_math_legalize_map() -> dict[str, LegalizeFunc]:
             "relax.sum": _last_axis_reduction("sum"),
             "relax.mean": _last_axis_reduction("sum", mean=True),
             "relax.max": _last_axis_reduction("max"),
+            "relax.matmul": _matmul_one_column,
         }
     )

@@ -70,6 +70,8 @@ def test_gemm_with_constant_weight(target, m, k, n):
 @FAST
 @given(m=AWKWARD, k=AWKWARD, n=AWKWARD)
 @example(m=129, k=63, n=127)
+@example(m=95, k=237, n=1)
+@example(m=1, k=409, n=1)
 def test_gemm_of_two_inputs(target, m, k, n):
     _check(target, "matmul", {"m": m, "k": k, "n": n})
 

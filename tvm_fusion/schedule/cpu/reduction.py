@@ -31,8 +31,8 @@ from .._common import (
     extent,
     inline_is_cheap,
     is_reduction,
-    is_trivial_reduction,
     is_static,
+    is_trivial_reduction,
     loop_nest_work,
     parallelize_outer,
     vectorize_innermost,
@@ -54,7 +54,9 @@ def _is_partial_iters(iters) -> bool:
     if len(iters) < 2 or iters[-1].iter_type != iters[-1].CommReduce:
         return False
     partials = iters[-2]
-    return partials.iter_type != partials.CommReduce and isinstance(partials.dom.extent, tirx.IntImm)
+    return partials.iter_type != partials.CommReduce and isinstance(
+        partials.dom.extent, tirx.IntImm
+    )
 
 
 def _leading_s(kinds: str) -> int:
@@ -70,8 +72,10 @@ class RowReduction(CPURule):
         if not infos or all(info.is_injective() for info in infos):
             return None
         last_iters = sch.get(infos[-1].block_rv).iter_vars
-        if last_iters and all(
-            iv.iter_type == iv.CommReduce or _unit(iv.dom.extent) for iv in last_iters
+        if (
+            last_iters
+            and is_reduction(sch, infos[-1].block_rv)
+            and all(iv.iter_type == iv.CommReduce or _unit(iv.dom.extent) for iv in last_iters)
         ):
             return self._total_reduction(sch, infos, target)
         if infos[-1].is_injective() and self._one_row(sch, infos):
@@ -232,9 +236,10 @@ class RowReduction(CPURule):
             block = info.block_rv
             if info.is_injective() and not is_reduction(sch, block):
                 vectorize_innermost(sch, block, lanes)
-            elif not self._is_partials(sch, block, lanes) and (
-                rf := self._rfactor(sch, block, lanes)
-            ) is not None:
+            elif (
+                not self._is_partials(sch, block, lanes)
+                and (rf := self._rfactor(sch, block, lanes)) is not None
+            ):
                 rf_loops = sch.get_loops(rf)
                 sch.vectorize(rf_loops[-1])
                 sch.decompose_reduction(rf, rf_loops[-2])
