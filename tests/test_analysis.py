@@ -51,6 +51,35 @@ def test_fusion_report_lists_groups(target):
     assert any("matmul" in k.label() for k in report.stock)
     data = report.to_dict()
     assert data["kernels"]["stock"] == report.stock_kernels
+    # our kernels once scheduled, each with its rule: the LSTM cell is one gate kernel
+    assert list(report.rules.values()) == ["GateFusion"], report.rules
+    assert "scheduled by:" in text and ": GateFusion" in text
+    assert data["schedule_rules"] == report.rules and not report.fallback
+
+
+def test_fallback_kernels_are_named(target, monkeypatch):
+    """A kernel that only the fallback rule took is listed (here: the rule list without the
+    row rule, so a softmax has nowhere else to go)."""
+    from tvm import relax
+
+    from tvm_fusion import engine, schedule
+
+    x = relax.Var("x", relax.TensorType((4, 40), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.softmax(x))
+        bb.emit_func_output(out)
+    ours = engine.compile_module(bb.get(), target, "tvm_fusion")
+    assert analysis.fallback_kernels(ours.lowered) == []
+    original = schedule.default_rules
+
+    def without_row_rule(tgt):
+        return [r for r in original(tgt) if type(r).__name__ != "RowReduction"]
+
+    monkeypatch.setattr(schedule, "default_rules", without_row_rule)
+    crippled = engine.compile_module(bb.get(), target, "tvm_fusion")
+    assert analysis.fallback_kernels(crippled.lowered) == ["fast_softmax1"]
 
 
 def test_dot(target):

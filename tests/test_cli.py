@@ -139,6 +139,7 @@ def test_explain_json(capsys):
     assert main(["explain", "take_arange", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["kernels"]) == {"stock", "tvm_fusion"}
+    assert report["schedule_rules"] and None not in report["schedule_rules"].values()
 
 
 def test_demo_small(capsys):

@@ -328,6 +328,14 @@ class FusionReport:
     rewrites: dict[str, int]
     stock_views: int = 0
     ours_views: int = 0
+    # our kernels once scheduled: PrimFunc name -> the rule that scheduled it
+    rules: dict[str, str | None] = dataclasses.field(default_factory=dict)
+
+    @property
+    def fallback(self) -> list[str]:
+        from .schedule import FALLBACK_RULES
+
+        return [name for name, rule in self.rules.items() if rule in FALLBACK_RULES]
 
     @property
     def stock_kernels(self) -> int:
@@ -348,6 +356,7 @@ class FusionReport:
                 "stock": [k.label() for k in self.stock],
                 "tvm_fusion": [k.label() for k in self.ours],
             },
+            "schedule_rules": dict(self.rules),
         }
 
     def to_json(self) -> str:
@@ -369,6 +378,16 @@ class FusionReport:
             "  tvm_fusion groups:",
             *[f"    {i}. {k.label()}" for i, k in enumerate(self.ours, 1)],
         ]
+        if self.rules:
+            lines.append("  tvm_fusion kernels, scheduled by:")
+            lines += [
+                f"    {name}: {rule or 'a tuning record'}" for name, rule in self.rules.items()
+            ]
+            if self.fallback:
+                lines.append(
+                    f"  warning: {len(self.fallback)} kernel(s) left to the fallback rule: "
+                    + ", ".join(self.fallback)
+                )
         return "\n".join(lines)
 
 
@@ -390,6 +409,7 @@ def grouped(mod: tvm.IRModule, target, ours: bool, **flags) -> tvm.IRModule:
 
 def fusion_report(mod: tvm.IRModule, target=None, name: str = "model", **flags) -> FusionReport:
     """Groups of stock TVM and of ``tvm_fusion`` side by side, with our rewrite counts."""
+    from .pipeline import build_pipeline
     from .target import parse_target
     from .transform import collect_rewrites
 
@@ -397,6 +417,8 @@ def fusion_report(mod: tvm.IRModule, target=None, name: str = "model", **flags) 
     stock_mod = grouped(mod, tgt, ours=False)
     with collect_rewrites() as counts:
         ours_mod = grouped(mod, tgt, ours=True, **flags)
+    with tgt:
+        scheduled = build_pipeline(tgt, **flags)(mod)
     return FusionReport(
         name=name,
         target=str(tgt.kind.name),
@@ -405,6 +427,7 @@ def fusion_report(mod: tvm.IRModule, target=None, name: str = "model", **flags) 
         rewrites=dict(counts),
         stock_views=view_count(stock_mod),
         ours_views=view_count(ours_mod),
+        rules={info.name: info.rule for info in schedule_info(scheduled)},
     )
 
 
