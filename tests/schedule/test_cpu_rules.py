@@ -377,6 +377,9 @@ def test_gate_tile_rows_fill_the_registers_left_by_the_weight_vectors():
     assert tile_rows(None, 2, 8, 8, 16) == 6
     assert tile_rows(1, 4, 16, 8, 16) == 1
     assert tile_rows(64, 3, 16, 16, 32) == 8  # AVX-512: 9 fit, 8 divides
+    assert tile_rows(19, 3, 8, 8, 16) == 4  # a prime: padded to tiles of 4, not 1 row each
+    assert tile_rows(21, 3, 8, 8, 16) == 3  # 3 divides and is at least half of 4
+    assert tile_rows(3, 3, 8, 8, 16) == 3
     for gates in (1, 2, 3, 4, 6):
         for regs, lanes in ((16, 8), (32, 16)):
             mr = tile_rows(None, gates, lanes, lanes, regs)

@@ -47,13 +47,16 @@ def tile_rows(rows, gates: int, block: int, lanes: int, regs: int) -> int:
     broadcast input leave free: on AVX2 (16 registers) a 3-gate tile of 8 units gets 4 rows
     (12 accumulators, the 4 x 24 micro-kernel), where half the registers gave 2 rows (6
     accumulators; 5 loads per 6 FMAs, load-bound: gate_2890 3.5 -> 2.9 ms). Symbolic rows
-    (None) get the tile of many rows; the rule pads them to a multiple of it."""
+    (None) get the tile of many rows, and so do static rows that no divisor at least half as
+    tall divides (19, a prime: tiles of one row took 2x ONNX Runtime's time); the rule pads
+    them to a multiple of it."""
     per_row = gates * max(block // lanes, 1)
     mr = max(1, (regs - 1 - per_row) // per_row)
     if is_static(rows):
-        while mr > 1 and rows % mr:
-            mr -= 1
-        return min(mr, rows)
+        if rows <= mr:
+            return rows
+        divisor = next(d for d in range(mr, 0, -1) if rows % d == 0)
+        return divisor if 2 * divisor >= mr else mr
     return mr
 
 
@@ -133,7 +136,7 @@ class GateFusion(CPURule):
         mr = tile_rows(
             rows, _gemm_gates(sch, reductions, len(row_loops), gates), block, lanes, regs
         )
-        if not is_static(rows) and mr > 1:
+        if mr > 1 and (not is_static(rows) or rows % mr):
             if not pad:
                 mr = 1
             else:
