@@ -103,7 +103,56 @@ _ELEMENTWISE = {
     "relax.divide": (2, lambda a, b, fm: topi.divide(a, b)),
     "relax.maximum": (2, lambda a, b, fm: topi.maximum(a, b)),
     "relax.minimum": (2, lambda a, b, fm: topi.minimum(a, b)),
+    # T5's gelu_new writes pow(x, 3); an integral constant exponent becomes multiplications
+    # (:func:`_emit_op`), any other a power
+    "relax.power": (2, lambda a, b, fm: topi.power(a, b)),
+    "relax.erf": (1, _unary(topi.fast_erf, topi.erf)),
+    "relax.abs": (1, lambda t, fm: topi.abs(t)),
+    "relax.log": (1, lambda t, fm: topi.log(t)),
+    "relax.rsqrt": (1, lambda t, fm: topi.rsqrt(t)),
+    "relax.square": (1, lambda t, fm: topi.multiply(t, t)),
+    "relax.where": (3, lambda c, a, b, fm: topi.where(c, a, b)),
+    "relax.greater": (2, lambda a, b, fm: topi.greater(a, b)),
+    "relax.greater_equal": (2, lambda a, b, fm: topi.greater_equal(a, b)),
+    "relax.less": (2, lambda a, b, fm: topi.less(a, b)),
+    "relax.less_equal": (2, lambda a, b, fm: topi.less_equal(a, b)),
+    "relax.equal": (2, lambda a, b, fm: topi.equal(a, b)),
+    "relax.not_equal": (2, lambda a, b, fm: topi.not_equal(a, b)),
+    # casts: the attribute's dtype, see _emit_op
+    "relax.astype": (1, None),
 }
+
+
+def _emit_op(call: relax.Call, args: list, fast_math: bool):
+    """The TE of one gate-math op on the tensors ``args``."""
+    name = _op(call)
+    if name == "relax.astype":
+        return topi.cast(args[0], str(call.attrs.dtype))
+    if name == "relax.power":
+        n = _integral_scalar(call.args[1])
+        if n is not None and 1 <= n <= 4:
+            x = args[0]
+
+            def times(*i):
+                out = x(*i)
+                for _ in range(n - 1):
+                    out = out * x(*i)
+                return out
+
+            return te.compute(x.shape, times, name="T_power")
+    return _ELEMENTWISE[name][1](*args, fast_math)
+
+
+def _integral_scalar(expr) -> int | None:
+    """The value of a constant one-element tensor holding an integral number, else None."""
+    from tvm.ir.expr import GenericConst  # relax.Constant's 0.27 spelling
+
+    if not isinstance(expr, GenericConst):
+        return None
+    value = expr.value.numpy().reshape(-1)
+    if value.size != 1 or float(value[0]) != round(float(value[0])):
+        return None
+    return int(round(float(value[0])))
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -260,11 +309,12 @@ class _MergeSummedGemms(PyExprMutator):
 
 def _linear_users_elementwise(blk: _Block, var) -> bool:
     users = blk.users.get(var, [])
-    return (
-        bool(users)
-        and var not in blk.outputs
-        and all(_op(blk.value.get(u)) in _ELEMENTWISE for u in users)
-    )
+    if not users or var in blk.outputs:
+        return False
+    others = sorted({str(_op(blk.value.get(u))) for u in users} - set(_ELEMENTWISE))
+    if others:
+        return skip(logger, f"linear layer {var.name}", f"read by non-elementwise ops {others}")
+    return True
 
 
 def _elementwise_closure(blk: _Block, var, limit: int = 64) -> set:
@@ -923,7 +973,7 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
             args = [
                 env[a] if isinstance(a, relax.Var) and a in env else external(a) for a in value.args
             ]
-            env[var] = _ELEMENTWISE[_op(value)][1](*args, fast_math)
+            env[var] = _emit_op(value, args, fast_math)
         outs = [env[o] for o in group.outputs]
         if len(outs) == 1:
             return outs
