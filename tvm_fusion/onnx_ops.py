@@ -21,7 +21,8 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
   not iterable");
 - ``Expand`` to a constant shape of an input with symbolic dims (stock reads ``dim.value`` of
   every input dim: "'Var' object has no attribute 'value'", as in a Llama block's rotary
-  tables).
+  tables), and to a shape value (stock compares lists of PrimExprs with ``==``: "Cannot use and
+  / or / not operator to Expr", DistilBERT's attention mask in a static-shape import).
 
 Both leave a ``tensor_to_shape`` that :class:`~tvm_fusion.transform.PlaceShapeOnHost` then
 evaluates symbolically (no kernel, no copy) when the target is computed from shapes, and that
@@ -176,6 +177,12 @@ class Expand(_frontend.Expand):
     def _impl_v13(cls, bb, inputs, attr, params):
         data, shape = inputs[0], _frontend.get_constant(inputs[1], params)
         sinfo = getattr(data, "ty", None)
+        if (
+            isinstance(shape, relax.ShapeExpr)
+            and isinstance(sinfo, relax.TensorType)
+            and isinstance(sinfo.shape, relax.ShapeExpr)
+        ):
+            return cls._to_shape(data, list(sinfo.shape.values), list(shape.values))
         symbolic = (
             isinstance(shape, GenericConst)
             and isinstance(sinfo, relax.TensorType)
@@ -197,6 +204,36 @@ class Expand(_frontend.Expand):
                 raise ValueError(f"Expand: cannot broadcast dim {int(d.value)} to {t}")
             else:
                 out.append(tirx.IntImm("int64", t))  # a symbolic input dim must be 1 or t
+        return relax.op.broadcast_to(data, relax.ShapeExpr(out))
+
+    @staticmethod
+    def _to_shape(data, dims: list, target: list):
+        """To a shape value (what a static-shape import folds a computed target to, e.g.
+        ``R.shape([2, -1, 5, 5])`` in DistilBERT's mask): stock compares the two lists of
+        PrimExprs with ``==``, which raises "Cannot use and / or / not operator to Expr".
+        A target dim of -1 or 1 keeps the input's dim."""
+        rank = max(len(target), len(dims))
+        dims = [tirx.IntImm("int64", 1)] * (rank - len(dims)) + dims
+        target = [tirx.IntImm("int64", 1)] * (rank - len(target)) + target
+        out = []
+        for d, t in zip(dims, target, strict=True):
+            if isinstance(t, tirx.IntImm) and int(t.value) in (-1, 1):
+                out.append(d)
+            elif (
+                isinstance(t, tirx.IntImm)
+                and isinstance(d, tirx.IntImm)
+                and int(d.value) not in (1, int(t.value))
+            ):
+                raise ValueError(f"Expand: cannot broadcast dim {int(d.value)} to {t}")
+            else:
+                out.append(t)
+        same = len(out) == len(dims) and all(
+            o.same_as(d)
+            or (isinstance(o, tirx.IntImm) and isinstance(d, tirx.IntImm) and int(o) == int(d))
+            for o, d in zip(out, dims, strict=True)
+        )
+        if same and rank == len(data.ty.shape.values):
+            return data
         return relax.op.broadcast_to(data, relax.ShapeExpr(out))
 
 
