@@ -330,6 +330,8 @@ class FusionReport:
     ours_views: int = 0
     # our kernels once scheduled: PrimFunc name -> the rule that scheduled it
     rules: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    # how stock's side was lowered when not from the module as given ("" when it was)
+    stock_note: str = ""
 
     @property
     def fallback(self) -> list[str]:
@@ -357,6 +359,7 @@ class FusionReport:
                 "tvm_fusion": [k.label() for k in self.ours],
             },
             "schedule_rules": dict(self.rules),
+            "stock_note": self.stock_note,
         }
 
     def to_json(self) -> str:
@@ -373,6 +376,7 @@ class FusionReport:
                 if self.rewrites
                 else "none"
             ),
+            *([f"  stock: {self.stock_note}"] if self.stock_note else []),
             "  stock groups:",
             *[f"    {i}. {k.label()}" for i, k in enumerate(self.stock, 1)],
             "  tvm_fusion groups:",
@@ -414,7 +418,7 @@ def fusion_report(mod: tvm.IRModule, target=None, name: str = "model", **flags) 
     from .transform import collect_rewrites
 
     tgt = parse_target(target)
-    stock_mod = grouped(mod, tgt, ours=False)
+    stock_mod, note = _stock_grouped(mod, tgt)
     with collect_rewrites() as counts:
         ours_mod = grouped(mod, tgt, ours=True, **flags)
     with tgt:
@@ -428,7 +432,30 @@ def fusion_report(mod: tvm.IRModule, target=None, name: str = "model", **flags) 
         stock_views=view_count(stock_mod),
         ours_views=view_count(ours_mod),
         rules={info.name: info.rule for info in schedule_info(scheduled)},
+        stock_note=note,
     )
+
+
+def _stock_grouped(mod: tvm.IRModule, tgt) -> tuple[tvm.IRModule, str]:
+    """Stock's groups of ``mod``; where stock cannot lower the importer's output (a tensor
+    whose shape the importer lost: "te.compute ... 'NoneType' object is not iterable" for a
+    static-shape import of DistilBERT), stock's groups of it after our PlaceShapeOnHost, as
+    the model benchmark's stock-pipeline engine does; an empty module when that fails too."""
+    from .pipeline import fusion_passes
+
+    try:
+        return grouped(mod, tgt, ours=False), ""
+    except Exception as err:  # noqa: BLE001 - the report covers ours whatever stock does
+        reason = str(err).strip().splitlines()[-1][:160] if str(err).strip() else repr(err)
+    try:
+        with tgt:
+            shapes = [p for p in fusion_passes(tgt) if p.info.name == "PlaceShapeOnHost"]
+            placed = tvm.transform.Sequential(shapes)(mod)
+        return grouped(placed, tgt, ours=False), (
+            f"stock cannot lower this import ({reason}); its groups after PlaceShapeOnHost"
+        )
+    except Exception:  # noqa: BLE001
+        return tvm.IRModule(), f"stock cannot lower this import ({reason})"
 
 
 def to_dot(mod: tvm.IRModule, title: str = "tvm_fusion") -> str:
