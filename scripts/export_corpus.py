@@ -147,6 +147,41 @@ def bert_mlm():
     return Wrap(), inputs, ["loss", "logits"], axes, ["fuse_cross_entropy (MLM loss)"]
 
 
+def distilbert():
+    import torch
+    from transformers import DistilBertConfig, DistilBertModel
+
+    cfg = DistilBertConfig(
+        vocab_size=S.vocab,
+        dim=S.hidden,
+        n_layers=S.layers,
+        n_heads=S.heads,
+        hidden_dim=S.inner,
+        max_position_embeddings=S.max_pos,
+        dropout=0.0,
+        attention_dropout=0.0,
+        attn_implementation="eager",
+    )
+    model = DistilBertModel(cfg).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask)[0]
+
+    def inputs(b, s):
+        mask = torch.ones(b, s, dtype=torch.int64)
+        mask[0, -2:] = 0
+        return {"input_ids": _tokens(b, s), "attention_mask": mask}
+
+    dyn = {0: "batch", 1: "seq"}
+    axes = {"input_ids": dyn, "attention_mask": dyn, "hidden": dyn}
+    return Wrap(), inputs, ["hidden"], axes, ["position embedding of a position_ids buffer"]
+
+
 def _causal_lm(model, left_pad: bool):
     """A transformers causal LM as (input_ids, attention_mask) -> logits, no cache."""
     import torch
@@ -302,6 +337,7 @@ def lstm_hand():
 MODELS = {
     "xlnet": xlnet,
     "bert_mlm": bert_mlm,
+    "distilbert": distilbert,
     "gpt2": gpt2,
     "llama": llama,
     "lstm_cell": lstm_cell,
