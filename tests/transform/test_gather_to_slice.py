@@ -2,7 +2,8 @@
 
 Must not fire: repeated indices (step 0 as a constant), non-progression constants (also through
 a reshape), indices that may be negative, clip/wrap mode with an unprovable bound, a 2-D index
-tensor (also flattened), a reshape to a length not provably the progression's.
+tensor flattened, a 2-D index whose rows differ, a reshape to a length not provably the
+progression's.
 """
 
 import numpy as np
@@ -292,6 +293,98 @@ class TestNoFireReshapedOtherLength(GatherBase):
             return y
 
     Expected = Before
+
+
+class TestPositionIdsSlice(GatherBase):
+    """The position-embedding lookup of DistilBERT / CLIP / GPT-2 exports:
+    ``embedding(position_ids[:, :seq])`` with ``position_ids`` a (1, max_pos) arange buffer,
+    through the importer's negative-index ``where``: a slice of the table with the index's
+    unit row in front (a view), at a symbolic ``seq``."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(ids: R.Tensor(("batch", "seq"), "int64"), table: R.Tensor((16, 4), "float32")):
+            seq = T.int64()
+            with R.dataflow():
+                pos = R.const(np.arange(16, dtype="int64").reshape(1, 16), "int64")
+                p = R.strided_slice(pos, (1,), (0,), (seq,), (1,), assume_inbound=True)
+                neg = R.less(p, R.const(0, "int64"))
+                wrapped = R.add(p, R.const(16, "int64"))
+                idx = R.where(neg, wrapped, p)
+                y = R.take(table, idx, axis=0)
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(ids: R.Tensor(("batch", "seq"), "int64"), table: R.Tensor((16, 4), "float32")):
+            seq = T.int64()
+            with R.dataflow():
+                lv = R.strided_slice(table, (0,), (0,), (seq,), (1,), assume_inbound=True)
+                y = R.expand_dims(lv, axis=[0])
+                R.output(y)
+            return y
+
+
+class TestPositionIdsExpanded(GatherBase):
+    """The same index broadcast to the batch: the slice broadcast to the take's shape."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(ids: R.Tensor(("batch", "seq"), "int64"), table: R.Tensor((16, 4), "float32")):
+            batch = T.int64()
+            seq = T.int64()
+            with R.dataflow():
+                pos = R.const(np.arange(16, dtype="int64").reshape(1, 16), "int64")
+                p = R.strided_slice(pos, (1,), (2,), (seq + 2,), (1,), assume_inbound=True)
+                e = R.broadcast_to(p, R.shape([batch, seq]))
+                y = R.take(table, e, axis=0)
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(ids: R.Tensor(("batch", "seq"), "int64"), table: R.Tensor((16, 4), "float32")):
+            batch = T.int64()
+            seq = T.int64()
+            with R.dataflow():
+                lv = R.strided_slice(table, (0,), (2,), (seq + 2,), (1,), assume_inbound=True)
+                lv1 = R.expand_dims(lv, axis=[0])
+                y = R.broadcast_to(lv1, R.shape([batch, seq, 4]))
+                R.output(y)
+            return y
+
+
+class TestNoFireRowsDiffer(GatherBase):
+    """A 2-D index whose rows are different progressions stays a gather."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(table: R.Tensor((16, 4), "float32")):
+            with R.dataflow():
+                idx = R.const(np.array([[0, 1, 2], [0, 2, 4]], "int64"), "int64")
+                y = R.take(table, idx, axis=0)
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+@pytest.mark.parametrize("seq", [1, 5, 11])
+def test_position_ids_numerics(seq):
+    """Before and after the rewrite give the same rows, at several sequence lengths."""
+    rng = np.random.default_rng(seq)
+    ids = rng.integers(0, 16, (3, seq)).astype("int64")
+    table = rng.standard_normal((16, 4)).astype("float32")
+    for case in (TestPositionIdsSlice, TestPositionIdsExpanded):
+        with collect_rewrites() as counts:
+            compare_pipelines(case.Before, [ids, table])
+        assert counts.get("GatherToSlice") == 1
 
 
 class TestTakeBackwardPad(GatherBase):

@@ -1,7 +1,9 @@
 """GatherToSlice: ``take(x, arange(a, b, s), axis)`` becomes ``strided_slice`` (ORT PR #13599).
 
-Matches ``R.take(x, idx, axis)`` whose 1-D index tensor ``idx`` is provably an arithmetic
-progression ``a, a+s, ..., a+(n-1)s`` with a constant non-zero step:
+Matches ``R.take(x, idx, axis)`` whose index tensor ``idx`` is provably an arithmetic
+progression ``a, a+s, ..., a+(n-1)s`` with a constant non-zero step (1-D, or several dims whose
+every row is that progression: the position embedding ``embedding(position_ids[:, :seq])``
+of a ``(1, max_pos)`` arange buffer, expanded to the batch or not):
 
 - ``R.arange(a, b, s)`` (constant or symbolic bounds, e.g. a dynamic ``klen``);
 - a constant index tensor whose values are a progression (what FoldConstant and the ONNX
@@ -10,9 +12,14 @@ progression ``a, a+s, ..., a+(n-1)s`` with a constant non-zero step:
   length (the dynamo exporter's ``index_select(x, d, arange(n))``: ``Range`` -> ``Reshape([n])``
   -> ``Gather``), ``multiply``/``add``/``subtract`` by integer scalars, and the ONNX importer's
   index normalisation ``where(less(i, 0), add(i, dim), i)``, which is the identity for provably
-  non-negative indices and ``i + dim`` for provably negative ones.
+  non-negative indices and ``i + dim`` for provably negative ones;
+- rows: a constant ``(1, ..., 1, n)`` progression, a reshape / ``expand_dims`` of a 1-D one to
+  that shape, a ``strided_slice`` of one along its last axis (non-negative begin, positive
+  stride), a ``broadcast_to`` of one to more rows.
 
-Emits ``strided_slice(x, [axis], [begin], [end], [s], assume_inbound=True)`` (with a
+Emits ``strided_slice(x, [axis], [begin], [end], [s], assume_inbound=True)`` (the index's
+rows put in front of ``axis`` by ``expand_dims``, then ``broadcast_to`` the take's shape when
+they are not ones; with a
 ``match_cast`` to the take's shape when TVM cannot see the two shapes are equal). A slice reads
 contiguous memory, fuses with its elementwise neighbours (``take`` is opaque to FuseOps) and its
 gradient is a slice-scatter instead of a serial scatter-add (see ``tvm_fusion.gradients``).
@@ -26,7 +33,9 @@ Where it must run: before LegalizeOps (Phase 1).
 
 Left alone, with the reason logged at debug level:
 
-- indices that may be negative, a zero step (repeated indices), a non-integer or non-1-D index;
+- indices that may be negative, a zero step (repeated indices), a non-integer index, an index
+  of several dims whose rows are not one progression, the gradient (``take_backward``) of such
+  an index;
 - indices that may fall outside ``[0, dim)`` -- except for ``mode="fast"`` (the default, and what
   the ONNX importer emits): that mode already promises in-bound indices (TVM: "fast mode
   segfaults when there are out-of-bounds indices"), so a symbolic upper bound that cannot be
@@ -76,6 +85,10 @@ class Progression:
     start: tirx.Expr
     step: int
     length: tirx.Expr
+    # the index tensor's leading dims: () for a 1-D index; (1, ...) or any extents for an
+    # index whose every row is this progression (``position_ids[:, :seq]``, expanded to the
+    # batch)
+    rows: tuple = ()
 
     def last(self) -> tirx.Expr:
         return self.start + (self.length - 1) * self.step
@@ -143,8 +156,10 @@ class _Values:
     def progression(self, expr, analyzer) -> Progression | None:
         expr = self.resolve(expr)
         sinfo = getattr(expr, "ty", None)
-        if not isinstance(sinfo, relax.TensorType) or sinfo.ndim != 1 or sinfo.dtype not in _INT:
+        if not isinstance(sinfo, relax.TensorType) or sinfo.ndim < 1 or sinfo.dtype not in _INT:
             return None
+        if sinfo.ndim > 1:
+            return self._rows(expr, sinfo, analyzer)
         if isinstance(expr, GenericConst):
             return _from_array(expr.value.numpy())
         name = op_name(expr)
@@ -201,7 +216,115 @@ class _Values:
             return Progression(prog.start * factor, prog.step * factor, prog.length)
         if name == "relax.where":
             return self._normalised(expr, analyzer)
+        if name == "relax.strided_slice":
+            return self._sliced(expr, sinfo, analyzer)
         return None
+
+    def _rows(self, expr, sinfo, analyzer) -> Progression | None:
+        """An index of several dims whose every row is one progression: a constant
+        ``(1, ..., 1, n)`` array (a ``position_ids`` buffer), a reshape / ``expand_dims`` of a
+        1-D progression to such a shape, a slice of one along its last axis
+        (``position_ids[:, :seq]``), a ``broadcast_to`` of one to more rows, and the ops of
+        the 1-D case (casts, integer scalars, the importer's negative-index ``where``)."""
+        if not isinstance(sinfo.shape, relax.ShapeExpr):
+            return None
+        dims = [_i64(d) for d in sinfo.shape.values]
+        unit_rows = all(isinstance(d, tirx.IntImm) and int(d.value) == 1 for d in dims[:-1])
+        if isinstance(expr, GenericConst):
+            arr = expr.value.numpy()
+            if not unit_rows:
+                return None
+            prog = _from_array(arr.reshape(-1))
+            return dataclasses.replace(prog, rows=tuple(dims[:-1])) if prog else None
+        name = op_name(expr)
+        if name in ("relax.reshape", "relax.expand_dims") and unit_rows:
+            prog = self.progression(expr.args[0], analyzer)
+            if prog is None or any(
+                not (isinstance(r, tirx.IntImm) and int(r.value) == 1) for r in prog.rows
+            ):
+                return None
+            if not analyzer.can_prove_equal(dims[-1], prog.length):
+                return None
+            return dataclasses.replace(prog, rows=tuple(dims[:-1]))
+        if name == "relax.broadcast_to":
+            prog = self.progression(expr.args[0], analyzer)
+            if prog is None or not analyzer.can_prove_equal(dims[-1], prog.length):
+                return None
+            if any(not (isinstance(r, tirx.IntImm) and int(r.value) == 1) for r in prog.rows):
+                return None
+            return dataclasses.replace(prog, rows=tuple(dims[:-1]))
+        if name in (
+            "relax.astype",
+            "relax.add",
+            "relax.subtract",
+            "relax.multiply",
+            "relax.where",
+            "relax.strided_slice",
+        ):
+            # the 1-D rules, the rows kept: an operand is the progression of these rows, the
+            # other a scalar (checked by the 1-D rule on the same expression)
+            return self._rows_elementwise(expr, sinfo, dims, analyzer)
+        return None
+
+    def _rows_elementwise(self, expr, sinfo, dims, analyzer) -> Progression | None:
+        name = op_name(expr)
+        if name == "relax.strided_slice":
+            return self._sliced(expr, sinfo, analyzer)
+        if name == "relax.astype":
+            return self.progression(expr.args[0], analyzer)
+        if name == "relax.where":
+            prog = self._normalised(expr, analyzer)
+        else:
+            lhs, rhs = expr.args
+            prog, other = self.progression(lhs, analyzer), rhs
+            if prog is None and name != "relax.subtract":
+                prog, other = self.progression(rhs, analyzer), lhs
+            if prog is None:
+                return None
+            value = self.scalar(other)
+            if value is None:
+                return None
+            if name == "relax.add":
+                prog = dataclasses.replace(prog, start=prog.start + value)
+            elif name == "relax.subtract":
+                prog = dataclasses.replace(prog, start=prog.start - value)
+            elif isinstance(value, tirx.IntImm):
+                factor = int(value.value)
+                prog = dataclasses.replace(prog, start=prog.start * factor, step=prog.step * factor)
+            else:
+                return None
+        if prog is None or len(prog.rows) != len(dims) - 1:
+            return None
+        if not all(
+            analyzer.can_prove_equal(a, b) for a, b in zip(prog.rows, dims[:-1], strict=True)
+        ):
+            return None
+        return prog
+
+    def _sliced(self, expr, sinfo, analyzer) -> Progression | None:
+        """``strided_slice`` of a progression along its last axis, from a non-negative begin
+        with a positive stride, its length the slice's declared one (``assume_inbound`` or a
+        static extent inside the progression)."""
+        data, axes, begin, _end, strides = expr.args[:5]
+        prog = self.progression(data, analyzer)
+        if prog is None or not isinstance(sinfo.shape, relax.ShapeExpr):
+            return None
+        ndim = len(prog.rows) + 1
+        axes_v = [int(a) % ndim for a in _tuple_values(axes)]
+        begin_v, stride_v = _tuple_values(begin), _tuple_values(strides)
+        if axes_v != [ndim - 1] or len(begin_v) != 1 or len(stride_v) != 1:
+            return None
+        b, st = _i64(begin_v[0]), _i64(stride_v[0])
+        if not isinstance(st, tirx.IntImm) or int(st.value) <= 0:
+            return None
+        if not analyzer.can_prove(b >= 0):
+            return None
+        length = _i64(sinfo.shape.values[-1])
+        inbound = bool(expr.attrs.assume_inbound) if expr.attrs is not None else False
+        if not inbound and not analyzer.can_prove(b + (length - 1) * st < prog.length):
+            return None
+        rows = tuple(_i64(d) for d in sinfo.shape.values[:-1])
+        return Progression(prog.start + b * prog.step, prog.step * int(st.value), length, rows)
 
     def _normalised(self, where, analyzer) -> Progression | None:
         """``where(less(i, 0), add(i, dim), i)``: the ONNX importer's negative-index fix."""
@@ -229,6 +352,15 @@ class _Values:
         if dim is not None and analyzer.can_prove(hi < 0):
             return Progression(prog.start + dim, prog.step, prog.length)
         return None
+
+
+def _tuple_values(value) -> list:
+    """The elements of a strided_slice argument (a Relax tuple of PrimValues or a shape)."""
+    if isinstance(value, relax.Tuple):
+        return [getattr(f, "value", f) for f in value.fields]
+    if isinstance(value, relax.ShapeExpr):
+        return list(value.values)
+    return [getattr(v, "value", v) for v in value]
 
 
 def _from_array(arr: np.ndarray) -> Progression | None:
@@ -332,6 +464,18 @@ class _Rewriter(PyExprMutator):
         sliced = self.builder_.normalize(
             relax.op.strided_slice(new_x, [axis], [begin], [end], [step], assume_inbound=inbound)
         )
+        if prog.rows:
+            # an index of rows of one progression: the slice with the rows' dims in front of
+            # its axis, broadcast to them (a view when they are ones)
+            sliced = self.builder_.normalize(
+                relax.op.expand_dims(sliced, [axis + i for i in range(len(prog.rows))])
+            )
+            if not all(isinstance(r, tirx.IntImm) and int(r.value) == 1 for r in prog.rows):
+                if not isinstance(out_sinfo.shape, relax.ShapeExpr):
+                    return _leave(what, "the take's shape is unknown")
+                sliced = self.builder_.normalize(
+                    relax.op.broadcast_to(self.builder_.emit(sliced), out_sinfo.shape)
+                )
         if not _same_shape(sliced.ty, out_sinfo, analyzer):
             return _leave(what, "slice shape not provably the take's shape")
         if not _struct_equal(sliced.ty, out_sinfo):
@@ -349,6 +493,8 @@ class _Rewriter(PyExprMutator):
         if found is None:
             return None
         axis, dim, prog, analyzer = found
+        if prog.rows:
+            return _leave(what, "a gradient of an index of several rows (not rewritten)")
         g_sinfo = grad.ty
         if not isinstance(g_sinfo, relax.TensorType) or not isinstance(
             g_sinfo.shape, relax.ShapeExpr
