@@ -468,3 +468,120 @@ def test_constant_of_shape_empty_is_a_scalar():
     x = np.ones((2, 4), "float32")
     out = engine.TvmRunner(engine.compile_module(mod, host_target(), "tvm_fusion"), [x])
     np.testing.assert_array_equal(out.outputs()[0], x - 3.5)
+
+
+# The two halves of an axis, bounds from Shape (issue #27). Run in a subprocess: a crash in
+# compiled code (a shape that overflows int64) must fail the test, not kill pytest.
+_HALVES = """
+import sys
+import numpy as np
+import onnxruntime as ort
+from onnx import helper
+
+from tvm_fusion import engine, host_target, load_onnx
+from tvm_fusion.models._build import onnx_input, onnx_model
+
+dim, scalar, add, sizes = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4:]
+dim = int(dim) if dim.isdigit() else dim
+index = np.array(1, "int64") if scalar else np.array([1], "int64")
+nodes = [
+    helper.make_node("Shape", ["x"], ["shp"]),
+    helper.make_node("Gather", ["shp", "index"], ["n"], axis=0),
+    helper.make_node("Div", ["n", "two"], ["half0"]),
+    helper.make_node("Unsqueeze", ["half0", "zero"], ["half"])
+    if scalar
+    else helper.make_node("Identity", ["half0"], ["half"]),
+    helper.make_node("Slice", ["x", "zero", "half", "one"], ["a"]),
+    helper.make_node("Slice", ["x", "half", "end", "one"], ["b"]),
+]
+outputs = [onnx_input("a", "float32", [3, "p"]), onnx_input("b", "float32", [3, "q"])]
+if add:
+    nodes.append(helper.make_node("Add", ["a", "b"], ["y"]))
+    outputs = [onnx_input("y", "float32", [3, "p"])]
+inits = {
+    "index": index,
+    "two": np.array(2, "int64"),
+    "zero": np.array([0], "int64"),
+    "one": np.array([1], "int64"),
+    "end": np.array([2**63 - 1], "int64"),
+}
+model = onnx_model(nodes, [onnx_input("x", "float32", [3, dim])], outputs, inits, opset=17)
+compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
+session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+for size in map(int, sizes):
+    x = np.random.default_rng(size).standard_normal((3, size)).astype("float32")
+    want = session.run(None, {"x": x})
+    got = engine.TvmRunner(compiled, [x]).outputs()
+    assert [w.shape for w in want] == [g.shape for g in got], (size, want, got)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+print("OK")
+"""
+
+
+@pytest.mark.parametrize(
+    "dim, add, sizes",
+    [(8, True, [8]), (8, False, [8]), (7, False, [7]), ("n", False, [8, 7, 1])],
+)
+@pytest.mark.parametrize("scalar", [True, False], ids=["scalar_index", "vector_index"])
+def test_halves_of_an_axis_match_onnxruntime(dim, scalar, add, sizes):
+    """``x[:, :n // 2]`` and ``x[:, n // 2:INT64_MAX]`` with ``n = Shape(x)[1]``: the importer
+    declared the second slice ``INT64_MAX - n // 2`` long (assume_inbound with the INT64_MAX
+    end), which overflowed; the end is now cut to the axis. Static and symbolic axes, odd
+    sizes (floor division), a gather index as a scalar or a 1-element vector."""
+    _run_script(_HALVES, dim, int(scalar), int(add), *sizes)
+
+
+def _run_script(script: str, *args) -> None:
+    import subprocess
+    import sys
+
+    pytest.importorskip("onnxruntime")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+_START_FROM_OTHER = """
+import numpy as np
+import onnxruntime as ort
+from onnx import helper
+
+from tvm_fusion import engine, host_target, load_onnx
+from tvm_fusion.models._build import onnx_input, onnx_model
+
+nodes = [
+    helper.make_node("Shape", ["y"], ["shp"]),
+    helper.make_node("Gather", ["shp", "index"], ["m0"], axis=0),
+    helper.make_node("Unsqueeze", ["m0", "zero"], ["m"]),
+    helper.make_node("Slice", ["x", "m", "end", "one"], ["b"]),
+]
+inits = {
+    "index": np.array(0, "int64"),
+    "zero": np.array([0], "int64"),
+    "one": np.array([1], "int64"),
+    "end": np.array([2**63 - 1], "int64"),
+}
+inputs = [onnx_input("x", "float32", [3, "n"]), onnx_input("y", "float32", ["m"])]
+model = onnx_model(nodes, inputs, [onnx_input("b", "float32", [3, "q"])], inits, opset=17)
+compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
+session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+for n, m in [(8, 3), (5, 5), (4, 6)]:
+    x = np.random.default_rng(n).standard_normal((3, n)).astype("float32")
+    y = np.zeros(m, "float32")
+    want = session.run(None, {"x": x, "y": y})[0]
+    got = engine.TvmRunner(compiled, [x, y]).outputs()[0]
+    assert want.shape == got.shape, (n, m, want.shape, got.shape)
+    np.testing.assert_array_equal(got, want)
+print("OK")
+"""
+
+
+def test_slice_start_of_unknown_range_matches_onnxruntime():
+    """``x[:, len(y):]``: a start that may pass the end of the axis cannot be assumed in
+    bounds; the slice clamps it (an empty result where ``len(y) >= n``), as ONNX Runtime."""
+    _run_script(_START_FROM_OTHER)

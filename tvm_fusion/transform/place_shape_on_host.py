@@ -54,7 +54,7 @@ from tvm.ir import PrimType
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import get_logger, op_name, record_rewrite, skip
+from ._common import at_most, get_logger, op_name, record_rewrite, skip
 
 logger = get_logger(__name__)
 NAME = "PlaceShapeOnHost"
@@ -507,16 +507,6 @@ class _Evaluator:
         return _Value([_BINARY[name](x, y) for x, y in zip(a, b, strict=True)], rank)
 
 
-def _at_most(analyzer, expr, bound) -> bool:
-    """``expr <= bound``, also for ``x // c`` (c >= 1, 0 <= x <= bound), which the analyzer
-    does not prove on its own (``n // 2 <= n``)."""
-    if analyzer.can_prove(expr <= bound):
-        return True
-    if isinstance(expr, tirx.FloorDiv) and isinstance(expr.b, tirx.IntImm) and expr.b.value >= 1:
-        return analyzer.can_prove(expr.a >= 0) and _at_most(analyzer, expr.a, bound)
-    return False
-
-
 def _is_gpu(target) -> bool:
     return target is not None and "gpu" in target.keys
 
@@ -912,7 +902,7 @@ class _Rewriter(PyExprMutator):
             and int(st.value) > 0
             and self.analyzer.can_prove(b >= 0)
             and self.analyzer.can_prove(b <= e)
-            and _at_most(self.analyzer, e, _i64(d))
+            and at_most(self.analyzer, e, _i64(d))
             for b, e, st, d in zip(begin, end, strides, dims, strict=False)
         )
         self._read_inputs([*begin, *end])
