@@ -7,6 +7,9 @@ data, a shape value that also feeds arithmetic on data keeps its kernel. The cor
 (tvm_fusion.models.shape_idioms, ONNX models as exporters write them) is checked against ONNX
 Runtime on llvm, and its CUDA build is inspected: zero shape-only kernels and zero shape copies
 with the pass, except the one kernel and copy of a value computed from data (mask_trim).
+Issue #27 cases (run against ONNX Runtime at several sizes of the dynamic axis): the two
+halves of an axis with bounds from Shape (in a subprocess: a crash fails the test), a Range
+over a dynamic axis gathered, reversed included.
 """
 
 import numpy as np
@@ -585,3 +588,78 @@ def test_slice_start_of_unknown_range_matches_onnxruntime():
     """``x[:, len(y):]``: a start that may pass the end of the axis cannot be assumed in
     bounds; the slice clamps it (an empty result where ``len(y) >= n``), as ONNX Runtime."""
     _run_script(_START_FROM_OTHER)
+
+
+def _range_gather(start, limit, delta: int, reshape: bool):
+    """``Gather(x, Range(start, limit, delta), axis=1)`` over x (b, n), n dynamic; ``start`` and
+    ``limit`` are ``(k, c)``: ``k * n + c`` with ``n = Shape(x)[1]``."""
+    from onnx import helper
+
+    from tvm_fusion.models._build import onnx_input, onnx_model
+
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shp"]),
+        helper.make_node("Gather", ["shp", "one"], ["len"], axis=0),
+    ]
+    inits = {"one": np.array(1, "int64"), "flat": np.array([-1], "int64")}
+    inits["delta"] = np.array(delta, "int64")
+    names = []
+    for name, (k, c) in (("start", start), ("limit", limit)):
+        inits[f"{name}_c"] = np.array(c, "int64")
+        if k == 0:
+            names.append(f"{name}_c")
+            continue
+        op, args = ("Add", ["len", f"{name}_c"]) if k > 0 else ("Sub", [f"{name}_c", "len"])
+        nodes.append(helper.make_node(op, args, [name]))
+        names.append(name)
+    nodes.append(helper.make_node("Range", [*names, "delta"], ["idx0"]))
+    if reshape:  # the dynamo exporter's index_select
+        nodes.append(helper.make_node("Reshape", ["idx0", "flat"], ["idx"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["idx0"], ["idx"]))
+    nodes.append(helper.make_node("Gather", ["x", "idx"], ["y"], axis=1))
+    x, y = onnx_input("x", "float32", ["b", "n"]), onnx_input("y", "float32", ["b", "k"])
+    return onnx_model(nodes, [x], [y], inits, opset=17)
+
+
+@pytest.mark.parametrize("reshape", [False, True], ids=["range", "range_reshape"])
+@pytest.mark.parametrize(
+    "start, limit, delta",
+    [
+        ((1, -1), (0, -1), -1),  # reversed: n - 1 down to 0
+        ((1, -2), (0, 0), -1),  # n - 2 down to 1
+        ((1, -1), (0, -1), -2),  # every other, reversed
+        ((1, -3), (1, 0), 1),  # the last three
+        ((-1, 0), (0, 0), 1),  # -n .. -1: negative indices
+        ((0, 1), (1, 0), 2),  # odd positions
+    ],
+    ids=["reverse", "reverse_to_1", "reverse_step_2", "last_3", "negative", "odd"],
+)
+def test_range_gather_on_a_dynamic_axis_matches_onnxruntime(start, limit, delta, reshape):
+    """A Range over a dynamic axis with bounds from Shape, gathered (issue #27): the importer
+    computes a negative step's length as ``-((limit - start) // delta)``; the division by -1
+    stayed in every extent (``0 - n // -1``) and the build failed ("Binding of variable rmod
+    ... conflicts"). One build, fed at n = 5, 8, 13; NumPy and ONNX Runtime agree. ORT runs
+    unoptimised: its graph optimiser returns no columns for the reversal here."""
+    ort = pytest.importorskip("onnxruntime")
+    model = _range_gather(start, limit, delta, reshape)
+    compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    for n in (5, 8, 13):
+        x = np.random.default_rng(n).standard_normal((2, n)).astype("float32")
+        index = np.arange(start[0] * n + start[1], limit[0] * n + limit[1], delta)
+        got = engine.TvmRunner(compiled, [x]).outputs()[0]
+        np.testing.assert_array_equal(got, x[:, index])
+        np.testing.assert_array_equal(got, session.run(None, {"x": x})[0])
+
+
+def test_floor_division_by_a_negative_constant_is_written_positive():
+    """``n // -1`` becomes ``-n // 1``: the Range length of a reversal is plain ``n``."""
+    model = _range_gather((1, -1), (0, -1), -1, reshape=False)
+    mod = PlaceShapeOnHost(tvm.target.Target("llvm"))(load_onnx(model))
+    b, n = mod["main"].params[0].ty.shape.values
+    tvm.ir.assert_structural_equal(mod["main"].ret_ty.shape.values, [b, n], map_free_vars=True)

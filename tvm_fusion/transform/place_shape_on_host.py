@@ -65,12 +65,42 @@ _MAX_ELEMS = 16  # shape tensors are short; longer int tensors are data
 # min/max, and ceil/floor of a division by a positive integer constant.
 _FLOAT = ("float16", "float32", "float64")
 
+
+def _floordiv(a, b):
+    """``a // b``, a negative constant divisor written positive (``n // -1`` is ``-n // 1``,
+    that is ``-n``). The importer computes a Range's length as ``-((limit - start) // delta)``;
+    with ``delta = -1`` the division stayed in every extent after it (``0 - n // -1``, which
+    the analyzer does not simplify) and the build failed ("Binding of variable rmod ...
+    conflicts"). (The analyzer itself writes ``-n // 2`` as ``n // -2``, which builds.)"""
+    if isinstance(b, tirx.IntImm) and int(b.value) < 0:
+        return tirx.floordiv(-a, _negated(b))
+    return tirx.floordiv(a, b)
+
+
+def _negated(value: tirx.IntImm) -> tirx.IntImm:
+    return tirx.IntImm(str(value.ty.dtype), -int(value.value))
+
+
+def _floormod(a, b):
+    """``a % b`` with ``b`` a negative constant is ``-((-a) % -b)``."""
+    if isinstance(b, tirx.IntImm) and int(b.value) < 0:
+        return -tirx.floormod(-a, _negated(b))
+    return tirx.floormod(a, b)
+
+
+def _truncdiv(a, b):
+    """Integer Div (truncating), a negative constant divisor written positive."""
+    if isinstance(b, tirx.IntImm) and int(b.value) < 0:
+        return -tirx.truncdiv(a, _negated(b))
+    return tirx.truncdiv(a, b)
+
+
 _BINARY = {
     "relax.add": lambda a, b: a + b,
     "relax.subtract": lambda a, b: a - b,
     "relax.multiply": lambda a, b: a * b,
-    "relax.floor_divide": tirx.floordiv,
-    "relax.floor_mod": tirx.floormod,
+    "relax.floor_divide": _floordiv,
+    "relax.floor_mod": _floormod,
     "relax.minimum": tirx.min,
     "relax.maximum": tirx.max,
 }
@@ -503,7 +533,7 @@ class _Evaluator:
                     return _Value(a, rank)
                 return self.fail("float division outside ceil/floor")
             # integer Div truncates (ONNX and TIR alike)
-            return _Value([tirx.truncdiv(x, y) for x, y in zip(a, b, strict=True)], rank)
+            return _Value([_truncdiv(x, y) for x, y in zip(a, b, strict=True)], rank)
         return _Value([_BINARY[name](x, y) for x, y in zip(a, b, strict=True)], rank)
 
 
