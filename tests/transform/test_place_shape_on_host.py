@@ -590,18 +590,22 @@ def test_slice_start_of_unknown_range_matches_onnxruntime():
     _run_script(_START_FROM_OTHER)
 
 
-def _range_gather(start, limit, delta: int, reshape: bool):
+def _range_gather(start, limit, delta: int, reshape: bool, vector_index: bool = False):
     """``Gather(x, Range(start, limit, delta), axis=1)`` over x (b, n), n dynamic; ``start`` and
-    ``limit`` are ``(k, c)``: ``k * n + c`` with ``n = Shape(x)[1]``."""
+    ``limit`` are ``(k, c)``: ``k * n + c`` with ``n = Shape(x)[1]``, gathered at the scalar
+    index 1 or (``vector_index``) at ``[1]`` then squeezed."""
     from onnx import helper
 
     from tvm_fusion.models._build import onnx_input, onnx_model
 
-    nodes = [
-        helper.make_node("Shape", ["x"], ["shp"]),
-        helper.make_node("Gather", ["shp", "one"], ["len"], axis=0),
-    ]
-    inits = {"one": np.array(1, "int64"), "flat": np.array([-1], "int64")}
+    nodes = [helper.make_node("Shape", ["x"], ["shp"])]
+    if vector_index:
+        nodes.append(helper.make_node("Gather", ["shp", "one"], ["len1"], axis=0))
+        nodes.append(helper.make_node("Squeeze", ["len1"], ["len"]))
+    else:
+        nodes.append(helper.make_node("Gather", ["shp", "one"], ["len"], axis=0))
+    inits = {"one": np.array([1] if vector_index else 1, "int64")}
+    inits["flat"] = np.array([-1], "int64")
     inits["delta"] = np.array(delta, "int64")
     names = []
     for name, (k, c) in (("start", start), ("limit", limit)):
@@ -622,6 +626,7 @@ def _range_gather(start, limit, delta: int, reshape: bool):
     return onnx_model(nodes, [x], [y], inits, opset=17)
 
 
+@pytest.mark.parametrize("vector_index", [False, True], ids=["scalar_index", "vector_index"])
 @pytest.mark.parametrize("reshape", [False, True], ids=["range", "range_reshape"])
 @pytest.mark.parametrize(
     "start, limit, delta",
@@ -635,14 +640,19 @@ def _range_gather(start, limit, delta: int, reshape: bool):
     ],
     ids=["reverse", "reverse_to_1", "reverse_step_2", "last_3", "negative", "odd"],
 )
-def test_range_gather_on_a_dynamic_axis_matches_onnxruntime(start, limit, delta, reshape):
+def test_range_gather_on_a_dynamic_axis_matches_onnxruntime(
+    start, limit, delta, reshape, vector_index
+):
     """A Range over a dynamic axis with bounds from Shape, gathered (issue #27): the importer
     computes a negative step's length as ``-((limit - start) // delta)``; the division by -1
     stayed in every extent (``0 - n // -1``) and the build failed ("Binding of variable rmod
-    ... conflicts"). One build, fed at n = 5, 8, 13; NumPy and ONNX Runtime agree. ORT runs
-    unoptimised: its graph optimiser returns no columns for the reversal here."""
+    ... conflicts"). With ``n`` gathered as a vector, the start's int chain stays a kernel and
+    FuseTIR failed on its ``shape_to_tensor(b, n)`` ("VarRemapGet(source) == nullptr",
+    ``pipeline.KeepScalarKernelsApart``). One build, fed at n = 5, 8, 13; NumPy and ONNX
+    Runtime agree. ORT runs unoptimised: its graph optimiser returns no columns for the
+    reversal here."""
     ort = pytest.importorskip("onnxruntime")
-    model = _range_gather(start, limit, delta, reshape)
+    model = _range_gather(start, limit, delta, reshape, vector_index)
     compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
