@@ -24,9 +24,10 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
   tables);
 - ``Slice`` with a symbolic bound (``x[:, n // 2:]`` with ``n`` from ``Shape``): stock assumes
   every such slice in bounds, an end of INT64_MAX included, and declares ``INT64_MAX - n // 2``
-  elements (int64 overflow further on). Ends past the axis are cut to its length and negative
-  constants counted from its end; where the bounds then are not provably ``0 <= begin <= end
-  <= dim`` (positive steps) the slice clamps them at run time (``assume_inbound=False``).
+  elements (int64 overflow further on). Ends past the axis are cut to its length, negative
+  constants count from its end, and a begin or constant end that may pass the axis is
+  clamped with ``min`` (:func:`_inbound_bounds`); a symbolic end that cannot be proven within
+  the axis keeps stock's promise, as do negative or run-time steps.
 
 Both leave a ``tensor_to_shape`` that :class:`~tvm_fusion.transform.PlaceShapeOnHost` then
 evaluates symbolically (no kernel, no copy) when the target is computed from shapes, and that
@@ -222,14 +223,22 @@ class Slice(_frontend.Slice):
         # ``INT64_MAX - n // 2`` elements, which overflows in the shape arithmetic after it.
         bounds = _inbound_bounds(out)
         if bounds is None:
-            return relax.op.strided_slice(*out.args[:5], assume_inbound=False)
-        return relax.op.strided_slice(out.args[0], out.args[1], *bounds, assume_inbound=True)
+            return out
+        begins, ends = ([relax.prim_value(v) for v in seq] for seq in bounds)
+        return relax.op.strided_slice(
+            out.args[0], out.args[1], begins, ends, out.args[4], assume_inbound=True
+        )
 
 
-def _inbound_bounds(call: relax.Call):
-    """(begins, ends, strides) of a ``strided_slice`` with ends past the axis (ONNX's
-    INT64_MAX) cut to the axis length and negative constants counted from the end, when every
-    axis then provably has ``0 <= begin <= end <= dim`` and a positive stride; else None."""
+def _inbound_bounds(call: relax.Call) -> tuple[list, list] | None:
+    """In-bound (begins, ends) for a ``strided_slice`` that stock declared in bounds, or None
+    to keep stock's call (a step that is not a positive constant, a bound that may be
+    negative, an unknown input shape). Per axis: an end of at least ``2**31 - 1`` (ONNX's
+    INT64_MAX, "to the end") is the axis length and negative constants count from the end; a
+    constant end that may pass the axis becomes ``min(end, dim)``; a begin that may pass the
+    end becomes ``min(begin, end)`` (ONNX clamps both). A symbolic end that cannot be proven
+    within the axis (``position_ids[:, :seq]`` of a 512-row table) keeps stock's promise that
+    it is: declaring it ``min(seq, 512)`` would leave every shape after it unknown."""
     from tvm import sym
 
     from .transform._common import at_most
@@ -242,9 +251,9 @@ def _inbound_bounds(call: relax.Call):
         return None
     dims = [_i64(d) for d in sinfo.shape.values]
     analyzer = sym.Analyzer()
-    for dim in dims:  # a tensor's dims are never negative
-        for var in tirx.analysis.undefined_vars(dim):
-            analyzer.update(var, sym.ConstIntBound(0, sym.ConstIntBound.POS_INF), override=True)
+    tensor_dims = [v for d in dims for v in tirx.analysis.undefined_vars(d)]
+    for var in [*tensor_dims, *_DIM_VARS.values()]:  # a tensor's dims are never negative
+        analyzer.update(var, sym.ConstIntBound(0, sym.ConstIntBound.POS_INF), override=True)
     axes, begins, ends, strides = (list(a.fields) for a in call.args[1:5])
     new_begins, new_ends = [], []
     for axis, begin, end, stride in zip(axes, begins, ends, strides, strict=True):
@@ -254,22 +263,23 @@ def _inbound_bounds(call: relax.Call):
             return None
         dim = dims[int(axis.value) % len(dims)]
         begin, end = _i64(begin), _i64(end)
+        constant_end = isinstance(end, tirx.IntImm)
         if isinstance(begin, tirx.IntImm) and int(begin.value) < 0:
             begin = dim + begin
-        if isinstance(end, tirx.IntImm) and int(end.value) >= _TO_THE_END:
+        if constant_end and int(end.value) >= _TO_THE_END:
             end = dim
-        elif isinstance(end, tirx.IntImm) and int(end.value) < 0:
+        elif constant_end and int(end.value) < 0:
             end = dim + end
         begin, end = analyzer.simplify(begin), analyzer.simplify(end)
-        if not (
-            analyzer.can_prove(begin >= 0)
-            and at_most(analyzer, begin, end)
-            and at_most(analyzer, end, dim)
-        ):
+        if not (analyzer.can_prove(begin >= 0) and analyzer.can_prove(end >= 0)):
             return None
+        if constant_end and not at_most(analyzer, end, dim):
+            end = tirx.min(end, dim)
+        if not at_most(analyzer, begin, end):
+            begin = tirx.min(begin, end)
         new_begins.append(begin)
         new_ends.append(end)
-    return new_begins, new_ends, strides
+    return new_begins, new_ends
 
 
 # Stock converters we replace (ours fall back to them for everything but the cases above).
