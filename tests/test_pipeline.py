@@ -213,3 +213,35 @@ def test_every_llvm_kernel_has_noalias_pointers(name, target):
     out = as_list(engine.TvmRunner(ours, inst.input_list())())
     for o, r in zip(out, inst.reference(*inst.input_list()), strict=True):
         np.testing.assert_allclose(o, r, rtol=inst.rtol, atol=inst.atol)
+
+
+def _scalar_kernel_module():
+    """``x[:, arange(n) - b]`` with negative indices wrapped (ONNX Gather), ``b`` read from
+    ``shape_to_tensor(shape(x))``: after LegalizeOps the ``shape_to_tensor`` kernel takes the
+    scalars ``b, n`` and reads no tensor."""
+    b, n = tvm.tirx.Var("b", "int64"), tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((b, n), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            dims = bb.emit(relax.op.shape_to_tensor(relax.ShapeExpr([b, n])))
+            first = bb.emit(relax.op.squeeze(relax.op.strided_slice(dims, [0], [0], [1])))
+            idx = bb.emit(relax.op.subtract(relax.op.arange(0, n, 1, "int64"), first))
+            negative = relax.op.less(idx, relax.const(0, "int64"))
+            idx = bb.emit(relax.op.where(negative, relax.op.add(idx, relax.const(5, "int64")), idx))
+            out = bb.emit_output(relax.op.take(x, idx, axis=1))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_scalar_only_kernels_kept_out_of_groups(target):
+    """Stock's FuseOps + FuseTIR fail on a group holding a kernel of scalars only
+    (``shape_to_tensor(b, n)``) next to kernels that use another dim ("VarRemapGet(source) ==
+    nullptr"); KeepScalarKernelsApart marks it opaque and the module builds."""
+    mod = _scalar_kernel_module()
+    with pytest.raises(Exception, match="VarRemapGet"):
+        engine.compile_module(mod, target, "stock")
+    compiled = engine.compile_module(mod, target, "tvm_fusion")
+    x = np.arange(10, dtype="float32").reshape(2, 5)
+    out = engine.TvmRunner(compiled, [x]).outputs()[0]
+    np.testing.assert_array_equal(out, x[:, (np.arange(5) - 2) % 5])

@@ -23,6 +23,12 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
   every input dim: "'Var' object has no attribute 'value'", as in a Llama block's rotary
   tables), and to a shape value (stock compares lists of PrimExprs with ``==``: "Cannot use and
   / or / not operator to Expr", DistilBERT's attention mask in a static-shape import).
+- ``Slice`` with a symbolic bound (``x[:, n // 2:]`` with ``n`` from ``Shape``): stock assumes
+  every such slice in bounds, an end of INT64_MAX included, and declares ``INT64_MAX - n // 2``
+  elements (int64 overflow further on). Ends past the axis are cut to its length, negative
+  constants count from its end, and a begin or constant end that may pass the axis is
+  clamped with ``min`` (:func:`_inbound_bounds`); a symbolic end that cannot be proven within
+  the axis keeps stock's promise, as do negative or run-time steps.
 
 Both leave a ``tensor_to_shape`` that :class:`~tvm_fusion.transform.PlaceShapeOnHost` then
 evaluates symbolically (no kernel, no copy) when the target is computed from shapes, and that
@@ -46,6 +52,7 @@ from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 
 from .transform._common import as_i64 as _i64
+from .transform._common import op_name
 
 _NO_IGNORE = -100
 logger = logging.getLogger(__name__)
@@ -237,8 +244,88 @@ class Expand(_frontend.Expand):
         return relax.op.broadcast_to(data, relax.ShapeExpr(out))
 
 
+_TO_THE_END = (1 << 31) - 1  # an end at least this large means "to the end of the axis"
+
+
+class Slice(_frontend.Slice):
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        out = super()._impl_v13(bb, inputs, attr, params)
+        if not isinstance(out, relax.Call) or op_name(out) != "relax.strided_slice":
+            return out
+        if not out.attrs.assume_inbound:
+            return out
+        # Stock sets assume_inbound whenever a bound is symbolic (``Div(Shape(x)[1], 2)``), even
+        # with an end of INT64_MAX (``x[:, n // 2:]``): the slice is then declared with
+        # ``INT64_MAX - n // 2`` elements, which overflows in the shape arithmetic after it.
+        bounds = _inbound_bounds(out)
+        if bounds is None:
+            return out
+        begins, ends = ([relax.prim_value(v) for v in seq] for seq in bounds)
+        return relax.op.strided_slice(
+            out.args[0], out.args[1], begins, ends, out.args[4], assume_inbound=True
+        )
+
+
+def _inbound_bounds(call: relax.Call) -> tuple[list, list] | None:
+    """In-bound (begins, ends) for a ``strided_slice`` that stock declared in bounds, or None
+    to keep stock's call (a step that is not a positive constant, a bound that may be
+    negative, an unknown input shape). Per axis: an end of at least ``2**31 - 1`` (ONNX's
+    INT64_MAX, "to the end") is the axis length and negative constants count from the end; a
+    constant end that may pass the axis becomes ``min(end, dim)``; a begin that may pass the
+    end becomes ``min(begin, end)`` (ONNX clamps both). A symbolic end that cannot be proven
+    within the axis (``position_ids[:, :seq]`` of a 512-row table) keeps stock's promise that
+    it is: declaring it ``min(seq, 512)`` would leave every shape after it unknown."""
+    from tvm import sym
+
+    from .transform._common import at_most
+
+    data = call.args[0]
+    sinfo = getattr(data, "ty", None)
+    if not isinstance(sinfo, relax.TensorType) or not isinstance(sinfo.shape, relax.ShapeExpr):
+        return None
+    if len(call.args) < 5 or not all(isinstance(a, relax.Tuple) for a in call.args[1:5]):
+        return None
+    dims = [_i64(d) for d in sinfo.shape.values]
+    analyzer = sym.Analyzer()
+    tensor_dims = [v for d in dims for v in tirx.analysis.undefined_vars(d)]
+    for var in [*tensor_dims, *_DIM_VARS.values()]:  # a tensor's dims are never negative
+        analyzer.update(var, sym.ConstIntBound(0, sym.ConstIntBound.POS_INF), override=True)
+    axes, begins, ends, strides = (list(a.fields) for a in call.args[1:5])
+    new_begins, new_ends = [], []
+    for axis, begin, end, stride in zip(axes, begins, ends, strides, strict=True):
+        if not isinstance(axis, tirx.IntImm) or not isinstance(stride, tirx.IntImm):
+            return None
+        if not is_prim_expr(begin) or not is_prim_expr(end) or int(stride.value) <= 0:
+            return None
+        dim = dims[int(axis.value) % len(dims)]
+        begin, end = _i64(begin), _i64(end)
+        constant_end = isinstance(end, tirx.IntImm)
+        if isinstance(begin, tirx.IntImm) and int(begin.value) < 0:
+            begin = dim + begin
+        if constant_end and int(end.value) >= _TO_THE_END:
+            end = dim
+        elif constant_end and int(end.value) < 0:
+            end = dim + end
+        begin, end = analyzer.simplify(begin), analyzer.simplify(end)
+        if not (analyzer.can_prove(begin >= 0) and analyzer.can_prove(end >= 0)):
+            return None
+        if constant_end and not at_most(analyzer, end, dim):
+            end = tirx.min(end, dim)
+        if not at_most(analyzer, begin, end):
+            begin = tirx.min(begin, end)
+        new_begins.append(begin)
+        new_ends.append(end)
+    return new_begins, new_ends
+
+
 # Stock converters we replace (ours fall back to them for everything but the cases above).
-OVERRIDES = {"Reshape": Reshape, "ConstantOfShape": ConstantOfShape, "Expand": Expand}
+OVERRIDES = {
+    "Reshape": Reshape,
+    "ConstantOfShape": ConstantOfShape,
+    "Expand": Expand,
+    "Slice": Slice,
+}
 
 CONVERTERS = {
     "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss,

@@ -29,6 +29,7 @@ import tvm
 from tvm import relax
 from tvm.relax.pipeline import PIPELINE_MAP, register_pipeline
 from tvm.target import Target
+from tvm.tirx.buffer import BufferType
 
 from . import target as _target
 from .errors import UsageError
@@ -106,6 +107,7 @@ def lowering_passes(fast_math: bool = False) -> list[tvm.transform.Pass]:
         relax.transform.LegalizeOps(legalize_map(fast_math)),
         relax.transform.AnnotateTIROpPattern(),
         KeepHostKernelsApart(),
+        KeepScalarKernelsApart(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
     ]
@@ -136,6 +138,27 @@ class KeepHostKernelsApart:
                 continue
             own = func.attrs.get("target")
             if own is not None and own.kind.name != current.kind.name:
+                changed[gv] = func.with_attr("op_pattern", 8)  # kOpaque
+        return _replace_functions(mod, changed)
+
+
+@tvm.transform.module_pass(opt_level=0, name="KeepScalarKernelsApart")
+class KeepScalarKernelsApart:
+    """Kernels that read no tensor, only scalar parameters (``shape_to_tensor`` of symbolic dims,
+    legalised as ``f(b, n, out)``), are marked opaque, so FuseOps leaves them alone. TVM 0.27's
+    FuseOps + FuseTIR fail on a group that holds one whose scalar (``b``) the group's other
+    kernels do not use while they use another dim (``arange(n)``): "VarRemapGet(source) ==
+    nullptr" in RenewDefs (``Gather(x, Range(0 - n, 0, 1))`` with ``n = Shape(x)[1]`` as an
+    index vector, stock as well). Such a kernel writes a few integers; fusing it saves
+    nothing."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        changed = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tvm.tirx.PrimFunc):
+                continue
+            buffers = [p for p in func.params if isinstance(getattr(p, "ty", None), BufferType)]
+            if len(buffers) == 1 and len(func.params) > 1:
                 changed[gv] = func.with_attr("op_pattern", 8)  # kOpaque
         return _replace_functions(mod, changed)
 

@@ -7,7 +7,8 @@ place; constant weights are checked for their blocked layout separately.
 Must not fire: a piece also used outside the group; the GEMM output also used elsewhere; a split
 on the batch axis; unequal pieces; an op outside the elementwise table; float16 data; a width
 no vector block divides. Equal slices of the GEMM output (TorchScript's ``chunk``) are one piece;
-slices that differ are not.
+slices that differ are not. A constant added to a linear layer is a GEMM bias only when it
+broadcasts along the features alone (a per-row bias of as many elements is not).
 """
 
 import numpy as np
@@ -995,3 +996,117 @@ def test_gate_math_with_comparisons_where_and_casts_fuses(target):
     with collect_rewrites() as counts:
         compare_pipelines(mod, [xv], rtol=1e-4, atol=1e-5, reference=[expect])
     assert counts.get("FuseSplitGates") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Biases that are not per-feature (issue #27): a constant's size is no evidence of its shape
+
+
+def _gated_with_bias(rows: int, bias_shape: tuple):
+    """``tanh(x @ Wg) * (x @ Wu + b)`` with x (rows, 4), rows == features, b constant of
+    ``bias_shape``: the module, its input, the NumPy result and (Wg, Wu, b)."""
+    rng = np.random.default_rng(rows)
+    wg, wu = (rng.standard_normal((4, rows)).astype("float32") for _ in "gu")
+    b = rng.standard_normal(bias_shape).astype("float32")
+    x = relax.Var("x", relax.TensorType((rows, 4), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            g = bb.emit(relax.op.tanh(bb.emit(relax.op.matmul(x, relax.const(wg)))))
+            u = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(wu))), relax.const(b)))
+            out = bb.emit_output(relax.op.multiply(g, u))
+        bb.emit_func_output(out)
+    xv = rng.standard_normal((rows, 4)).astype("float32")
+    return bb.get(), [xv], np.tanh(xv @ wg) * (xv @ wu + b), (wg, wu, b)
+
+
+@pytest.mark.parametrize("rows", [8, 5])
+@pytest.mark.parametrize("bias", ["per_row", "full", "per_feature"])
+def test_sibling_linears_bias_shapes_numerics(rows, bias):
+    """A per-row bias (rows, 1) with rows == features has as many elements as a per-feature
+    one; it was flattened into the joined GEMM's bias (max error ~1 at 8 rows). Per-row and
+    full (rows, N) biases stay adds in the gate math; per-feature ones join the GEMM (width 5:
+    no vector block, the siblings stay apart)."""
+    shape = {"per_row": (rows, 1), "full": (rows, rows), "per_feature": (rows,)}[bias]
+    mod, inputs, expected, _ = _gated_with_bias(rows, shape)
+    with collect_rewrites() as counts:
+        compare_pipelines(mod, inputs, rtol=1e-5, atol=1e-5, reference=[expected])
+    assert counts.get("FuseSplitGates", 0) == (1 if rows == 8 else 0)
+
+
+def test_per_row_bias_stays_out_of_the_joined_gemm():
+    """The siblings are joined without a bias; the per-row add stays on the up piece."""
+    from tvm_fusion.transform.fuse_split_gates import _MergeSiblingGemms
+
+    mod, _, _, (wg, wu, b) = _gated_with_bias(8, (8, 1))
+    merged = _MergeSiblingGemms(mod).transform()
+    (x,) = merged["main"].params
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            wt = bb.emit(relax.op.permute_dims(relax.const(np.concatenate([wg.T, wu.T])), [1, 0]))
+            parts = bb.emit(relax.op.split(bb.emit(relax.op.matmul(x, wt)), 2, axis=-1))
+            g, u = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(2))
+            g = bb.emit(relax.op.tanh(g))
+            u = bb.emit(relax.op.add(u, relax.const(b)))
+            out = bb.emit_output(relax.op.multiply(g, u))
+        bb.emit_func_output(out)
+    tvm.ir.assert_structural_equal(merged, bb.get())
+
+
+def _summed_with_bias(bias_shape: tuple):
+    """``(x @ W1 + b) + h @ W2 -> split -> sigmoid(i) * g`` over 16 rows and 16 features."""
+    rng = np.random.default_rng(7)
+    w1, w2 = (rng.standard_normal((4, 16)).astype("float32") for _ in "12")
+    b = rng.standard_normal(bias_shape).astype("float32")
+    x, h = (relax.Var(name, relax.TensorType((16, 4), "float32")) for name in "xh")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, h]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w1))), relax.const(b)))
+            y = bb.emit(relax.op.add(a, bb.emit(relax.op.matmul(h, relax.const(w2)))))
+            parts = bb.emit(relax.op.split(y, 2, axis=-1))
+            i, g = (bb.emit(relax.TupleGetItem(parts, k)) for k in range(2))
+            out = bb.emit_output(relax.op.multiply(bb.emit(relax.op.sigmoid(i)), g))
+        bb.emit_func_output(out)
+    xv, hv = (rng.standard_normal((16, 4)).astype("float32") for _ in "xh")
+    ref = xv @ w1 + b + hv @ w2
+    return bb.get(), [xv, hv], 1 / (1 + np.exp(-ref[:, :8])) * ref[:, 8:]
+
+
+def test_summed_linears_with_a_per_row_bias_left_alone():
+    """A (rows, 1) bias of one summand (rows == features) is not a GEMM bias: no merge, and
+    the numbers match; a per-feature (N,) one still merges."""
+    from tvm_fusion.transform.fuse_split_gates import _MergeSummedGemms
+
+    mod, inputs, expected = _summed_with_bias((16, 1))
+    assert _MergeSummedGemms(mod).transform().same_as(mod)
+    compare_pipelines(mod, inputs, rtol=1e-5, atol=1e-5, reference=[expected])
+    mod, _, _ = _summed_with_bias((16,))
+    assert not _MergeSummedGemms(mod).transform().same_as(mod)
+
+
+def test_bias_adding_leading_axes_left_alone(target):
+    """``x (1, K) @ W + b (1, 1, N)`` is a (1, 1, N) result: the split GEMM has more dims than
+    its input (the matcher crashed comparing them), constant or runtime bias."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((4, 16)).astype("float32")
+    b = rng.standard_normal((1, 1, 16)).astype("float32")
+    x = relax.Var("x", relax.TensorType((1, 4), "float32"))
+    bv = relax.Var("b", relax.TensorType((1, 1, 16), "float32"))
+    for bias, params, inputs in ((relax.const(b), [x], []), (bv, [x, bv], [b])):
+        bb = relax.BlockBuilder()
+        with bb.function("main", params):
+            with bb.dataflow():
+                y = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), bias))
+                parts = bb.emit(relax.op.split(y, 2, axis=-1))
+                i, g = (bb.emit(relax.TupleGetItem(parts, k)) for k in range(2))
+                out = bb.emit_output(relax.op.multiply(bb.emit(relax.op.sigmoid(i)), g))
+            bb.emit_func_output(out)
+        mod = bb.get()
+        with target:
+            tvm.ir.assert_structural_equal(FuseSplitGates()(mod), mod)
+        xv = rng.standard_normal((1, 4)).astype("float32")
+        ref = xv @ w + b
+        expected = 1 / (1 + np.exp(-ref[..., :8])) * ref[..., 8:]
+        compare_pipelines(mod, [xv, *inputs], rtol=1e-5, atol=1e-5, reference=[expected])

@@ -7,6 +7,9 @@ data, a shape value that also feeds arithmetic on data keeps its kernel. The cor
 (tvm_fusion.models.shape_idioms, ONNX models as exporters write them) is checked against ONNX
 Runtime on llvm, and its CUDA build is inspected: zero shape-only kernels and zero shape copies
 with the pass, except the one kernel and copy of a value computed from data (mask_trim).
+Issue #27 cases (run against ONNX Runtime at several sizes of the dynamic axis): the two
+halves of an axis with bounds from Shape (in a subprocess: a crash fails the test), a Range
+over a dynamic axis gathered, reversed included.
 """
 
 import numpy as np
@@ -468,3 +471,205 @@ def test_constant_of_shape_empty_is_a_scalar():
     x = np.ones((2, 4), "float32")
     out = engine.TvmRunner(engine.compile_module(mod, host_target(), "tvm_fusion"), [x])
     np.testing.assert_array_equal(out.outputs()[0], x - 3.5)
+
+
+# The two halves of an axis, bounds from Shape (issue #27). Run in a subprocess: a crash in
+# compiled code (a shape that overflows int64) must fail the test, not kill pytest.
+_HALVES = """
+import sys
+import numpy as np
+import onnxruntime as ort
+from onnx import helper
+
+from tvm_fusion import engine, host_target, load_onnx
+from tvm_fusion.models._build import onnx_input, onnx_model
+
+dim, scalar, add, sizes = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4:]
+dim = int(dim) if dim.isdigit() else dim
+index = np.array(1, "int64") if scalar else np.array([1], "int64")
+nodes = [
+    helper.make_node("Shape", ["x"], ["shp"]),
+    helper.make_node("Gather", ["shp", "index"], ["n"], axis=0),
+    helper.make_node("Div", ["n", "two"], ["half0"]),
+    helper.make_node("Unsqueeze", ["half0", "zero"], ["half"])
+    if scalar
+    else helper.make_node("Identity", ["half0"], ["half"]),
+    helper.make_node("Slice", ["x", "zero", "half", "one"], ["a"]),
+    helper.make_node("Slice", ["x", "half", "end", "one"], ["b"]),
+]
+outputs = [onnx_input("a", "float32", [3, "p"]), onnx_input("b", "float32", [3, "q"])]
+if add:
+    nodes.append(helper.make_node("Add", ["a", "b"], ["y"]))
+    outputs = [onnx_input("y", "float32", [3, "p"])]
+inits = {
+    "index": index,
+    "two": np.array(2, "int64"),
+    "zero": np.array([0], "int64"),
+    "one": np.array([1], "int64"),
+    "end": np.array([2**63 - 1], "int64"),
+}
+model = onnx_model(nodes, [onnx_input("x", "float32", [3, dim])], outputs, inits, opset=17)
+compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
+session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+for size in map(int, sizes):
+    x = np.random.default_rng(size).standard_normal((3, size)).astype("float32")
+    want = session.run(None, {"x": x})
+    got = engine.TvmRunner(compiled, [x]).outputs()
+    assert [w.shape for w in want] == [g.shape for g in got], (size, want, got)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+print("OK")
+"""
+
+
+@pytest.mark.parametrize(
+    "dim, add, sizes",
+    [(8, True, [8]), (8, False, [8]), (7, False, [7]), ("n", False, [8, 7, 1])],
+)
+@pytest.mark.parametrize("scalar", [True, False], ids=["scalar_index", "vector_index"])
+def test_halves_of_an_axis_match_onnxruntime(dim, scalar, add, sizes):
+    """``x[:, :n // 2]`` and ``x[:, n // 2:INT64_MAX]`` with ``n = Shape(x)[1]``: the importer
+    declared the second slice ``INT64_MAX - n // 2`` long (assume_inbound with the INT64_MAX
+    end), which overflowed; the end is now cut to the axis. Static and symbolic axes, odd
+    sizes (floor division), a gather index as a scalar or a 1-element vector."""
+    _run_script(_HALVES, dim, int(scalar), int(add), *sizes)
+
+
+def _run_script(script: str, *args) -> None:
+    import subprocess
+    import sys
+
+    pytest.importorskip("onnxruntime")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+_START_FROM_OTHER = """
+import numpy as np
+import onnxruntime as ort
+from onnx import helper
+
+from tvm_fusion import engine, host_target, load_onnx
+from tvm_fusion.models._build import onnx_input, onnx_model
+
+nodes = [
+    helper.make_node("Shape", ["y"], ["shp"]),
+    helper.make_node("Gather", ["shp", "index"], ["m0"], axis=0),
+    helper.make_node("Unsqueeze", ["m0", "zero"], ["m"]),
+    helper.make_node("Slice", ["x", "m", "end", "one"], ["b"]),
+]
+inits = {
+    "index": np.array(0, "int64"),
+    "zero": np.array([0], "int64"),
+    "one": np.array([1], "int64"),
+    "end": np.array([2**63 - 1], "int64"),
+}
+inputs = [onnx_input("x", "float32", [3, "n"]), onnx_input("y", "float32", ["m"])]
+model = onnx_model(nodes, inputs, [onnx_input("b", "float32", [3, "q"])], inits, opset=17)
+compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
+session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+for n, m in [(8, 3), (5, 5), (4, 6)]:
+    x = np.random.default_rng(n).standard_normal((3, n)).astype("float32")
+    y = np.zeros(m, "float32")
+    want = session.run(None, {"x": x, "y": y})[0]
+    got = engine.TvmRunner(compiled, [x, y]).outputs()[0]
+    assert want.shape == got.shape, (n, m, want.shape, got.shape)
+    np.testing.assert_array_equal(got, want)
+print("OK")
+"""
+
+
+def test_slice_start_of_unknown_range_matches_onnxruntime():
+    """``x[:, len(y):]``: a start that may pass the end of the axis cannot be assumed in
+    bounds; the slice clamps it (an empty result where ``len(y) >= n``), as ONNX Runtime."""
+    _run_script(_START_FROM_OTHER)
+
+
+def _range_gather(start, limit, delta: int, reshape: bool, vector_index: bool = False):
+    """``Gather(x, Range(start, limit, delta), axis=1)`` over x (b, n), n dynamic; ``start`` and
+    ``limit`` are ``(k, c)``: ``k * n + c`` with ``n = Shape(x)[1]``, gathered at the scalar
+    index 1 or (``vector_index``) at ``[1]`` then squeezed."""
+    from onnx import helper
+
+    from tvm_fusion.models._build import onnx_input, onnx_model
+
+    nodes = [helper.make_node("Shape", ["x"], ["shp"])]
+    if vector_index:
+        nodes.append(helper.make_node("Gather", ["shp", "one"], ["len1"], axis=0))
+        nodes.append(helper.make_node("Squeeze", ["len1"], ["len"]))
+    else:
+        nodes.append(helper.make_node("Gather", ["shp", "one"], ["len"], axis=0))
+    inits = {"one": np.array([1] if vector_index else 1, "int64")}
+    inits["flat"] = np.array([-1], "int64")
+    inits["delta"] = np.array(delta, "int64")
+    names = []
+    for name, (k, c) in (("start", start), ("limit", limit)):
+        inits[f"{name}_c"] = np.array(c, "int64")
+        if k == 0:
+            names.append(f"{name}_c")
+            continue
+        op, args = ("Add", ["len", f"{name}_c"]) if k > 0 else ("Sub", [f"{name}_c", "len"])
+        nodes.append(helper.make_node(op, args, [name]))
+        names.append(name)
+    nodes.append(helper.make_node("Range", [*names, "delta"], ["idx0"]))
+    if reshape:  # the dynamo exporter's index_select
+        nodes.append(helper.make_node("Reshape", ["idx0", "flat"], ["idx"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["idx0"], ["idx"]))
+    nodes.append(helper.make_node("Gather", ["x", "idx"], ["y"], axis=1))
+    x, y = onnx_input("x", "float32", ["b", "n"]), onnx_input("y", "float32", ["b", "k"])
+    return onnx_model(nodes, [x], [y], inits, opset=17)
+
+
+@pytest.mark.parametrize("vector_index", [False, True], ids=["scalar_index", "vector_index"])
+@pytest.mark.parametrize("reshape", [False, True], ids=["range", "range_reshape"])
+@pytest.mark.parametrize(
+    "start, limit, delta",
+    [
+        ((1, -1), (0, -1), -1),  # reversed: n - 1 down to 0
+        ((1, -2), (0, 0), -1),  # n - 2 down to 1
+        ((1, -1), (0, -1), -2),  # every other, reversed
+        ((1, -3), (1, 0), 1),  # the last three
+        ((-1, 0), (0, 0), 1),  # -n .. -1: negative indices
+        ((0, 1), (1, 0), 2),  # odd positions
+    ],
+    ids=["reverse", "reverse_to_1", "reverse_step_2", "last_3", "negative", "odd"],
+)
+def test_range_gather_on_a_dynamic_axis_matches_onnxruntime(
+    start, limit, delta, reshape, vector_index
+):
+    """A Range over a dynamic axis with bounds from Shape, gathered (issue #27): the importer
+    computes a negative step's length as ``-((limit - start) // delta)``; the division by -1
+    stayed in every extent (``0 - n // -1``) and the build failed ("Binding of variable rmod
+    ... conflicts"). With ``n`` gathered as a vector, the start's int chain stays a kernel and
+    FuseTIR failed on its ``shape_to_tensor(b, n)`` ("VarRemapGet(source) == nullptr",
+    ``pipeline.KeepScalarKernelsApart``). One build, fed at n = 5, 8, 13; NumPy and ONNX
+    Runtime agree. ORT runs unoptimised: its graph optimiser returns no columns for the
+    reversal here."""
+    ort = pytest.importorskip("onnxruntime")
+    model = _range_gather(start, limit, delta, reshape, vector_index)
+    compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    for n in (5, 8, 13):
+        x = np.random.default_rng(n).standard_normal((2, n)).astype("float32")
+        index = np.arange(start[0] * n + start[1], limit[0] * n + limit[1], delta)
+        got = engine.TvmRunner(compiled, [x]).outputs()[0]
+        np.testing.assert_array_equal(got, x[:, index])
+        np.testing.assert_array_equal(got, session.run(None, {"x": x})[0])
+
+
+def test_floor_division_by_a_negative_constant_is_written_positive():
+    """``n // -1`` becomes ``-n // 1``: the Range length of a reversal is plain ``n``."""
+    model = _range_gather((1, -1), (0, -1), -1, reshape=False)
+    mod = PlaceShapeOnHost(tvm.target.Target("llvm"))(load_onnx(model))
+    b, n = mod["main"].params[0].ty.shape.values
+    tvm.ir.assert_structural_equal(mod["main"].ret_ty.shape.values, [b, n], map_free_vars=True)

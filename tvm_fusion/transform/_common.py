@@ -119,6 +119,20 @@ def prove_equal(a: tirx.Expr | int, b: tirx.Expr | int) -> bool:
     )
 
 
+def at_most(analyzer, expr: tirx.Expr, bound: tirx.Expr) -> bool:
+    """``expr <= bound``, also for ``x // c`` and ``truncdiv(x, c)`` (c >= 1, 0 <= x <= bound),
+    which the analyzer does not prove on its own (``n // 2 <= n``)."""
+    if analyzer.can_prove(expr <= bound):
+        return True
+    if (
+        isinstance(expr, tirx.FloorDiv | tirx.Div)
+        and isinstance(expr.b, tirx.IntImm)
+        and expr.b.value >= 1
+    ):
+        return analyzer.can_prove(expr.a >= 0) and at_most(analyzer, expr.a, bound)
+    return False
+
+
 def normalize_axis(axis: int, ndim: int) -> int | None:
     if ndim < 0 or not -ndim <= axis < ndim:
         return None

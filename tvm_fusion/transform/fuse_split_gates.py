@@ -18,7 +18,11 @@ Two rewrites first bring other spellings of a gate GEMM to that form (constant w
 two linear layers summed before the split (torch's LSTMCell: ``x @ Wih^T + h @ Whh^T``) become
 one GEMM over ``concat(x, h)``; sibling linear layers of one input whose results meet in the
 gate math (Llama's ``silu(x @ Wg) * (x @ Wu)``, GeGLU alike) become one GEMM over the joined
-weights, split into the members' results, where the group then fuses.
+weights, split into the members' results, where the group then fuses. Only a bias that
+broadcasts along the features alone (``(N,)``, ``(1, ..., 1, N)`` or a scalar) joins a merged
+GEMM; any other constant added to a member (a per-row ``(rows, 1)``, a full ``(rows, N)``) keeps
+its add, as gate math where it broadcasts to the pieces, and a summed pair with one is left
+alone.
 
 Emits ONE ``call_tir`` whose PrimFunc computes, per output tile, every gate of every GEMM for
 ``V`` hidden units, then the gate math on that tile: the ``(rows, k * D)`` GEMM output never
@@ -35,9 +39,10 @@ schedule it.
 
 Left alone, with the reason logged at debug level: a piece also used outside the group, a GEMM
 output (or its bias sum) used by anything but the split, a split on another axis or into
-unequal pieces, ops not in the elementwise table, tensors that do not broadcast to the pieces'
-shape, non-float32 data, a ``D`` with no usable vector block, and groups whose external inputs
-depend on the group's own results.
+unequal pieces, a bias that does not broadcast along the features only (or adds leading axes
+to the GEMM result), ops not in the elementwise table, tensors that do not broadcast to the
+pieces' shape, non-float32 data, a ``D`` with no usable vector block, and groups whose external
+inputs depend on the group's own results.
 """
 
 from __future__ import annotations
@@ -213,9 +218,20 @@ def _const_linear(blk: _Block, var):
         return None
     if str(x.ty.dtype) != "float32" or weight.dtype != np.float32:
         return None
-    if bias is not None and (bias.size not in (1, weight.shape[0]) or bias.ndim > 2):
+    if bias is not None and not _feature_bias(bias.shape, weight.shape[0], len(_shape(x))):
         return None
     return x, weight, bias
+
+
+def _feature_bias(shape, n_features: int, rank: int) -> bool:
+    """Whether a constant of ``shape`` added to a ``rank``-D GEMM result with ``n_features``
+    output features broadcasts along the feature (last) axis only: ``()``, ``(N,)``, ``(1, N)``,
+    ``(1, ..., 1, N)`` or all ones, of at most ``rank`` dims. Its size alone says nothing: a
+    per-row ``(rows, 1)`` bias has ``N`` elements too when ``rows == N``."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) > rank or any(d != 1 for d in shape[:-1]):
+        return False
+    return not shape or shape[-1] in (1, n_features)
 
 
 def _apply_plans(rewrite) -> IRModule:
@@ -726,6 +742,8 @@ def _gemm_of(blk: _Block, y, pieces, chain, width, aliases) -> _Gemm | None:
     x_shape, out_shape = _shape(x), _shape(y)
     if x_shape is None or out_shape is None or len(x_shape) < 2:
         return skip(logger, what, "unknown shapes") or None
+    if len(x_shape) != len(out_shape):  # a bias of more dims than the GEMM result
+        return skip(logger, what, "the bias adds leading axes to the GEMM result") or None
     if any(str(a) != str(b) for a, b in zip(x_shape[:-1], out_shape[:-1], strict=True)):
         return skip(logger, what, "batched weight") or None
     transposed = False

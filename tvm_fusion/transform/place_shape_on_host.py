@@ -54,7 +54,7 @@ from tvm.ir import PrimType
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import get_logger, op_name, record_rewrite, skip
+from ._common import at_most, get_logger, op_name, record_rewrite, skip
 
 logger = get_logger(__name__)
 NAME = "PlaceShapeOnHost"
@@ -65,12 +65,42 @@ _MAX_ELEMS = 16  # shape tensors are short; longer int tensors are data
 # min/max, and ceil/floor of a division by a positive integer constant.
 _FLOAT = ("float16", "float32", "float64")
 
+
+def _floordiv(a, b):
+    """``a // b``, a negative constant divisor written positive (``n // -1`` is ``-n // 1``,
+    that is ``-n``). The importer computes a Range's length as ``-((limit - start) // delta)``;
+    with ``delta = -1`` the division stayed in every extent after it (``0 - n // -1``, which
+    the analyzer does not simplify) and the build failed ("Binding of variable rmod ...
+    conflicts"). (The analyzer itself writes ``-n // 2`` as ``n // -2``, which builds.)"""
+    if isinstance(b, tirx.IntImm) and int(b.value) < 0:
+        return tirx.floordiv(-a, _negated(b))
+    return tirx.floordiv(a, b)
+
+
+def _negated(value: tirx.IntImm) -> tirx.IntImm:
+    return tirx.IntImm(str(value.ty.dtype), -int(value.value))
+
+
+def _floormod(a, b):
+    """``a % b`` with ``b`` a negative constant is ``-((-a) % -b)``."""
+    if isinstance(b, tirx.IntImm) and int(b.value) < 0:
+        return -tirx.floormod(-a, _negated(b))
+    return tirx.floormod(a, b)
+
+
+def _truncdiv(a, b):
+    """Integer Div (truncating), a negative constant divisor written positive."""
+    if isinstance(b, tirx.IntImm) and int(b.value) < 0:
+        return -tirx.truncdiv(a, _negated(b))
+    return tirx.truncdiv(a, b)
+
+
 _BINARY = {
     "relax.add": lambda a, b: a + b,
     "relax.subtract": lambda a, b: a - b,
     "relax.multiply": lambda a, b: a * b,
-    "relax.floor_divide": tirx.floordiv,
-    "relax.floor_mod": tirx.floormod,
+    "relax.floor_divide": _floordiv,
+    "relax.floor_mod": _floormod,
     "relax.minimum": tirx.min,
     "relax.maximum": tirx.max,
 }
@@ -503,18 +533,8 @@ class _Evaluator:
                     return _Value(a, rank)
                 return self.fail("float division outside ceil/floor")
             # integer Div truncates (ONNX and TIR alike)
-            return _Value([tirx.truncdiv(x, y) for x, y in zip(a, b, strict=True)], rank)
+            return _Value([_truncdiv(x, y) for x, y in zip(a, b, strict=True)], rank)
         return _Value([_BINARY[name](x, y) for x, y in zip(a, b, strict=True)], rank)
-
-
-def _at_most(analyzer, expr, bound) -> bool:
-    """``expr <= bound``, also for ``x // c`` (c >= 1, 0 <= x <= bound), which the analyzer
-    does not prove on its own (``n // 2 <= n``)."""
-    if analyzer.can_prove(expr <= bound):
-        return True
-    if isinstance(expr, tirx.FloorDiv) and isinstance(expr.b, tirx.IntImm) and expr.b.value >= 1:
-        return analyzer.can_prove(expr.a >= 0) and _at_most(analyzer, expr.a, bound)
-    return False
 
 
 def _is_gpu(target) -> bool:
@@ -912,7 +932,7 @@ class _Rewriter(PyExprMutator):
             and int(st.value) > 0
             and self.analyzer.can_prove(b >= 0)
             and self.analyzer.can_prove(b <= e)
-            and _at_most(self.analyzer, e, _i64(d))
+            and at_most(self.analyzer, e, _i64(d))
             for b, e, st, d in zip(begin, end, strides, dims, strict=False)
         )
         self._read_inputs([*begin, *end])
