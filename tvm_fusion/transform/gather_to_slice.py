@@ -197,23 +197,7 @@ class _Values:
                 return None
             return prog
         if name in ("relax.add", "relax.subtract", "relax.multiply"):
-            lhs, rhs = expr.args
-            prog, other = self.progression(lhs, analyzer), rhs
-            if prog is None and name != "relax.subtract":
-                prog, other = self.progression(rhs, analyzer), lhs
-            if prog is None:
-                return None
-            value = self.scalar(other)
-            if value is None:
-                return None
-            if name == "relax.add":
-                return Progression(prog.start + value, prog.step, prog.length)
-            if name == "relax.subtract":
-                return Progression(prog.start - value, prog.step, prog.length)
-            if not isinstance(value, tirx.IntImm):
-                return None
-            factor = int(value.value)
-            return Progression(prog.start * factor, prog.step * factor, prog.length)
+            return self._arithmetic(expr, analyzer)
         if name == "relax.where":
             return self._normalised(expr, analyzer)
         if name == "relax.strided_slice":
@@ -275,24 +259,7 @@ class _Values:
         if name == "relax.where":
             prog = self._normalised(expr, analyzer)
         else:
-            lhs, rhs = expr.args
-            prog, other = self.progression(lhs, analyzer), rhs
-            if prog is None and name != "relax.subtract":
-                prog, other = self.progression(rhs, analyzer), lhs
-            if prog is None:
-                return None
-            value = self.scalar(other)
-            if value is None:
-                return None
-            if name == "relax.add":
-                prog = dataclasses.replace(prog, start=prog.start + value)
-            elif name == "relax.subtract":
-                prog = dataclasses.replace(prog, start=prog.start - value)
-            elif isinstance(value, tirx.IntImm):
-                factor = int(value.value)
-                prog = dataclasses.replace(prog, start=prog.start * factor, step=prog.step * factor)
-            else:
-                return None
+            prog = self._arithmetic(expr, analyzer)
         if prog is None or len(prog.rows) != len(dims) - 1:
             return None
         if not all(
@@ -300,6 +267,28 @@ class _Values:
         ):
             return None
         return prog
+
+    def _arithmetic(self, expr, analyzer) -> Progression | None:
+        """``add`` / ``subtract`` / ``multiply`` of a progression by an integer scalar (its
+        rows kept)."""
+        name = op_name(expr)
+        lhs, rhs = expr.args
+        prog, other = self.progression(lhs, analyzer), rhs
+        if prog is None and name != "relax.subtract":
+            prog, other = self.progression(rhs, analyzer), lhs
+        if prog is None:
+            return None
+        value = self.scalar(other)
+        if value is None:
+            return None
+        if name == "relax.add":
+            return dataclasses.replace(prog, start=prog.start + value)
+        if name == "relax.subtract":
+            return dataclasses.replace(prog, start=prog.start - value)
+        if not isinstance(value, tirx.IntImm):
+            return None
+        factor = int(value.value)
+        return dataclasses.replace(prog, start=prog.start * factor, step=prog.step * factor)
 
     def _sliced(self, expr, sinfo, analyzer) -> Progression | None:
         """``strided_slice`` of a progression along its last axis, from a non-negative begin
