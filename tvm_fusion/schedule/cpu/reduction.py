@@ -59,6 +59,14 @@ def _is_partial_iters(iters) -> bool:
     )
 
 
+def _vectorize_rf(sch, rf) -> None:
+    """An rfactor block's innermost loop is its lanes axis: vectorised, the init split off
+    at the reduction loop around it."""
+    rf_loops = sch.get_loops(rf)
+    sch.vectorize(rf_loops[-1])
+    sch.decompose_reduction(rf, rf_loops[-2])
+
+
 def _leading_s(kinds: str) -> int:
     return len(kinds) - len(kinds.lstrip("S"))
 
@@ -133,10 +141,7 @@ class RowReduction(CPURule):
                 vectorize_innermost(sch, block, lanes)
             elif block in rf_blocks:
                 rf = rf_blocks[block]
-                rf_loops = sch.get_loops(rf)
-                # innermost loop of the rf block is the lanes axis: vectorise it
-                sch.vectorize(rf_loops[-1])
-                sch.decompose_reduction(rf, rf_loops[-2])
+                _vectorize_rf(sch, rf)
                 try:
                     init = sch.get_sblock(sch.get(rf).name_hint + "_init")
                     vectorize_innermost(sch, init, lanes)
@@ -204,9 +209,7 @@ class RowReduction(CPURule):
         parallelize_outer(sch, loops[:rows], _target.num_cores(target), work=work)
         if rf is not None:
             sch.compute_at(rf, sch.get_loops(block)[0], preserve_unit_loops=True)
-            rf_loops = sch.get_loops(rf)
-            sch.vectorize(rf_loops[-1])
-            sch.decompose_reduction(rf, rf_loops[-2])
+            _vectorize_rf(sch, rf)
         return sch
 
     @staticmethod
@@ -240,9 +243,7 @@ class RowReduction(CPURule):
                 not self._is_partials(sch, block, lanes)
                 and (rf := self._rfactor(sch, block, lanes)) is not None
             ):
-                rf_loops = sch.get_loops(rf)
-                sch.vectorize(rf_loops[-1])
-                sch.decompose_reduction(rf, rf_loops[-2])
+                _vectorize_rf(sch, rf)
             elif is_trivial_reduction(sch, block):
                 vectorize_innermost(sch, block, lanes)  # a masked tail vector
             else:
@@ -267,9 +268,7 @@ class RowReduction(CPURule):
             vectorize_innermost(sch, info.block_rv, lanes)
         rf = self._rfactor(sch, block, lanes)
         if rf is not None:
-            rf_loops = sch.get_loops(rf)
-            sch.vectorize(rf_loops[-1])
-            sch.decompose_reduction(rf, rf_loops[-2])
+            _vectorize_rf(sch, rf)
         return sch
 
     @staticmethod
