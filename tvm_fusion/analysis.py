@@ -221,7 +221,10 @@ def peak_bytes(lowered: tvm.IRModule, function: str = "main") -> int | None:
     kernel allocates inside itself. Inputs are not counted; None when a size is symbolic.
 
     This is what memory planning promises, not a measurement of the process (TVM's pooled
-    allocator may keep freed blocks for reuse)."""
+    allocator may keep freed blocks for reuse). A function whose ``tir_var_upper_bound``
+    attribute bounds its symbolic dims (what lets StaticPlanBlockMemory plan them) is measured
+    at those bounds: its storages are then static, and a kernel's symbolic scratch is taken at
+    the bound of each variable of that name."""
     func = lowered[function]
     sizes: dict = {}  # storage var -> bytes
     holders: dict = {}  # storage var -> live vars (itself and its tensors)
@@ -252,13 +255,35 @@ def peak_bytes(lowered: tvm.IRModule, function: str = "main") -> int | None:
                     holders[storage].discard(dead)
                     if not holders[storage]:
                         live -= sizes[storage]
+    bounds = func.attrs.get("tir_var_upper_bound", None) if func.attrs else None
+    bounds = {str(k): int(v) for k, v in (bounds or {}).items()}
     scratch = 0
-    for alloc in allocations(lowered):
+    for alloc in allocations(lowered, exprs=True):
         if alloc.where != "relax":
-            if alloc.elements is None:
+            elements = alloc.elements
+            if elements is None:
+                elements = _bounded(alloc.shape, bounds)
+            if elements is None:
                 return None
-            scratch = max(scratch, alloc.elements * tvm.runtime.DataType(alloc.dtype).bits // 8)
+            scratch = max(scratch, elements * tvm.runtime.DataType(alloc.dtype).bits // 8)
     return peak + scratch
+
+
+def _bounded(shape, bounds: dict[str, int]) -> int | None:
+    """Elements of a symbolic ``shape`` (PrimExprs) with each variable at most its bound, or
+    None when a variable has none."""
+    analyzer = tvm.sym.Analyzer()
+    total = 1
+    for dim in shape:
+        for var in tirx.analysis.undefined_vars(dim):
+            if var.name not in bounds:
+                return None
+            analyzer.bind(var, tvm.ir.Range(0, bounds[var.name] + 1))
+        high = analyzer.const_int_bound(dim).max_value
+        if high >= 1 << 62:
+            return None
+        total *= int(high)
+    return total
 
 
 @dataclasses.dataclass
@@ -272,10 +297,11 @@ class Allocation:
     elements: int | None  # None when symbolic
 
 
-def allocations(lowered: tvm.IRModule) -> list[Allocation]:
+def allocations(lowered: tvm.IRModule, exprs: bool = False) -> list[Allocation]:
     """Every tensor a lowered module (the output of the whole pipeline) allocates: the VM's
     ``alloc_tensor`` calls after StaticPlanBlockMemory and each kernel's internal buffers at
-    the size TVM compacts them to. Inputs are not allocations."""
+    the size TVM compacts them to. Inputs are not allocations. ``exprs``: kernel buffers'
+    shapes as PrimExprs instead of strings."""
     from .tir_util import compacted_allocations, num_elements
 
     found: list[Allocation] = []
@@ -307,7 +333,7 @@ def allocations(lowered: tvm.IRModule) -> list[Allocation]:
                 Allocation(
                     gv.name_hint,
                     buf.name,
-                    tuple(str(d) for d in buf.shape),
+                    tuple(buf.shape) if exprs else tuple(str(d) for d in buf.shape),
                     str(buf.dtype),
                     num_elements(buf),
                 )

@@ -119,6 +119,33 @@ def prove_equal(a: tirx.Expr | int, b: tirx.Expr | int) -> bool:
     )
 
 
+def prove_equal_shapes(a: tirx.Expr | int, b: tirx.Expr | int) -> bool:
+    """``a == b`` for every value of their variables that a shape can take (>= 0).
+
+    Stronger than ``prove_equal``: exporters spell one extent in forms that agree only on
+    non-negative sizes (``min(max(s - 1, 0), s)`` and ``min(INT64_MAX, s) - min(1, s)`` are both
+    ``s - 1`` for ``s >= 1`` and 0 at ``s = 0``), so each variable is proved at 0 and on
+    ``[1, inf)`` separately (at most 4 variables: 16 cases)."""
+    a = tirx.const(a, "int64") if isinstance(a, int) else a
+    b = tirx.const(b, "int64") if isinstance(b, int) else b
+    if prove_equal(a, b):
+        return True
+    free = {v.name: v for v in tvm.tirx.analysis.undefined_vars(a - b)}
+    free = list(free.values())
+    if not free or len(free) > 4:
+        return False
+    for zeros in range(1 << len(free)):
+        analyzer = tvm.sym.Analyzer()
+        for i, var in enumerate(free):
+            if zeros >> i & 1:
+                analyzer.bind(var, tirx.const(0, var.ty.dtype))
+            else:
+                analyzer.bind(var, tvm.ir.Range(1, 1 << 40))
+        if not analyzer.can_prove(a - b == 0):
+            return False
+    return True
+
+
 def at_most(analyzer, expr: tirx.Expr, bound: tirx.Expr) -> bool:
     """``expr <= bound``, also for ``x // c`` and ``truncdiv(x, c)`` (c >= 1, 0 <= x <= bound),
     which the analyzer does not prove on its own (``n // 2 <= n``)."""

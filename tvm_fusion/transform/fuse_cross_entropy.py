@@ -48,12 +48,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import tvm
+import tvm_ffi
 from tvm import IRModule, relax, te, tirx, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.relax.training.utils import register_global_func
 
 from .. import target as _target
-from ._common import get_logger, op_name, record_rewrite, skip, vars_in
+from ._common import get_logger, op_name, prove_equal_shapes, record_rewrite, skip, vars_in
 
 logger = get_logger(__name__)
 NAME = "FuseCrossEntropy"
@@ -420,7 +421,8 @@ class _Rewriter(PyExprMutator):
             out = relax.op.reshape(_bound(bb, out), [n, 1])
         if dtype != ACC:
             out = relax.op.astype(_bound(bb, out), dtype)
-        return bb.normalize(out)
+        out = bb.normalize(out)
+        return _as_shaped(bb, out, use.call.ty)
 
     def _weights_vector(self, weights: relax.Expr, v) -> relax.Expr:
         """Class weights ``(V,)`` or ``(1, V)`` as a float32 ``(V,)`` vector."""
@@ -653,6 +655,21 @@ def _gather_reason(call: relax.Call, source, n) -> str | None:
     return None
 
 
+def _as_shaped(bb: relax.BlockBuilder, out: relax.Expr, sinfo) -> relax.Expr:
+    """``out`` with the shape the replaced reader had. The kernel's rows are the logits' rows;
+    an exporter may spell the targets' row count differently (``min(INT64_MAX, s) - min(1, s)``
+    beside ``min(max(s - 1, 0), s)``, equal on every size, see ``prove_equal_shapes``), and
+    a binary op of the two would lose its shape: a match_cast restores it."""
+    if (
+        isinstance(sinfo, relax.TensorType)
+        and isinstance(sinfo.shape, relax.ShapeExpr)
+        and isinstance(out.ty, relax.TensorType)
+        and not tvm_ffi.structural_equal(out.ty.shape, sinfo.shape)
+    ):
+        return bb.match_cast(_bound(bb, out), sinfo)
+    return out
+
+
 def _bound(bb: relax.BlockBuilder, expr: relax.Expr) -> relax.Expr:
     return expr if isinstance(expr, relax.Var) else bb.emit(expr)
 
@@ -666,7 +683,7 @@ def _prim_is(expr, number) -> bool:
 
 
 def _equal(a, b) -> bool:
-    return bool(tvm.sym.Analyzer().can_prove_equal(a, b))
+    return prove_equal_shapes(a, b)
 
 
 def _is_null(expr) -> bool:
