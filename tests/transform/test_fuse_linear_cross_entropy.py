@@ -393,6 +393,37 @@ def test_torch_export_shifted_lm_head_is_chunked(bias):
         np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-5)
 
 
+def test_onnx_shifted_lm_head_is_chunked(tmp_path):
+    """The same head through ``torch.onnx.export`` (TorchScript exporter) and ``load_onnx``:
+    a 3-D MatMul, ``NegativeLogLikelihoodLoss`` of targets whose row count the importer spells
+    differently from the logits'; no upper bound, so 8 equal chunks."""
+    k, v = 16, 37
+    torch, head = _torch_lm_head(k, v, bias=False)
+    import onnx
+
+    path = tmp_path / "head.onnx"
+    torch.onnx.export(
+        head,
+        (torch.randn(2, 9, k), torch.randint(0, v, (2, 9))),
+        str(path),
+        input_names=["hidden", "labels"],
+        dynamic_axes={name: {0: "batch", 1: "seq"} for name in ("hidden", "labels")},
+        dynamo=False,
+    )
+    mod = tvm_fusion.load_onnx(onnx.load(str(path)))
+    with collect_rewrites() as counts:
+        fused = _passes(32)(mod)
+    assert counts["FuseCrossEntropy"] == 1 and counts["FuseLinearCrossEntropy"] == 1
+    assert fused["main"].script().count("cross_entropy_rows_chunk") == 8
+    compiled = engine.compile_module(fused, tvm_fusion.host_target(), "tvm_fusion")
+    for batch, seq in [(1, 2), (3, 7), (2, 40)]:
+        hidden, labels = torch.randn(batch, seq, k), torch.randint(0, v, (batch, seq))
+        labels[0, -1] = -100
+        expect = head(hidden, labels).detach().numpy()
+        got = engine.TvmRunner(compiled, [hidden.numpy(), labels.numpy()]).outputs()[0]
+        np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-5)
+
+
 def test_workload_small_numbers_and_pass_fires():
     inst = models.build("linear_cross_entropy", "small")
     target = tvm_fusion.host_target()

@@ -395,6 +395,7 @@ class _Rewriter(PyExprMutator):
         elif use.kind == "onehot":
             # one_hot of a target outside [0, V) is a zero row: its sum is 0
             t = self.visit_expr(plan.pick[1])
+            t = _as_shaped(bb, t, relax.TensorType([n], t.ty.dtype))
             tdtype = str(t.ty.dtype)
             inside = bb.emit(
                 relax.op.logical_and(
@@ -442,6 +443,7 @@ class _Rewriter(PyExprMutator):
         ignore = int(call.attrs.ignore_index)
         bb = self.builder_
         t = self.visit_expr(t)
+        t = _as_shaped(bb, t, relax.TensorType([cols["lse"].ty.shape.values[0]], t.ty.dtype))
         tdtype = str(t.ty.dtype)
         valid = bb.emit(relax.op.not_equal(t, relax.const(ignore, tdtype)))
         validf = bb.emit(relax.op.astype(valid, ACC))
