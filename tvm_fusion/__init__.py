@@ -15,7 +15,7 @@ _os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0))))
 
 from . import _compat, analysis, gradients  # noqa: E402
 from .errors import ModelError, TvmFusionError, UsageError  # noqa: E402
-from .frontend import load_onnx  # noqa: E402
+from .frontend import load_exported_program, load_model, load_onnx  # noqa: E402
 from .pipeline import (  # noqa: E402
     build_pipeline,
     fusion_passes,
@@ -38,6 +38,8 @@ __all__ = [
     "TvmFusionError",
     "UsageError",
     "analysis",
+    "load_exported_program",
+    "load_model",
     "build_pipeline",
     "fusion_passes",
     "host_target",

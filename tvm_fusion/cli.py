@@ -34,12 +34,12 @@ def _parse_shapes(items: Sequence[str] | None) -> dict[str, list[int | str]] | N
 
 
 def _load_module(model: str, shapes=None, size: str = "seed"):
-    """An ONNX file, or the name of an embedded workload."""
+    """An ONNX file, a saved torch.export program (.pt2), or the name of an embedded workload."""
     from . import models
-    from .frontend import load_onnx
+    from .frontend import load_model
 
-    if model.endswith(".onnx") or os.sep in model or os.path.exists(model):
-        return load_onnx(model, shapes), Path(model).stem
+    if model.endswith((".onnx", ".pt2")) or os.sep in model or os.path.exists(model):
+        return load_model(model, shapes), Path(model).stem
     if model in models.names():
         return models.build(model, size).mod, model
     raise UsageError(
@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("compile", help="compile an ONNX model to a shared library")
-    p.add_argument("model", help="MODEL.onnx or a workload name")
+    p.add_argument("model", help="MODEL.onnx, MODEL.pt2 (torch.export.save) or a workload name")
     p.add_argument("-o", "--output", required=True, help="output .so")
     p.add_argument("--shape", action="append", metavar="NAME=D1,D2", help="input shape")
     p.add_argument("--dump-dir", default=None, help="write the IR after every phase here")
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("explain", help="fusion report: groups stock vs ours, rewrites per pass")
-    p.add_argument("model", help="MODEL.onnx or a workload name")
+    p.add_argument("model", help="MODEL.onnx, MODEL.pt2 (torch.export.save) or a workload name")
     p.add_argument("--shape", action="append", metavar="NAME=D1,D2", help="input shape")
     p.add_argument("--dot", default=None, metavar="FILE", help="write the fused graph as DOT")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("tune", help="MetaSchedule tuning run over the fused groups")
-    p.add_argument("model", help="MODEL.onnx or a workload name")
+    p.add_argument("model", help="MODEL.onnx, MODEL.pt2 (torch.export.save) or a workload name")
     p.add_argument("--shape", action="append", metavar="NAME=D1,D2", help="input shape")
     p.add_argument("--size", default="seed", choices=["seed", "small"], help="workload size")
     p.add_argument("--trials", type=int, default=64, help="measurements in all (resumable)")

@@ -1,4 +1,5 @@
-"""ONNX loading: validation, clear errors, then TVM's Relax importer.
+"""Model loading: ONNX (validation, clear errors, then TVM's Relax importer) and saved
+``torch.export`` programs (``.pt2``, through TVM's ``from_exported_program``).
 
 ``load_onnx(path_or_model, shapes=None)`` returns a Relax IRModule whose ``main`` takes the
 model's graph inputs (initializers become bound constants). Everything that can go wrong with a
@@ -188,3 +189,44 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
         except Exception as err:
             raise ModelError(f"cannot import {where}: {first_line(err)}") from None
     return mod
+
+
+def load_exported_program(path, shapes: Shapes | None = None) -> tvm.IRModule:
+    """A program saved by ``torch.export.save`` (``.pt2``) as a Relax IRModule, through TVM's
+    ``from_exported_program`` with the weights bound as constants. Its dynamic dims are the
+    ``torch.export.Dim`` s of the export (their bounds become ``tir_var_upper_bound``), so
+    ``shapes`` cannot change them; needs torch."""
+    if shapes:
+        raise ModelError("shapes apply to ONNX models; a .pt2 program keeps its export's dims")
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelError(f"model file not found: {path}")
+    if os.path.isdir(path):
+        raise ModelError(f"model path is a directory, not a .pt2 file: {path}")
+    try:
+        import torch
+    except ImportError:
+        raise ModelError(f"{path}: reading a torch.export program needs torch") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.export.load(path)
+    except Exception as err:
+        raise ModelError(
+            f"cannot read {path} as a torch.export program: {first_line(err)}"
+        ) from None
+    from tvm.relax.frontend.torch import from_exported_program
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return from_exported_program(program, keep_params_as_input=False)
+    except Exception as err:
+        raise ModelError(f"cannot import {path}: {first_line(err)}") from None
+
+
+def load_model(path, shapes: Shapes | None = None) -> tvm.IRModule:
+    """An ONNX file or a saved ``torch.export`` program (by its ``.pt2`` suffix)."""
+    if isinstance(path, str | os.PathLike) and os.fspath(path).endswith(".pt2"):
+        return load_exported_program(path, shapes)
+    return load_onnx(path, shapes)

@@ -107,8 +107,7 @@ def test_gate_kernel_at_odd_rows_and_reductions(target, m, k, n):
 
 
 @pytest.mark.parametrize("m,k,n", [(5, 17, 13), (1, 33, 7)])
-def test_gate_math_at_odd_units_is_scheduled(target, m, k, n):
-    """Units that no vector block divides: the gate stays unfused (FuseSplitGates needs a
-    block), and its GEMM is scheduled by the GEMM rule, the gate math by its rule, numbers
-    right."""
-    _check(target, "gate", {"m": m, "k": k, "n": n}, main_rule="Matmul")
+def test_gate_at_odd_units_is_fused_and_scheduled(target, m, k, n):
+    """Units that no vector block divides: the blocked weight is padded to whole blocks, and
+    the one fused kernel is scheduled by the gate rule, numbers right."""
+    _check(target, "gate", {"m": m, "k": k, "n": n}, main_rule="GateFusion")

@@ -233,7 +233,8 @@ def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int 
     On llvm: a multiple (or half) of the SIMD lanes that divides ``width`` and keeps
     ``gates * V / lanes`` accumulators within half the vector registers; for one row (GEMV) as
     wide as that allows (more independent accumulators hide FMA latency), otherwise one vector
-    per gate so that more rows fit the register tile. None when nothing divides ``width``.
+    per gate so that more rows fit the register tile. When nothing divides ``width``, the V
+    that pads it least (FuseSplitGates pads the blocked weight with zero columns).
     """
     if _target.is_gpu(target):
         from .cuda.gate_fusion import gate_block as cuda_gate_block
@@ -243,7 +244,12 @@ def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int 
     budget = (32 if _target.vector_bits(target) >= 512 else 16) // 2
     # Symbolic rows are padded to the tile of many rows by the CPU rule (cpu/gate_fusion.py).
     wide = [4 * lanes, 2 * lanes, lanes] if rows == 1 else [lanes, 2 * lanes]
-    for v in wide + [lanes // 2, 8, 4]:
-        if v >= 4 and width % v == 0 and gates * max(v // lanes, 1) <= budget:
+    fits = [v for v in wide + [lanes // 2, 8, 4] if v >= 4 and gates * max(v // lanes, 1) <= budget]
+    for v in fits:
+        if width % v == 0:
             return v
-    return None
+    # Nothing divides (7, 1998, 1365 units): the blocked weight is padded to whole blocks, the
+    # V wasting the fewest padded units (the first, widest, of equals).
+    if not fits:
+        return None
+    return min(fits, key=lambda v: (-(-width // v) * v, -v))

@@ -900,10 +900,15 @@ def _depends_on(blk: _Block, expr, region: set) -> bool:
 
 
 def _blocked_weight(w: np.ndarray, transposed: bool, gates: int, width: int, block: int):
-    """(k*D, K) or (K, k*D) -> (D/V, K, k, V)."""
+    """(k*D, K) or (K, k*D) -> (ceil(D/V), K, k, V); units past D (when V does not divide D)
+    are zero columns whose results nothing reads."""
     wt = w if transposed else w.T  # (k*D, K)
     k_dim = wt.shape[1]
-    blocked = wt.reshape(gates, width // block, block, k_dim).transpose(1, 3, 0, 2)
+    blocks = -(-width // block)
+    per_gate = wt.reshape(gates, width, k_dim)
+    if blocks * block != width:
+        per_gate = np.pad(per_gate, ((0, 0), (0, blocks * block - width), (0, 0)))
+    blocked = per_gate.reshape(gates, blocks, block, k_dim).transpose(1, 3, 0, 2)
     return np.ascontiguousarray(blocked)
 
 
@@ -919,7 +924,8 @@ def _gemm_stage(x, w, layout: str, block: int, width: int, gates: int, n_rows: i
             rows, gate, do, di = idx[:n_rows], idx[n_rows], idx[n_rows + 1], idx[n_rows + 2]
             return te.sum(x[(*rows, kk)] * w[do, kk, gate, di], axis=kk)
 
-        return te.compute((*x.shape[:-1], gates, width // block, block), blocked, name=name)
+        blocks = -(-width // block)  # the last block padded (zero weight columns)
+        return te.compute((*x.shape[:-1], gates, blocks, block), blocked, name=name)
 
     def weight(gate, d):
         if layout == "nk":  # (gates*D, K)
@@ -942,6 +948,8 @@ def _bias_stage(y, bias, width: int, n_rows: int, name: str):
     def body(*idx):
         gate = idx[n_rows]
         d = idx[n_rows + 1] * block + idx[n_rows + 2] if blocked else idx[n_rows + 1]
+        if blocked and _int(block) * _int(y.shape[-2]) != width:  # padded units: any bias
+            d = tirx.min(d, width - 1)
         return y(*idx) + bias[(*lead, gate * width + d if per_feature else 0)]
 
     return te.compute(y.shape, body, name=name)
