@@ -134,7 +134,7 @@ def _expected_symbolic(n, k, v, chunks):
     h = relax.Var("h", relax.TensorType((n, k), "float32"))
     w = relax.Var("w", relax.TensorType((v, k), "float32"))
     t = relax.Var("t", relax.TensorType((n,), "int64"))
-    padded = chunks * tirx.floordiv(n + (chunks - 1), chunks)
+    c = tirx.floordiv(n + (chunks - 1), chunks)
     bb = relax.BlockBuilder()
 
     def rows(x, count):
@@ -146,12 +146,16 @@ def _expected_symbolic(n, k, v, chunks):
 
     with bb.function("main", [h, w, t]):
         with bb.dataflow():
-            h_pad, t_pad = rows(h, padded), rows(t, padded)
+            h_pad, t_pad = rows(h, chunks * c), rows(t, chunks * c)
+            h_pad = bb.emit(R.reshape(h_pad, [chunks, c, k]))
+            t_pad = bb.emit(R.reshape(t_pad, [chunks, c]))
             h_parts = bb.emit(R.split(h_pad, chunks, axis=0))
             t_parts = bb.emit(R.split(t_pad, chunks, axis=0))
             pieces = []
             for i in range(chunks):
-                h_c = bb.emit(R.grad.start_checkpoint(relax.TupleGetItem(h_parts, i)))
+                h_i = bb.emit(R.squeeze(relax.TupleGetItem(h_parts, i), [0]))
+                t_i = bb.emit(R.squeeze(relax.TupleGetItem(t_parts, i), [0]))
+                h_c = bb.emit(R.grad.start_checkpoint(h_i))
                 logits = bb.emit(
                     bb.call_te_with_grad(
                         linear_logits,
@@ -166,7 +170,7 @@ def _expected_symbolic(n, k, v, chunks):
                     bb.call_te_with_grad(
                         cross_entropy_rows,
                         logits,
-                        relax.TupleGetItem(t_parts, i),
+                        t_i,
                         False,
                         te_grad_name=GRAD_NAME,
                         te_grad_kwargs={"fast_exp": False},
@@ -317,12 +321,15 @@ def test_symbolic_rows_match_reference(bias, batched):
         np.testing.assert_allclose(got, _reference(*args), rtol=1e-4, atol=1e-5)
 
 
-def test_symbolic_rows_chunk_count_from_upper_bound():
+@pytest.mark.parametrize("transposed", [True, False])
+def test_symbolic_rows_chunk_count_from_upper_bound(transposed):
     """``tir_var_upper_bound`` n <= 1000 at 64 rows a chunk: 16 chunks, each at most 63 rows,
-    and the memory planner gives them static storage: planned peak <= 1/4 of stock's."""
+    and the memory planner gives them static storage: planned peak <= 1/4 of stock's. With a
+    (K, V) weight (ONNX's MatMul) the chunks are relax matmuls, whose rows the planner bounded
+    by the split offsets ((i + 1) * C_max) before the chunks came from a (P, C, K) view."""
     n = tirx.Var("n", "int64")
     k, v = 32, 4096
-    mod = _lm(n, k, v, bound={"n": 1000})
+    mod = _lm(n, k, v, bound={"n": 1000}, transposed=transposed)
     fused = _passes(64)(mod)
     script = fused["main"].script()
     assert script.count("cross_entropy_rows_chunk") == 16
@@ -333,9 +340,9 @@ def test_symbolic_rows_chunk_count_from_upper_bound():
     assert stock_peak is not None and ours_peak is not None
     assert stock_peak >= 2 * 1000 * v * 4  # logits and log-probs at the bound
     assert ours_peak <= stock_peak / 4
-    args = _inputs(999, k, v, seed=9)
+    args = _inputs(999, k, v, seed=9, transposed=transposed)
     got = engine.TvmRunner(ours, args).outputs()[0]
-    np.testing.assert_allclose(got, _reference(*args), rtol=1e-4)
+    np.testing.assert_allclose(got, _reference(*args, transposed=transposed), rtol=1e-4)
 
 
 def test_prove_equal_shapes_on_exporter_spellings():

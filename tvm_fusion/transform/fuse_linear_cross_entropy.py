@@ -26,8 +26,9 @@ builds lower the marks to nothing.
 Symbolic ``N`` (every dynamic export: ``N = batch * seq``): the row count is not known when
 the graph is built, and a Relax dataflow graph has no loop, so the chunks are a fixed number
 ``P`` of equal chunks of ``C = ceil(N / P)`` rows. ``h`` and ``t`` are padded to ``P * C`` rows
-(``rows_to``: at most ``P - 1`` zero rows), split into ``P`` sections, and the concatenated
-statistics cut back to ``N`` rows (``rows_to`` again; each is the other's gradient). ``P``
+(``rows_to``: at most ``P - 1`` zero rows), viewed as ``(P, C, ...)`` and split along the ``P``
+axis, and the stacked statistics cut back to ``N`` rows (``rows_to`` again; each is the other's
+gradient). ``P``
 comes from the function's ``tir_var_upper_bound`` attribute (Relax's way to bound a symbolic
 dim, also what lets the memory planner give the chunks static storage) when it bounds ``N``:
 ``P = ceil(N_max / rows)``, so a chunk never holds more than one static chunk's logits; with no
@@ -363,20 +364,23 @@ class _Rewriter(PyExprMutator):
             count = len(sections) + 1
         else:  # symbolic N: ``chunks`` equal chunks of the rows padded to a multiple of it
             count = sections = match.chunks
-            padded = sections * tirx.floordiv(match.n + (sections - 1), sections)
-            h, t = (self._rows_to(x, padded) for x in (h, t))
+            # (chunks, C, ...) then a split of the static axis: each chunk's rows are C itself,
+            # not the difference of split offsets ((i + 1) * C - i * C), which the memory
+            # planner bounds as (i + 1) * C_max.
+            rows = tirx.floordiv(match.n + (count - 1), count)
+            h, t = (self._rows_to(x, count * rows) for x in (h, t))
+            h = bb.emit(relax.op.reshape(h, [count, rows, match.k]))
+            t = bb.emit(relax.op.reshape(t, [count, rows]))
         h_parts = bb.emit(relax.op.split(h, sections, axis=0))
         t_parts = bb.emit(relax.op.split(t, sections, axis=0))
+
+        def part(parts, i):
+            if match.chunks is None:
+                return relax.TupleGetItem(parts, i)
+            return bb.emit(relax.op.squeeze(relax.TupleGetItem(parts, i), [0]))
+
         pieces = [
-            self._chunk(
-                call,
-                match,
-                weight,
-                bias,
-                extra,
-                relax.TupleGetItem(h_parts, i),
-                relax.TupleGetItem(t_parts, i),
-            )
+            self._chunk(call, match, weight, bias, extra, part(h_parts, i), part(t_parts, i))
             for i in range(count)
         ]
         if match.chunks is None:
