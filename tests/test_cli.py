@@ -234,6 +234,42 @@ def test_keyboard_interrupt_one_line_exit_130(where, monkeypatch, capsys):
     assert captured.err == "tvm-fusion: interrupted\n" and captured.out == ""
 
 
+def _sigint_then(after):
+    """A command that gets a real SIGINT, then does ``after`` with the KeyboardInterrupt, as TVM
+    does when the interrupt lands in Python code that C++ called."""
+    import signal
+    import time
+
+    def command(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            return after()
+        raise AssertionError("SIGINT did not interrupt")
+
+    return command
+
+
+def _as_tvm_returns_it():
+    raise RuntimeError("KeyboardInterrupt")  # tvm_ffi's error for one raised below C++
+
+
+@pytest.mark.parametrize(
+    "after",
+    [_as_tvm_returns_it, lambda: 0],  # 0: swallowed by a callee ("rule not applicable")
+    ids=["converted", "swallowed"],
+)
+def test_ctrl_c_that_tvm_turns_into_an_error(after, monkeypatch, capsys):
+    """Ctrl-C in a pass or schedule rule comes back from TVM as a RuntimeError, or not at all:
+    still one line, status 130."""
+    from tvm_fusion import cli
+
+    monkeypatch.setattr(cli, "cmd_explain", _sigint_then(after))
+    assert main(["explain", "gate_2890"]) == 130
+    assert capsys.readouterr().err == "tvm-fusion: interrupted\n"
+
+
 def test_corrupt_model(tmp_path, capsys):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x00\x01\x02 definitely not onnx" * 20)

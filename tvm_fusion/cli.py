@@ -227,6 +227,7 @@ def cmd_compile(args) -> int:
     try:
         compiled = engine.compile_module(mod, args.target, "tvm_fusion", **options)
         compiled.executable.export_library(str(staging / out.name))
+        _INTERRUPTS.check()  # a Ctrl-C that a callee swallowed: OUT stays as it was
         os.replace(staging / out.name, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -521,17 +522,70 @@ def _setup_logging(verbosity: int) -> None:
     logging.getLogger("tvm_fusion").setLevel(level)
 
 
+class _Interrupts:
+    """Remembers a Ctrl-C (SIGINT) while ``main`` runs. Python code that TVM calls from C++ (our
+    passes, schedule rules) gets the KeyboardInterrupt, and TVM hands it back to ``main`` as a
+    plain RuntimeError, or a callee that treats errors as "not applicable" swallows it and the
+    command runs on; ``main`` still answers "interrupted" either way."""
+
+    def __init__(self):
+        self.seen = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if Ctrl-C was pressed, even if a callee swallowed it."""
+        if self.seen:
+            raise KeyboardInterrupt
+
+
+_INTERRUPTS = _Interrupts()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _INTERRUPTS.seen = False
     try:
-        args = build_parser().parse_args(argv)
-        _setup_logging(args.verbose)
-        return args.func(args)
-    except TvmFusionError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+        with _INTERRUPTS:
+            args = build_parser().parse_args(argv)
+            _setup_logging(args.verbose)
+            status = args.func(args)
+            _INTERRUPTS.check()
+            return status
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except TvmFusionError as err:
+        if _INTERRUPTS.seen:
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return 130
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except Exception:
+        if _INTERRUPTS.seen:  # a KeyboardInterrupt that came back through TVM's C++
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return 130
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover
