@@ -1,8 +1,11 @@
 """tvm-fusion CLI: commands work; bad input is one line on stderr and exit code 2."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -12,7 +15,7 @@ from onnx import TensorProto, helper
 from tvm_fusion.cli import main
 
 
-def _model(tmp_path):
+def _model(tmp_path, opset: int = 18):
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])
     w = onnx.numpy_helper.from_array(np.eye(8, dtype="float32"), "w")
@@ -23,9 +26,9 @@ def _model(tmp_path):
         [y],
         [w],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
-    path = tmp_path / "mlp.onnx"
+    path = tmp_path / ("mlp.onnx" if opset == 18 else f"mlp_opset{opset}.onnx")
     onnx.save(model, str(path))
     return path
 
@@ -52,10 +55,10 @@ def _error_line(capsys):
         (["explain", "gate_2890", "--target", "cuda:sm_xx"], "unknown CUDA architecture"),
         (["explain", "gate_2890", "--target", '{"kind": "nonsense"}'], "unknown target"),
         (["explain", "gate_2890", "--disable", "fuse_everything"], "unknown pass"),
-        (["compile", "gate_2890", "-o", "/x.so", "--tuning-db", "/no/db"], "tuning database"),
+        (["compile", "gate_2890", "-o", "x.so", "--tuning-db", "/no/db"], "tuning database"),
         (["tune", "gate_2890", "--work-dir", "/tmp/w", "--rpc-tracker", "nohost"], "HOST:PORT"),
         (["tune", "gate_2890", "--work-dir", "/tmp/w", "--rpc-tracker", "h:1"], "--rpc-key"),
-        (["tune", "gate_2890", "--work-dir", "/tmp/w", "--trials", "0"], "trials must be"),
+        (["tune", "gate_2890", "--work-dir", "/tmp/w", "--trials", "0"], "--trials: expects"),
         (["tune", "nope", "--work-dir", "/tmp/w"], "neither an ONNX file nor a workload"),
         (["bench", "--models", "/no/such/dir"], "directory of .onnx files"),
         (["bench", "--models", "tests/corpus", "--workloads", "resnet"], "no model resnet"),
@@ -67,6 +70,204 @@ def _error_line(capsys):
 def test_bad_input_one_line_exit_2(argv, message, capsys):
     assert main(argv) == 2
     assert message in _error_line(capsys)
+
+
+def _tuning_databases(tmp_path) -> None:
+    """Tuning work dirs under ``tmp_path`` that are not readable databases: ``db_garbage``
+    (bytes), ``db_json`` (some JSON), ``db_swapped`` (each file holds the other's lines),
+    ``db_cut`` (its record cut in half, as an interrupted write leaves it), ``db_base64`` (a
+    workload whose IRModule is not base64)."""
+    import tvm
+    from tvm import te
+    from tvm.s_tir import meta_schedule as ms
+
+    real = tmp_path / "db_real"
+    real.mkdir()
+    a = te.placeholder((8,), name="a")
+    b = te.compute((8,), lambda i: a[i] + 1.0, name="b")
+    mod = tvm.IRModule({"main": te.create_prim_func([a, b])})
+    database = ms.database.JSONDatabase(work_dir=str(real))
+    database.commit_tuning_record(
+        ms.database.TuningRecord(
+            tvm.s_tir.Schedule(mod).trace,
+            database.commit_workload(mod),
+            [tvm.tirx.FloatImm("float64", 1e-6)],
+            tvm.target.Target({"kind": "llvm"}),
+            ms.arg_info.ArgInfo.from_prim_func(mod["main"]),
+        )
+    )
+    workload = (real / "database_workload.json").read_text()
+    record = (real / "database_tuning_record.json").read_text()
+    files = {
+        "db_garbage": (b"\x00\xff\x13 not json {{{", b""),
+        "db_json": (b'{"hello": [1, 2, 3]}\n', b""),
+        "db_swapped": (record.encode(), workload.encode()),
+        "db_cut": (workload.encode(), record[: len(record) // 2].encode()),
+        "db_base64": (b'["123", "!!not base64!!"]\n', b""),
+    }
+    for name, (workloads, records) in files.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "database_workload.json").write_bytes(workloads)
+        (tmp_path / name / "database_tuning_record.json").write_bytes(records)
+
+
+COMPILE = ["compile", "{tmp}/mlp.onnx", "-o", "{tmp}/out.so"]
+TUNE = ["tune", "gate_2890", "--work-dir", "{tmp}/work", "--trials", "1"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["explain", "{tmp}/mlp.onnx", "--shape", "x=0,8"], "--shape: dims must be between 1"),
+        (["explain", "{tmp}/mlp.onnx", "--shape", f"x={2**40},8"], "between 1 and 2**31-1"),
+        (["compile", "gate_2890", "-o", "{tmp}/o.so", "--target", "cuda:sm_1"], "'sm_1'"),
+        (["explain", "gate_2890", "--target", '{"kind": "rocm"}'], "'rocm' is not supported"),
+        (["compile", "{tmp}/mlp.onnx", "-o", "{tmp}/file/o.so"], "{tmp}/file is not a directory"),
+        (["compile", "{tmp}/mlp.onnx", "-o", "{tmp}/dir"], "-o {tmp}/dir is a directory"),
+        (["compile", "{tmp}/mlp.onnx", "-o", "/sys/tvm-fusion.so"], "cannot write -o in /sys"),
+        ([*COMPILE, "--dump-dir", "{tmp}/file/dump"], "cannot create --dump-dir"),
+        (["explain", "gate_2890", "--dot", "{tmp}/file/g.dot"], "{tmp}/file is not a directory"),
+        (["bench", "--workloads", "take_arange", "--output", "{tmp}/file/r.json"], "not a dir"),
+        ([*COMPILE, "--tuning-db", "{tmp}/db_garbage"], "database_workload.json, line 1: not JSON"),
+        ([*COMPILE, "--tuning-db", "{tmp}/db_json"], "line 1: not a MetaSchedule workload"),
+        ([*COMPILE, "--tuning-db", "{tmp}/db_swapped"], "line 1: not a MetaSchedule workload"),
+        ([*COMPILE, "--tuning-db", "{tmp}/db_cut"], "record.json, line 1: not JSON"),
+        ([*COMPILE, "--tuning-db", "{tmp}/db_base64"], "cannot read the tuning database"),
+        (["tune", "gate_2890", "--work-dir", "{tmp}/db_cut"], "record.json, line 1: not JSON"),
+        (["tune", "gate_2890", "--work-dir", "{tmp}/file"], "work dir {tmp}/file is not a dir"),
+        ([*TUNE, "--trials-per-iter", "0"], "--trials-per-iter: expects an integer >= 1"),
+        ([*TUNE, "--verify", "-1"], "--verify: expects an integer >= 0, got '-1'"),
+        (
+            [*TUNE, "--rpc-tracker", "127.0.0.1:1", "--rpc-key", "k"],
+            "cannot reach RPC tracker 127.0.0.1:1",
+        ),
+        (["bench", "--workloads", "take_arange", "--repeat", "0", "--output", ""], "--repeat: ex"),
+        (["demo", "--workloads", "take_arange", "--repeat", "0"], "--repeat: expects"),
+    ],
+)
+def test_issue_27_bad_input_one_line_exit_2(argv, message, tmp_path, capsys):
+    """Issue #27: each of these printed a traceback and exited with 1 (or ran on: a 0 dim,
+    --verify -1, --repeat 0; or hung: the RPC tracker). Nothing is compiled or tuned."""
+    if "/sys/" in " ".join(argv) and not os.path.isdir("/sys"):
+        pytest.skip("needs Linux's /sys")
+    _model(tmp_path)
+    (tmp_path / "file").write_text("a file, not a directory")
+    (tmp_path / "dir").mkdir()
+    if any("{tmp}/db_" in arg for arg in argv):
+        _tuning_databases(tmp_path)
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    before = sorted(tmp_path.rglob("*"))
+    assert main(argv) == 2
+    assert message.replace("{tmp}", str(tmp_path)) in _error_line(capsys)
+    assert sorted(tmp_path.rglob("*")) == before  # no output, no temporary file left
+
+
+def test_opset_1_model_imports(tmp_path, capsys):
+    """Issue #27: an opset-1 model failed in our shape inference (ONNX Runtime's returns None
+    below opset 7) with a traceback; TVM's importer takes it, so it compiles and runs."""
+    import tvm
+    from tvm import relax
+
+    path = _model(tmp_path, opset=1)
+    out = tmp_path / "mlp1.so"
+    assert main(["compile", str(path), "-o", str(out)]) == 0
+    assert capsys.readouterr().err == ""
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(out)), tvm.cpu())
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype("float32")
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), np.maximum(x, 0))
+
+
+def _fake_compile(monkeypatch, export):
+    """``compile`` without compiling: the executable's export_library is ``export``."""
+    from tvm_fusion import analysis, engine
+
+    compiled = SimpleNamespace(
+        executable=SimpleNamespace(export_library=export),
+        target=SimpleNamespace(kind=SimpleNamespace(name="llvm")),
+        lowered=None,
+        compile_s=0.0,
+    )
+    monkeypatch.setattr(engine, "compile_module", lambda *args, **kwargs: compiled)
+    monkeypatch.setattr(analysis, "kernel_count", lambda mod: 0)
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("disk full"), KeyboardInterrupt()])
+def test_compile_output_is_atomic(failure, tmp_path, monkeypatch, capsys):
+    """-o X: a failed or interrupted export leaves X as it was and no partial file behind; a
+    successful one replaces X."""
+    path = _model(tmp_path)
+    out = tmp_path / "o.so"
+    out.write_bytes(b"old library")
+
+    def export_then_fail(name):
+        with open(name, "wb") as f:
+            f.write(b"half a libr")
+        raise failure
+
+    _fake_compile(monkeypatch, export_then_fail)
+    if isinstance(failure, KeyboardInterrupt):
+        assert main(["compile", str(path), "-o", str(out)]) == 130
+        assert capsys.readouterr().err == "tvm-fusion: interrupted\n"
+    else:
+        with pytest.raises(RuntimeError, match="disk full"):
+            main(["compile", str(path), "-o", str(out)])
+    assert out.read_bytes() == b"old library"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.onnx", "o.so"]
+
+    _fake_compile(monkeypatch, lambda name: Path(name).write_bytes(b"new library"))
+    assert main(["compile", str(path), "-o", str(out)]) == 0
+    assert out.read_bytes() == b"new library"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.onnx", "o.so"]
+
+
+@pytest.mark.parametrize("where", ["cmd_explain", "build_parser", "_setup_logging"])
+def test_keyboard_interrupt_one_line_exit_130(where, monkeypatch, capsys):
+    """Ctrl-C while parsing, setting up or running a command: one line, status 130."""
+    from tvm_fusion import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, where, interrupted)
+    assert main(["explain", "gate_2890"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "tvm-fusion: interrupted\n" and captured.out == ""
+
+
+def _sigint_then(after):
+    """A command that gets a real SIGINT, then does ``after`` with the KeyboardInterrupt, as TVM
+    does when the interrupt lands in Python code that C++ called."""
+    import signal
+    import time
+
+    def command(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            return after()
+        raise AssertionError("SIGINT did not interrupt")
+
+    return command
+
+
+def _as_tvm_returns_it():
+    raise RuntimeError("KeyboardInterrupt")  # tvm_ffi's error for one raised below C++
+
+
+@pytest.mark.parametrize(
+    "after",
+    [_as_tvm_returns_it, lambda: 0],  # 0: swallowed by a callee ("rule not applicable")
+    ids=["converted", "swallowed"],
+)
+def test_ctrl_c_that_tvm_turns_into_an_error(after, monkeypatch, capsys):
+    """Ctrl-C in a pass or schedule rule comes back from TVM as a RuntimeError, or not at all:
+    still one line, status 130."""
+    from tvm_fusion import cli
+
+    monkeypatch.setattr(cli, "cmd_explain", _sigint_then(after))
+    assert main(["explain", "gate_2890"]) == 130
+    assert capsys.readouterr().err == "tvm-fusion: interrupted\n"
 
 
 def test_corrupt_model(tmp_path, capsys):

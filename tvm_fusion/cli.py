@@ -1,7 +1,10 @@
 """``tvm-fusion``: demo | compile | explain | bench | tune.
 
-Bad input (a missing or corrupt model, an unknown target, workload or engine) prints one line
-``tvm-fusion: error: ...`` on stderr and exits with status 2.
+Bad input (a missing or corrupt model, an unknown target, workload or engine, a bad option
+value, an output path that cannot be written, an unreadable tuning database, an unreachable
+RPC tracker) prints one line ``tvm-fusion: error: ...`` on stderr and exits with status 2;
+Ctrl-C prints ``tvm-fusion: interrupted`` and exits with status 130. Option values are checked
+when the command line is parsed, output paths before anything is compiled.
 """
 
 from __future__ import annotations
@@ -9,28 +12,123 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import TvmFusionError, UsageError
 
 PROG = "tvm-fusion"
+# largest static dim --shape takes; a bigger one is a typo, not a tensor that fits in memory
+MAX_DIM = 2**31 - 1
 
 
-def _parse_shapes(items: Sequence[str] | None) -> dict[str, list[int | str]] | None:
-    """``--shape x=1,128 --shape mask=batch,128`` -> ``{"x": [1, 128], ...}``."""
-    if not items:
-        return None
-    shapes: dict[str, list[int | str]] = {}
-    for item in items:
-        name, sep, dims = item.partition("=")
-        if not sep or not name or not dims:
-            raise UsageError(f"--shape expects NAME=D1,D2,..., got {item!r}")
-        shapes[name] = [
-            int(d) if d.strip().lstrip("-").isdigit() else d.strip() for d in dims.split(",")
-        ]
-    return shapes
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is a UsageError: one line, status 2 (see ``main``),
+    not the usage text."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expects an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
+
+
+def _target_arg(text: str) -> str:
+    """``--target``: refused at parse time if :func:`~tvm_fusion.target.parse_target` refuses
+    it; the commands parse it again."""
+    from .target import parse_target
+
+    try:
+        parse_target(text)
+    except TvmFusionError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _shape_arg(item: str) -> tuple[str, list[int | str]]:
+    """``--shape x=1,128`` -> ``("x", [1, 128])``; a dim is an integer in 1..MAX_DIM or the name
+    of a symbolic dim (``batch``)."""
+    name, sep, dims = item.partition("=")
+    if not sep or not name or not dims:
+        raise argparse.ArgumentTypeError(f"expects NAME=D1,D2,..., got {item!r}")
+    parsed: list[int | str] = []
+    for text in (d.strip() for d in dims.split(",")):
+        if text.lstrip("+-").isdigit():
+            if not 1 <= int(text) <= MAX_DIM:
+                raise argparse.ArgumentTypeError(
+                    f"dims must be between 1 and 2**31-1 or a name, got {text} in {item!r}"
+                )
+            parsed.append(int(text))
+        elif text.isidentifier():
+            parsed.append(text)
+        else:
+            raise argparse.ArgumentTypeError(
+                f"dims must be integers or names (e.g. batch), got {text!r} in {item!r}"
+            )
+    return name, parsed
+
+
+def _parse_shapes(items: Sequence[tuple[str, list[int | str]]] | None):
+    """``--shape x=1,128 --shape mask=batch,128`` (parsed by :func:`_shape_arg`) ->
+    ``{"x": [1, 128], "mask": ["batch", 128]}``."""
+    return dict(items) if items else None
+
+
+def _writable_dir(directory: Path, what: str) -> None:
+    """Raise a UsageError unless a file can be created in ``directory`` (tried: ``os.access``
+    says yes to root on read-only file systems and /sys)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".tvm-fusion-probe-"):
+            pass
+    except OSError as err:
+        raise UsageError(f"cannot write {what} in {directory}: {err.strerror or err}") from None
+
+
+def _check_output_file(path: str, what: str, make_parents: bool = False) -> Path:
+    """Check before any work that ``path`` can be written as a file: not a directory, its
+    directory exists (or, with ``make_parents``, can be created) and is writable."""
+    out = Path(path)
+    if out.is_dir():
+        raise UsageError(f"{what} {path} is a directory; name a file")
+    parent = out.parent
+    while make_parents and not parent.exists() and not parent.is_symlink():
+        parent = parent.parent  # created by the writer; the first existing one must be a dir
+    if not parent.exists():
+        raise UsageError(f"output directory does not exist: {parent}")
+    if not parent.is_dir():
+        raise UsageError(f"{what} {path}: {parent} is not a directory")
+    _writable_dir(parent, what)
+    return out
+
+
+def _make_output_dir(path: str, what: str) -> Path:
+    """Create the directory ``path`` (with its parents) now, before any work."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{what} {path} is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create {what} {path}: {err.strerror or err}") from None
+    _writable_dir(out, what)
+    return out
 
 
 def _load_module(model: str, shapes=None, size: str = "seed"):
@@ -50,10 +148,12 @@ def _load_module(model: str, shapes=None, size: str = "seed"):
 def _pipeline_options(args) -> dict:
     options = {}
     if getattr(args, "tuning_db", None):
-        if not Path(args.tuning_db).is_dir():
-            raise UsageError(f"tuning database directory not found: {args.tuning_db}")
+        from .tuning import open_database
+
+        open_database(args.tuning_db)  # a corrupt or foreign database fails here, in one line
         options["tuning_db"] = args.tuning_db
     if getattr(args, "dump_dir", None):
+        _make_output_dir(args.dump_dir, "--dump-dir")
         options["dump_dir"] = args.dump_dir
     for flag in getattr(args, "disable", None) or []:
         from .pipeline import pass_flags
@@ -115,12 +215,22 @@ def cmd_compile(args) -> int:
     from . import engine
     from .analysis import kernel_count
 
+    out = _check_output_file(args.output, "-o")
     mod, _ = _load_module(args.model, _parse_shapes(args.shape))
-    compiled = engine.compile_module(mod, args.target, "tvm_fusion", **_pipeline_options(args))
-    out = Path(args.output)
-    if out.parent and not out.parent.exists():
-        raise UsageError(f"output directory does not exist: {out.parent}")
-    compiled.executable.export_library(str(out))
+    options = _pipeline_options(args)
+    # export into a fresh directory beside OUT, then rename onto OUT: a failed or interrupted
+    # compile or export leaves OUT as it was and no partial file behind
+    try:
+        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    except OSError as err:
+        raise UsageError(f"cannot write -o in {out.parent}: {err.strerror or err}") from None
+    try:
+        compiled = engine.compile_module(mod, args.target, "tvm_fusion", **options)
+        compiled.executable.export_library(str(staging / out.name))
+        _INTERRUPTS.check()  # a Ctrl-C that a callee swallowed: OUT stays as it was
+        os.replace(staging / out.name, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     print(
         f"wrote {out} ({compiled.target.kind.name}, {kernel_count(compiled.lowered)} kernels, "
         f"compiled in {compiled.compile_s:.1f} s)"
@@ -131,6 +241,8 @@ def cmd_compile(args) -> int:
 def cmd_explain(args) -> int:
     from .analysis import fusion_report, to_dot
 
+    if args.dot:
+        _check_output_file(args.dot, "--dot")
     mod, name = _load_module(args.model, _parse_shapes(args.shape))
     options = {k: v for k, v in _pipeline_options(args).items() if k not in ("dump_dir",)}
     report = fusion_report(mod, args.target, name=name, **options)
@@ -191,6 +303,9 @@ def cmd_bench_models(args) -> int:
         raise UsageError("--models takes no --size, --tuning-db, --dump-dir or --disable")
     engines = model_bench.parse_model_engines(args.engines)
     dims = _parse_dims(args.dim)
+    output = "bench/models.json" if args.output is None else args.output
+    if output:
+        _check_output_file(output, "--output", make_parents=True)
     only = [s.strip() for s in args.workloads.split(",") if s.strip()] if args.workloads else None
     results = model_bench.run_models(
         args.models,
@@ -204,7 +319,6 @@ def cmd_bench_models(args) -> int:
         min_time_s=args.min_time,
     )
     print(model_bench.markdown_table(results, engines))
-    output = "bench/models.json" if args.output is None else args.output
     if output:
         path = model_bench.write_results(results, engines, args.target, output, args.models, dims)
         print(f"\nwrote {path} and {path.with_suffix('.md')}")
@@ -220,6 +334,9 @@ def cmd_bench(args) -> int:
         raise UsageError("--dim needs --models DIR")
     engines = bench.parse_engines(args.engines)
     names = _workload_list(args.workloads)
+    output = "bench/results.json" if args.output is None else args.output
+    if output:
+        _check_output_file(output, "--output", make_parents=True)
     results = bench.run_bench(
         names,
         engines,
@@ -232,7 +349,6 @@ def cmd_bench(args) -> int:
         min_time_s=args.min_time,
     )
     print(bench.markdown_table(results, engines))
-    output = "bench/results.json" if args.output is None else args.output
     if output:
         path = bench.write_results(results, engines, args.target, output)
         print(f"\nwrote {path} and {path.with_suffix('.md')}")
@@ -257,7 +373,8 @@ def _add_common(p: argparse.ArgumentParser, with_passes: bool = True) -> None:
     p.add_argument(
         "--target",
         default=None,
-        help="llvm (host CPU, default) | cuda | cuda:sm_XX | JSON target dict",
+        type=_target_arg,
+        help="llvm (host CPU, default) | cuda | cuda:sm_XX | JSON target dict (kind llvm or cuda)",
     )
     if with_passes:
         p.add_argument(
@@ -275,7 +392,7 @@ def _add_common(p: argparse.ArgumentParser, with_passes: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument(
         "-v",
         "--verbose",
@@ -289,21 +406,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, with_passes=False)
     p.add_argument("--workloads", default=None, help="comma-separated workload names")
     p.add_argument("--size", default="seed", choices=["seed", "small"])
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=_positive_int, default=5)
     p.add_argument("--budget", type=float, default=3.0, help="seconds of timing per engine")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("compile", help="compile an ONNX model to a shared library")
     p.add_argument("model", help="MODEL.onnx, MODEL.pt2 (torch.export.save) or a workload name")
     p.add_argument("-o", "--output", required=True, help="output .so")
-    p.add_argument("--shape", action="append", metavar="NAME=D1,D2", help="input shape")
+    p.add_argument(
+        "--shape",
+        action="append",
+        type=_shape_arg,
+        metavar="NAME=D1,D2",
+        help="input shape: dims 1..2**31-1 or names of symbolic dims",
+    )
     p.add_argument("--dump-dir", default=None, help="write the IR after every phase here")
     _add_common(p)
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("explain", help="fusion report: groups stock vs ours, rewrites per pass")
     p.add_argument("model", help="MODEL.onnx, MODEL.pt2 (torch.export.save) or a workload name")
-    p.add_argument("--shape", action="append", metavar="NAME=D1,D2", help="input shape")
+    p.add_argument(
+        "--shape",
+        action="append",
+        type=_shape_arg,
+        metavar="NAME=D1,D2",
+        help="input shape: dims 1..2**31-1 or names of symbolic dims",
+    )
     p.add_argument("--dot", default=None, metavar="FILE", help="write the fused graph as DOT")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_common(p)
@@ -311,13 +440,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="MetaSchedule tuning run over the fused groups")
     p.add_argument("model", help="MODEL.onnx, MODEL.pt2 (torch.export.save) or a workload name")
-    p.add_argument("--shape", action="append", metavar="NAME=D1,D2", help="input shape")
+    p.add_argument(
+        "--shape",
+        action="append",
+        type=_shape_arg,
+        metavar="NAME=D1,D2",
+        help="input shape: dims 1..2**31-1 or names of symbolic dims",
+    )
     p.add_argument("--size", default="seed", choices=["seed", "small"], help="workload size")
-    p.add_argument("--trials", type=int, default=64, help="measurements in all (resumable)")
-    p.add_argument("--trials-per-iter", type=int, default=16)
+    p.add_argument(
+        "--trials", type=_positive_int, default=64, help="measurements in all (resumable)"
+    )
+    p.add_argument("--trials-per-iter", type=_positive_int, default=16)
     p.add_argument(
         "--verify",
-        type=int,
+        type=_non_negative_int,
         default=8,
         metavar="K",
         help="measure the K best records of each task again, 3 times each, and keep the median"
@@ -358,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--models: tvm-stock,stock-pipeline,tvm-fusion,onnxruntime",
     )
     p.add_argument("--size", default="seed", choices=["seed", "small"])
-    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--repeat", type=_positive_int, default=20)
     p.add_argument("--budget", type=float, default=10.0, help="seconds of timing per engine")
     p.add_argument(
         "--min-time",
@@ -385,18 +522,70 @@ def _setup_logging(verbosity: int) -> None:
     logging.getLogger("tvm_fusion").setLevel(level)
 
 
+class _Interrupts:
+    """Remembers a Ctrl-C (SIGINT) while ``main`` runs. Python code that TVM calls from C++ (our
+    passes, schedule rules) gets the KeyboardInterrupt, and TVM hands it back to ``main`` as a
+    plain RuntimeError, or a callee that treats errors as "not applicable" swallows it and the
+    command runs on; ``main`` still answers "interrupted" either way."""
+
+    def __init__(self):
+        self.seen = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if Ctrl-C was pressed, even if a callee swallowed it."""
+        if self.seen:
+            raise KeyboardInterrupt
+
+
+_INTERRUPTS = _Interrupts()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _setup_logging(args.verbose)
+    _INTERRUPTS.seen = False
     try:
-        return args.func(args)
-    except TvmFusionError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+        with _INTERRUPTS:
+            args = build_parser().parse_args(argv)
+            _setup_logging(args.verbose)
+            status = args.func(args)
+            _INTERRUPTS.check()
+            return status
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except TvmFusionError as err:
+        if _INTERRUPTS.seen:
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return 130
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except Exception:
+        if _INTERRUPTS.seen:  # a KeyboardInterrupt that came back through TVM's C++
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return 130
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

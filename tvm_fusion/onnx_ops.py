@@ -346,13 +346,18 @@ _DIM_VARS: dict[str, tirx.Var] = {}
 def _infer(model):
     """ONNX Runtime's symbolic shape inference (sympy-based, the one ORT's transformer tools
     use: names dims through Reshape/Concat/Slice chains as expressions of the graph inputs'
-    dims); ONNX's own shape inference where it fails."""
+    dims); ONNX's own shape inference where it fails. It takes opset 7 and later only (it
+    returns None for older models, after a warning), so those go to ONNX's directly."""
     import onnx
 
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-        return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+        if opset is not None and opset >= 7:
+            inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+            if inferred is not None:
+                return inferred
     except Exception as err:  # noqa: BLE001 - fall back to ONNX's inference
         logger.debug("symbolic shape inference failed (%s); using onnx's", err)
     try:

@@ -3,13 +3,16 @@
 A bare ``Target({"kind": "llvm"})`` makes LLVM emit baseline x86-64 code (SSE2, 4 float lanes)
 whatever the machine has, so ``host_target()`` names the host's CPU (``mcpu``) and core count.
 ``parse_target`` turns the short spellings of the CLI into targets and refuses anything else with
-one line.
+one line: other target kinds than ``llvm`` and ``cuda`` (ROCm, Vulkan, ...: no schedule rules of
+ours, and their toolchains fail deep inside the build) and CUDA architectures that the CUDA
+backend cannot read (``sm_1``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import tvm
 from tvm.target import Target
@@ -17,6 +20,10 @@ from tvm.target import Target
 from .errors import UsageError
 
 DEFAULT_CUDA_ARCH = "sm_90"
+# kinds of target this package compiles for; a dict naming another kind is refused
+KINDS = ("llvm", "cuda")
+# sm_XX: TVM's CUDA backend reads a major and a minor digit at least (sm_90, sm_90a, sm_100)
+_CUDA_ARCH = re.compile(r"sm_[1-9][0-9]{1,2}[a-z]?")
 
 
 def cpu_count() -> int:
@@ -38,7 +45,7 @@ def host_target(num_cores: int | None = None) -> Target:
 
 def cuda_target(arch: str = DEFAULT_CUDA_ARCH) -> Target:
     """A CUDA target for ``arch`` (e.g. ``sm_90``) with the host CPU as its host."""
-    if not arch.startswith("sm_") or not arch[3:].isdigit():
+    if not _CUDA_ARCH.fullmatch(arch):
         raise UsageError(f"unknown CUDA architecture {arch!r}: expected sm_XX, e.g. sm_90")
     return Target({"kind": "cuda", "arch": arch}, host=host_target())
 
@@ -70,11 +77,20 @@ def parse_target(spec: str | dict | Target | None) -> Target:
 
 
 def _from_dict(spec: dict) -> Target:
+    kind = spec.get("kind") if isinstance(spec, dict) else None
+    if kind not in KINDS and kind in Target.list_kinds():
+        # refused before Target() is built: some kinds (rocm) print warnings on construction
+        raise UsageError(
+            f"target kind {kind!r} is not supported: tvm-fusion compiles for {' and '.join(KINDS)}"
+        )
     try:
-        return Target(spec)
+        target = Target(spec)
     except Exception as err:  # TVM raises several error types for bad dicts
         first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise UsageError(f"unknown target {json.dumps(spec)}: {first}") from None
+    if target.kind.name == "cuda" and "arch" in target.attrs:
+        cuda_target(str(target.attrs["arch"]))  # refuses what the CUDA backend cannot read
+    return target
 
 
 def is_cpu(target: Target) -> bool:

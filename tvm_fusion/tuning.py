@@ -42,12 +42,71 @@ from .target import is_cpu, num_cores, parse_target
 logger = logging.getLogger(__name__)
 
 
+def _is_workload(entry) -> bool:
+    """A line of ``database_workload.json``: ``[structural hash, base64 of the IRModule]``."""
+    return isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)
+
+
+def _is_record(entry) -> bool:
+    """A line of ``database_tuning_record.json``:
+    ``[workload index, [trace, run seconds, target, argument info]]``."""
+    return (
+        isinstance(entry, list)
+        and len(entry) == 2
+        and isinstance(entry[0], int)
+        and isinstance(entry[1], list)
+        and len(entry[1]) == 4
+    )
+
+
+def open_database(work_dir: str | Path) -> ms.database.JSONDatabase:
+    """The JSON database in ``work_dir`` (its missing files are created empty). Files that are
+    not one (garbage, another program's JSON, a line cut short) raise a UsageError naming the
+    file and line; MetaSchedule's own errors are C++ checks with a stack trace."""
+    import json
+
+    work_dir = Path(work_dir)
+    if not work_dir.is_dir():
+        raise UsageError(f"tuning database directory not found: {work_dir}")
+    workloads = 0
+    for name, valid in (
+        ("database_workload.json", _is_workload),
+        ("database_tuning_record.json", _is_record),
+    ):
+        path = work_dir / name
+        if not path.is_file():
+            continue
+        with open(path, encoding="utf-8", errors="replace") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    raise UsageError(
+                        f"tuning database {path}, line {number}: not JSON (a corrupt file, or "
+                        "a line cut short by an interrupted run)"
+                    ) from None
+                if not valid(entry) or (valid is _is_record and not 0 <= entry[0] < workloads):
+                    raise UsageError(
+                        f"tuning database {path}, line {number}: not a MetaSchedule "
+                        f"{'workload' if valid is _is_workload else 'tuning record'}"
+                    )
+                workloads += valid is _is_workload
+    try:
+        return ms.database.JSONDatabase(work_dir=str(work_dir))
+    except Exception as err:  # noqa: BLE001 - TVM raises RuntimeError, InternalError, ...
+        raise UsageError(
+            f"cannot read the tuning database in {work_dir} (a damaged file?): {first_line(err)}"
+        ) from None
+
+
 def apply_database_pass(work_dir: str) -> tvm.transform.Pass:
     """Apply the tuned schedules recorded in ``work_dir``'s JSON database."""
 
     @tvm.transform.module_pass(opt_level=0, name="ApplyTuningDatabase")
     def _apply(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        database = ms.database.JSONDatabase(work_dir=work_dir)
+        database = open_database(work_dir)
         with database:
             return relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
 
@@ -77,6 +136,29 @@ def parse_tracker(spec: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise UsageError(f"RPC tracker must be HOST:PORT, got {spec!r}")
     return host, int(port)
+
+
+def check_tracker(host: str, port: int, timeout_s: float = 5.0) -> None:
+    """Raise a UsageError unless an RPC tracker answers at ``host:port`` within ``timeout_s``
+    (its handshake: the tracker echoes its magic number). MetaSchedule's RPC runner retries a
+    refused connection every 5 s for a minute, in each of its workers, and waits without end
+    on a port where something else listens."""
+    import socket
+    import struct
+
+    from tvm.rpc import base
+
+    where = f"{host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(struct.pack("<i", base.RPC_TRACKER_MAGIC))
+            reply = sock.recv(4)
+    except TimeoutError:
+        raise UsageError(f"RPC tracker {where} did not answer within {timeout_s:g} s") from None
+    except OSError as err:
+        raise UsageError(f"cannot reach RPC tracker {where}: {err.strerror or err}") from None
+    if len(reply) != 4 or struct.unpack("<i", reply)[0] != base.RPC_TRACKER_MAGIC:
+        raise UsageError(f"{where} is not a TVM RPC tracker (it did not answer its handshake)")
 
 
 @dataclasses.dataclass
@@ -530,18 +612,29 @@ def tune(
     See the module docstring."""
     if trials < 1:
         raise UsageError(f"trials must be positive, got {trials}")
+    if trials_per_iter < 1:
+        raise UsageError(f"trials per iteration must be positive, got {trials_per_iter}")
+    if verify < 0:
+        raise UsageError(f"verify must be 0 or more, got {verify}")
     tracker = parse_tracker(rpc) if rpc else None
     if tracker and not rpc_key:
         raise UsageError("--rpc-tracker needs --rpc-key")
     tgt = parse_target(target)
     work_dir = Path(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
+    if work_dir.exists() and not work_dir.is_dir():
+        raise UsageError(f"tuning work dir {work_dir} is not a directory")
+    if tracker:
+        check_tracker(*tracker)
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create tuning work dir {work_dir}: {err.strerror}") from None
+    database = open_database(work_dir)
     fused = fused_module(mod, tgt, pipeline, **flags)
     tasks = ms.relax_integration.extract_tasks(fused, tgt)
     if not tasks:
         raise UsageError("nothing to tune: the module has no kernels")
     names = [t.task_name for t in tasks]
-    database = ms.database.JSONDatabase(work_dir=str(work_dir))
     before = trials_spent(work_dir)
     start = time.perf_counter()
     remaining = trials - before
