@@ -230,6 +230,43 @@ def gpt2():
     return _causal_lm(GPT2LMHeadModel(cfg).eval(), left_pad=True)
 
 
+def gpt2_labels():
+    """GPT-2 with labels, the loss only (a training / evaluation graph): the LM head's logits
+    feed nothing but the shifted-label cross entropy, so FuseLinearCrossEntropy can chunk it."""
+    import torch
+
+    model = gpt2()[0].m
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask, labels):
+            return self.m(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                labels=labels,
+                use_cache=False,
+                return_dict=False,
+            )[0]
+
+    def inputs(b, s):
+        ids = _tokens(b, s)
+        labels = ids.clone()
+        labels[-1, -2:] = -100  # padding the loss ignores
+        return {
+            "input_ids": ids,
+            "attention_mask": torch.ones(b, s, dtype=torch.int64),
+            "labels": labels,
+        }
+
+    dyn = {0: "batch", 1: "seq"}
+    axes = {"input_ids": dyn, "attention_mask": dyn, "labels": dyn}
+    patterns = ["fuse_cross_entropy + fuse_linear_cross_entropy (shifted labels, symbolic rows)"]
+    return Wrap(), inputs, ["loss"], axes, patterns
+
+
 def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -339,6 +376,7 @@ MODELS = {
     "bert_mlm": bert_mlm,
     "distilbert": distilbert,
     "gpt2": gpt2,
+    "gpt2_labels": gpt2_labels,
     "llama": llama,
     "lstm_cell": lstm_cell,
     "gru_cell": gru_cell,

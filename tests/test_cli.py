@@ -428,3 +428,11 @@ def test_bench_models_random_inputs(tmp_path):
     assert case.inputs["x"].shape == (4, 8) and case.inputs["x"].dtype == np.float32
     (res,) = model_bench.run_models(tmp_path, dims={"n": 4}, repeat=3, budget_s=0.1)
     assert all(r.ok for name, r in res.engines.items() if name != "onnxruntime"), res
+
+
+def test_explain_with_a_tuning_database(tmp_path, capsys):
+    """``explain --tuning-db DIR`` reported the option as an unknown pipeline flag."""
+    db = tmp_path / "db"
+    db.mkdir()
+    assert main(["explain", str(_model(tmp_path)), "--tuning-db", str(db)]) == 0
+    assert "fusion report" in capsys.readouterr().out

@@ -34,6 +34,13 @@ EXPECT = {
         "SinkViewsPastEpilogues": 6,
         "GatherToSlice": 1,
     },
+    # the loss only: the LM head's (N, V) logits chunked over symbolic rows (batch * seq)
+    "gpt2_labels": {
+        "PlaceShapeOnHost": 1,
+        "GatherToSlice": 1,
+        "FuseCrossEntropy": 1,
+        "FuseLinearCrossEntropy": 1,
+    },
     "llama": {"PlaceShapeOnHost": 1, "StripBookendViews": 1, "FuseSplitGates": 2},  # MLPs
     "xlnet": {"GatherToSlice": 1, "StripBookendViews": 1},
     "gru_cell": {"FuseSplitGates": 1, "kernels": 1},

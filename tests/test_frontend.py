@@ -193,3 +193,87 @@ def test_cli_explain_and_compile_a_pt2(tmp_path, capsys):
     out = tmp_path / "gated.so"
     assert main(["compile", str(path), "-o", str(out)]) == 0
     assert out.stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Constant folding before import, constant slice bounds
+
+
+def _const(name, values):
+    tensor = helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+    return helper.make_node("Constant", [], [name], value=tensor)
+
+
+def _padded_labels_model(fold_chain: bool):
+    """``labels`` (n, s) int64 -> ``pad(labels, (0, 1), -100)[:, 1:]``: GPT-2's shifted labels
+    as transformers 5 writes them. ``fold_chain``: the pads computed from constants node by
+    node, as the TorchScript exporter writes F.pad (ConstantOfShape, Concat, Reshape, Slice,
+    Transpose, Reshape, Cast: 7 foldable nodes)."""
+    i64 = TensorProto.INT64
+    inits = [
+        onnx.numpy_helper.from_array(np.array(-100, "int64"), "fill"),
+        onnx.numpy_helper.from_array(np.array([1], "int64"), "one"),
+        onnx.numpy_helper.from_array(np.array([2**63 - 1], "int64"), "end"),
+    ]
+    nodes = []
+    if fold_chain:
+        zero = helper.make_tensor("zero", i64, [1], [0])
+        nodes += [
+            _const("given", [0, 1]),
+            _const("two", [2]),
+            helper.make_node("ConstantOfShape", ["two"], ["zeros"], value=zero),
+            helper.make_node("Concat", ["given", "zeros"], ["flat"], axis=0),
+            _const("pairs_shape", [-1, 2]),
+            helper.make_node("Reshape", ["flat", "pairs_shape"], ["pairs"]),
+            _const("minus_one", [-1]),
+            _const("lowest", [-(2**63)]),
+            _const("axis0", [0]),
+            helper.make_node(
+                "Slice", ["pairs", "minus_one", "lowest", "axis0", "minus_one"], ["rev"]
+            ),
+            helper.make_node("Transpose", ["r"], ["cols"], perm=[1, 0]),
+            helper.make_node("Reshape", ["cols", "minus_one"], ["pads_i"]),
+            helper.make_node("Cast", ["pads_i"], ["pads"], to=i64),
+        ]
+    else:
+        inits.append(onnx.numpy_helper.from_array(np.array([0, 0, 0, 1], "int64"), "pads"))
+    nodes += [
+        helper.make_node("Pad", ["labels", "pads", "fill"], ["padded"]),
+        helper.make_node("Slice", ["padded", "one", "end", "one"], ["shifted"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("labels", i64, ["n", "s"])],
+        [helper.make_tensor_value_info("shifted", i64, ["n", "s"])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("fold_chain", [True, False])
+def test_constant_pads_and_shifted_labels_import_and_match(fold_chain):
+    """Pads computed from constants are folded before import (stock: "Dynamic pads are not
+    supported yet"); ``[:, 1:]`` with an INT64_MAX end is declared ``s`` long, not
+    ``min(INT64_MAX, s + 1) - min(1, s + 1)`` (a form that sent FuseTIR into endless
+    recursion in GPT-2's loss)."""
+    import onnxruntime as ort
+
+    from tvm_fusion import engine
+    from tvm_fusion.frontend import fold_constants
+
+    model = _padded_labels_model(fold_chain)
+    assert fold_constants(model)[1] == (7 if fold_chain else 0)
+    mod = load_onnx(model)
+    n, s = mod["main"].params[0].ty.shape.values
+    shifted = mod["main"].body.blocks[0].bindings[-1].var
+    assert [str(d) for d in shifted.ty.shape.values] == [str(n), str(s)], shifted.ty
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    _, compiled = run(mod, [np.zeros((1, 1), "int64")])
+    for shape in [(2, 5), (3, 1)]:
+        labels = np.arange(np.prod(shape), dtype="int64").reshape(shape)
+        want = session.run(None, {"labels": labels})[0]
+        got = engine.TvmRunner(compiled, [labels]).outputs()[0]
+        np.testing.assert_array_equal(got, want)

@@ -444,11 +444,12 @@ def fusion_report(mod: tvm.IRModule, target=None, name: str = "model", **flags) 
     from .transform import collect_rewrites
 
     tgt = parse_target(target)
+    tuning_db = flags.pop("tuning_db", None)  # schedules only: the groups do not depend on it
     stock_mod, note = _stock_grouped(mod, tgt)
     with collect_rewrites() as counts:
         ours_mod = grouped(mod, tgt, ours=True, **flags)
     with tgt:
-        scheduled = build_pipeline(tgt, **flags)(mod)
+        scheduled = build_pipeline(tgt, tuning_db=tuning_db, **flags)(mod)
     return FusionReport(
         name=name,
         target=str(tgt.kind.name),

@@ -250,7 +250,8 @@ def cmd_explain(args) -> int:
     if args.dot:
         from .analysis import grouped
 
-        Path(args.dot).write_text(to_dot(grouped(mod, args.target, ours=True, **options), name))
+        flags = {k: v for k, v in options.items() if k != "tuning_db"}
+        Path(args.dot).write_text(to_dot(grouped(mod, args.target, ours=True, **flags), name))
         print(f"wrote {args.dot}")
     return 0
 

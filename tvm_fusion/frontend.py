@@ -168,6 +168,90 @@ def prepare_import(model) -> Iterator[list[str]]:
         onnx_ops._DIM_VARS.clear()
 
 
+# Operators that fold_constants evaluates when every input is a constant: the index and shape
+# arithmetic exporters write out node by node (TorchScript's F.pad builds its pads from
+# ConstantOfShape / Concat / Slice / Transpose), which TVM's importer keeps as Relax ops and
+# then cannot use where it needs a constant ("Dynamic pads are not supported yet").
+FOLDABLE = frozenset(
+    "Abs Add Cast Concat ConstantOfShape Div Equal Expand Flatten Gather Greater Identity Less "
+    "Mul Neg Not Range ReduceProd ReduceSum Reshape Shape Size Slice Squeeze Sub Tile Transpose "
+    "Unsqueeze Where".split()
+)
+FOLD_MAX_ELEMENTS = 4096  # shapes, pads, indices: never a weight
+
+
+def fold_constants(model, max_elements: int = FOLD_MAX_ELEMENTS):
+    """``model`` with every :data:`FOLDABLE` node whose inputs are all constants (initializers,
+    ``Constant`` nodes or folded outputs) and whose outputs are small replaced by initializers,
+    and the number of nodes folded. Evaluated by ONNX's reference implementation; a node it
+    cannot evaluate stays. The top graph only (subgraphs keep their nodes)."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    graph = model.graph
+    values: dict[str, np.ndarray] = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            with contextlib.suppress(Exception):
+                values[node.output[0]] = numpy_helper.to_array(
+                    onnx.helper.get_attribute_value(node.attribute[0])
+                )
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
+    graph_outputs = {o.name for o in graph.output}
+    keep, folded = [], {}
+    for node in graph.node:
+        inputs = [i for i in node.input if i]
+        if (
+            node.op_type not in FOLDABLE
+            or node.domain not in ("", "ai.onnx")
+            or not inputs
+            or not all(i in values for i in inputs)
+            or any(o in graph_outputs for o in node.output)
+            or any(values[i].size > max_elements for i in inputs)
+        ):
+            keep.append(node)
+            continue
+        try:
+            single = onnx.helper.make_model(
+                onnx.helper.make_graph(
+                    [node],
+                    "fold",
+                    [onnx.helper.make_tensor_value_info(i, 0, None) for i in inputs],
+                    [onnx.helper.make_tensor_value_info(o, 0, None) for o in node.output],
+                ),
+                opset_imports=[onnx.helper.make_opsetid("", opset)],
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                results = ReferenceEvaluator(single).run(None, {i: values[i] for i in inputs})
+        except Exception as err:  # the importer gets the node as it is
+            logger.debug("fold_constants: left %s: %s", node.op_type, first_line(err))
+            keep.append(node)
+            continue
+        if any(np.asarray(r).size > max_elements for r in results):
+            keep.append(node)
+            continue
+        for name, result in zip(node.output, results, strict=True):
+            values[name] = folded[name] = np.asarray(result)
+    if not folded:
+        return model, 0
+    used = {i for n in keep for i in n.input} | graph_outputs
+    for n in keep:
+        for attr in n.attribute:
+            if attr.g is not None:
+                used |= {i for sub in attr.g.node for i in sub.input}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(keep)
+    out.graph.initializer.extend(
+        numpy_helper.from_array(array, name) for name, array in folded.items() if name in used
+    )
+    return out, len(graph.node) - len(keep)
+
+
 def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
     """Validate an ONNX model and import it as a Relax IRModule (see module docstring)."""
     from tvm.relax.frontend.onnx import from_onnx
@@ -175,6 +259,9 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
     model, where = _read_model(path_or_model)
     _check_model(model, where)
     shape_dict = _check_shapes(model, shapes, where)
+    model, folded = fold_constants(model)
+    if folded:
+        logger.debug("%s: %d constant nodes folded before import", where, folded)
     with prepare_import(model) as unsupported:
         if unsupported:
             raise ModelError(

@@ -253,8 +253,13 @@ class Slice(_frontend.Slice):
         out = super()._impl_v13(bb, inputs, attr, params)
         if not isinstance(out, relax.Call) or op_name(out) != "relax.strided_slice":
             return out
-        if not out.attrs.assume_inbound:
+        if not out.attrs.assume_inbound and not all(
+            isinstance(v, tirx.IntImm) for a in out.args[2:4] for v in getattr(a, "fields", [None])
+        ):
             return out
+        # Constant bounds (``labels[:, 1:]``: 1 to INT64_MAX): stock declares
+        # ``min(INT64_MAX, seq) - min(1, seq)`` elements, a form FuseTIR's shape matching and the
+        # analyzer cannot reduce to ``seq - 1``; the clamped bounds give that directly.
         # Stock sets assume_inbound whenever a bound is symbolic (``Div(Shape(x)[1], 2)``), even
         # with an end of INT64_MAX (``x[:, n // 2:]``): the slice is then declared with
         # ``INT64_MAX - n // 2`` elements, which overflows in the shape arithmetic after it.

@@ -346,6 +346,11 @@ class _Rewriter(PyExprMutator):
             t = bb.emit(relax.op.reshape(self.visit_expr(plan.pick[1]), [n]))
         else:
             t = self.visit_expr(plan.pick[1])
+        source = t
+        # The kernel and every reader take the targets with the logits' row count (see
+        # _as_shaped): an exporter's spelling of it (``batch * min(INT64_MAX - 1, seq)``) sent
+        # FuseTIR's shape matching into endless recursion.
+        t = _as_shaped(bb, t, relax.TensorType([n], t.ty.dtype))
         kwargs = {}
         grad_kwargs = {"fast_exp": self.fast_exp}
         if plan.row_sum:
@@ -375,6 +380,7 @@ class _Rewriter(PyExprMutator):
             for i, name in enumerate(names)
         }
         columns["t"] = t
+        columns["t_source"] = source
         return columns
 
     def _replace(self, plan: _Plan, use: _Use) -> relax.Expr:
@@ -394,8 +400,7 @@ class _Rewriter(PyExprMutator):
             out = relax.op.reshape(bb.emit(relax.op.multiply(w_t, picked)), [n, 1])
         elif use.kind == "onehot":
             # one_hot of a target outside [0, V) is a zero row: its sum is 0
-            t = self.visit_expr(plan.pick[1])
-            t = _as_shaped(bb, t, relax.TensorType([n], t.ty.dtype))
+            t = cols["t"]
             tdtype = str(t.ty.dtype)
             inside = bb.emit(
                 relax.op.logical_and(
@@ -443,6 +448,8 @@ class _Rewriter(PyExprMutator):
         ignore = int(call.attrs.ignore_index)
         bb = self.builder_
         t = self.visit_expr(t)
+        if t.same_as(cols["t_source"]):
+            t = cols["t"]
         t = _as_shaped(bb, t, relax.TensorType([cols["lse"].ty.shape.values[0]], t.ty.dtype))
         tdtype = str(t.ty.dtype)
         valid = bb.emit(relax.op.not_equal(t, relax.const(ignore, tdtype)))

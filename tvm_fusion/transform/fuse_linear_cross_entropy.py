@@ -294,6 +294,8 @@ class _Rewriter(PyExprMutator):
                 if not self._row_view(value, v):
                     return _leave(what, f"{name} between the matmul and the logits moves columns")
                 views.append(value)
+            elif name == "relax.astype" and value.args[0].ty.dtype == value.ty.dtype:
+                source = value.args[0]  # ``logits.float()`` of float32 logits: no cast at all
             elif name == "relax.add" and bias is None:
                 source, bias = self._bias_operands(value, v)
                 if bias is None:
