@@ -95,7 +95,8 @@ def cross_entropy_rows(
     Columns (:func:`row_columns`): the log-sum-exp, the logit of the row's target, and when
     asked the row sum ``sum_j x[i, j]`` and the weighted row sum ``sum_j w[j] * x[i, j]``
     (label smoothing: ``sum_j log_softmax(x)[i, j] = sum_x - V * lse``). A target outside
-    ``[0, V)`` (an ignored row) picks column 0; callers mask such rows.
+    ``[0, V)`` (an ignored row) picks some column (:func:`target_column`); callers mask such
+    rows.
     """
     n, v = x.shape
     xf = _acc(x)
@@ -128,9 +129,7 @@ def cross_entropy_rows(
         sum_exp = reduce_rows(ex, "sum", "ce_sumexp")
 
     def pick(i):
-        ti = t[i].astype("int64")
-        safe = tirx.Select(tirx.all(ti >= 0, ti < v), ti, tirx.const(0, "int64"))
-        return xf(i, safe)
+        return xf(i, target_column(t[i], v))
 
     columns = [lambda i: row_max(i) + te.log(sum_exp(i)), pick]
     if row_sum:
@@ -170,7 +169,7 @@ def cross_entropy_grad(
     wf = _acc_vector(weights) if weights is not None else None
 
     def grad(i, j):
-        hit = j.astype("int64") == t[i].astype("int64")
+        hit = j.astype("int64") == target_column(t[i], v)
         value = output_grad[i, 0] * prob(i, j) + tirx.Select(
             hit, output_grad[i, 1], tirx.const(0.0, ACC)
         )
@@ -192,6 +191,14 @@ def cross_entropy_grad(
             else te.compute((v,), lambda j: dw[j].astype(weights.dtype), name="ce_grad_w_cast")
         )
     return grads
+
+
+def target_column(target, v):
+    """The column a row's target picks: ``t mod V``. A target in ``[0, V)`` is itself, one in
+    ``[-V, 0)`` counts from the end (``t + V``, ONNX's negative GatherElements indices); any
+    other (an ignored row, which every reader masks) picks some column inside the row, never
+    memory outside it."""
+    return tirx.floormod(target.astype("int64"), v)
 
 
 def _acc_vector(w: te.Tensor):
