@@ -428,6 +428,7 @@ def _torch_loss(torch, case: str, weight):
         "cross_entropy",
         "cross_entropy_none_smoothed",
         "cross_entropy_all_options",
+        "CrossEntropyLoss",
         "nll_of_log_softmax",
         "nll_of_log_of_softmax",
         "gather_of_log_of_softmax",

@@ -35,6 +35,9 @@ ONNX ``LogSoftmax`` or ``Softmax -> Log``, then ``GatherElements`` (``ReduceMean
 :mod:`tvm_fusion.onnx_ops`); ``torch.export`` of ``F.cross_entropy`` / ``nn.CrossEntropyLoss``
 (weight, ignore_index, label_smoothing, every reduction), ``F.nll_loss(F.log_softmax(x))`` and
 ``torch.log(torch.softmax(x))`` read by ``nll_loss`` or ``gather``, with a dynamic batch.
+PyTorch's weighted mean also picks its denominator's weights as
+``gather_elements(broadcast_to(w, (N, V)), idx, axis=1)``, an (N, V) broadcast in memory; beside
+a fused log-softmax that becomes ``w[idx]``.
 
 So ``F.cross_entropy(x, t, weight=w, label_smoothing=eps)`` as ``torch.export`` decomposes it
 (a gather and a row sum of the same log-probs) becomes one kernel. All target picks must use the
@@ -332,6 +335,7 @@ class _Rewriter(PyExprMutator):
         self.fast_exp = fast_exp
         self.count = 0
         self.planned: dict = {}  # replaced call -> (_Plan, _Use)
+        self.weight_picks: dict = {}  # gather of broadcast class weights -> the (V,) weights
 
     def transform(self) -> IRModule:
         for gv, func in self.mod.functions_items():
@@ -343,6 +347,7 @@ class _Rewriter(PyExprMutator):
                     self.planned[use.call] = (plan, use)
             if not self.planned:
                 continue
+            self.weight_picks = _weight_picks(func)
             new_func = self.visit_expr(func)
             new_func = relax.analysis.remove_all_unused(new_func)
             self.builder_.update_func(gv, new_func)
@@ -351,6 +356,8 @@ class _Rewriter(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         entry = self.planned.get(call)
         if entry is None:
+            if call in self.weight_picks:
+                return self._pick_weights(call, self.weight_picks[call])
             return super().visit_call_(call)
         plan, use = entry
         if use.kind == "shape":  # shape_of(L): L's shape is known, no kernel needed
@@ -450,6 +457,16 @@ class _Rewriter(PyExprMutator):
         if dtype != ACC:
             out = relax.op.astype(_bound(bb, out), dtype)
         return bb.normalize(out)
+
+    def _pick_weights(self, gather: relax.Call, weights: relax.Expr) -> relax.Expr:
+        """``gather_elements(broadcast_to(w, (N, V)), idx, axis=1)`` as ``w[idx]``."""
+        bb = self.builder_
+        n, v = gather.args[0].ty.shape.values
+        w = self.visit_expr(weights)
+        if w.ty.ndim != 1:
+            w = bb.emit(relax.op.reshape(w, [v]))
+        idx = bb.emit(relax.op.reshape(self.visit_expr(gather.args[1]), [n]))
+        return relax.op.reshape(bb.emit(relax.op.take(w, idx, axis=0)), [n, 1])
 
     def _weights_vector(self, weights: relax.Expr, v) -> relax.Expr:
         """Class weights ``(V,)`` or ``(1, V)`` as a float32 ``(V,)`` vector."""
@@ -653,6 +670,32 @@ def _gather_pick(plan: _Plan, idx, v, var2val) -> tuple:
         return ("gather", idx)
     plan.wraps = True
     return ("gather", targets)
+
+
+def _weight_picks(func: relax.Function) -> dict:
+    """``gather_elements(broadcast_to(w, (N, V)), idx (N, 1), axis=1)`` with class weights ``w``
+    (``(V,)`` / ``(1, V)``): ``{gather call: w}``. PyTorch's weighted ``nll_loss`` with the mean
+    reduction picks its denominator's weights so, an (N, V) broadcast that stock builds in
+    memory; ``w[idx]`` reads V floats once. Only looked for beside a fused log-softmax."""
+    var2val = relax.analysis.get_var2val(func)
+    picks = {}
+    for value in var2val.values():
+        if op_name(value) != "relax.gather_elements" or not isinstance(value.args[0], relax.Var):
+            continue
+        broadcast = var2val.get(value.args[0])
+        sinfo = value.args[0].ty
+        if op_name(broadcast) != "relax.broadcast_to" or not isinstance(
+            getattr(sinfo, "shape", None), relax.ShapeExpr
+        ):
+            continue
+        if sinfo.ndim != 2:
+            continue
+        n, v = sinfo.shape.values
+        weights = broadcast.args[0]
+        if not _class_weights(weights, v) or _gather_reason(value, value.args[0], n):
+            continue
+        picks[value] = _view_source(weights, var2val, v)
+    return picks
 
 
 def _view_source(expr, var2val, v):
