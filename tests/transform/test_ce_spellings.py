@@ -344,7 +344,8 @@ def test_onnx_hand_written_cross_entropy(variant, opset, index_dtype):
 def test_gradient_of_negative_targets():
     """The fused kernel's gradient picks the column its forward picked: ``t + V`` for a
     negative target (the where it replaced did so for the stock gather). A static batch:
-    stock 0.27's Gradient fails on this symbolic one ("key is not in Map")."""
+    Gradient of the fused kernel with a symbolic batch fails ("key is not in Map"), already
+    before these spellings (stock's Gradient of the unfused nll_loss does not)."""
     model = _hand_written("logsoftmax:gather_mean")
     mod = tvm_fusion.load_onnx(model, shapes={"x": [5, V], "t": [5, 1]})
     target = tvm_fusion.host_target()
