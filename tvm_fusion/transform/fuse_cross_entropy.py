@@ -10,16 +10,34 @@ reader then works on ``(N,)`` vectors in ordinary Relax ops (ignore_index, class
 the reduction, label smoothing's mix).
 
 Matches ``L = log_softmax(x, axis=-1)`` (``x`` 2-D ``(N, V)``, ``N`` static or symbolic,
-float16/bfloat16/float32 logits accumulated in float32) when every reader of ``L`` is one of:
+float16/bfloat16/float32 logits accumulated in float32), also spelled ``log(softmax(x, -1))``
+with the softmax read by the log alone, and with reshapes to the same shape around either (the
+ONNX importer's opset <= 12 forms; :mod:`._cross_entropy_spellings`), when every reader of
+``L`` is one of:
 
 - ``gather_elements(L, idx, axis=1)`` with ``idx`` of shape ``(N, 1)`` (``take_along_axis`` /
   ``torch.gather``), or of ``L * w`` with class weights ``w`` of shape ``(V,)`` / ``(1, V)``
-  (PyTorch's decomposition of a weighted ``nll_loss``): ``x_t - lse`` (times ``w[t]``);
+  (PyTorch's decomposition of a weighted ``nll_loss``): ``x_t - lse`` (times ``w[t]``). An
+  ``idx`` that is the ONNX importer's ``where(t < 0, t + V, t)`` of targets ``t`` (``V`` a
+  constant or read from ``shape_of``) is read as ``t``: the kernel picks column ``t mod V``,
+  which is ``t + V`` for ``-V <= t < 0``; a ``where`` adding anything else stays and is read;
 - ``nll_loss(L, t, weights, reduction, ignore_index)`` (PyTorch's ``F.cross_entropy``
   semantics: weighted mean over non-ignored rows, NaN when every row is ignored);
 - ``sum(L * one_hot(t), axis=1)``: ``x_t - lse``, 0 for a target outside ``[0, V)``;
 - ``sum(L, axis=1)`` / ``mean(L, axis=1)`` / ``sum(L * w, axis=1)``: label smoothing's term,
-  ``sum_x - V * lse`` (static V) or ``sum_wx - sum(w) * lse``.
+  ``sum_x - V * lse`` (static V) or ``sum_wx - sum(w) * lse``;
+- ``shape_of(L)`` (how the importer reads ``V`` for the ``where``): ``L``'s known shape.
+
+Spellings this covers, each tested from its importer (tests/transform/test_ce_spellings.py):
+ONNX ``LogSoftmax`` or ``Softmax -> Log``, then ``GatherElements`` (``ReduceMean`` /
+``ReduceSum``, ``Neg`` before or after, ``Squeeze``), ``NegativeLogLikelihoodLoss`` or
+``SoftmaxCrossEntropyLoss`` (weights, ignore_index, every reduction; converters in
+:mod:`tvm_fusion.onnx_ops`); ``torch.export`` of ``F.cross_entropy`` / ``nn.CrossEntropyLoss``
+(weight, ignore_index, label_smoothing, every reduction), ``F.nll_loss(F.log_softmax(x))`` and
+``torch.log(torch.softmax(x))`` read by ``nll_loss`` or ``gather``, with a dynamic batch.
+PyTorch's weighted mean also picks its denominator's weights as
+``gather_elements(broadcast_to(w, (N, V)), idx, axis=1)``, an (N, V) broadcast in memory; beside
+a fused log-softmax that becomes ``w[idx]``.
 
 So ``F.cross_entropy(x, t, weight=w, label_smoothing=eps)`` as ``torch.export`` decomposes it
 (a gather and a row sum of the same log-probs) becomes one kernel. All target picks must use the
@@ -38,9 +56,11 @@ separate reductions over the same row in one kernel; the schedule computes them 
 a row of ``V`` floats is read from memory once and re-read from cache (128 KiB for V = 32768).
 
 Left alone, with the reason at debug level: log-softmax on another axis or of another rank, a
-log-softmax returned or read by anything else (an ``exp`` of it, a sum over the rows), a gather
-of other shape, a non-integer target. On CPU targets ``exp`` is TVM's polynomial ``fast_exp``
-(see :mod:`tvm_fusion.legalize`).
+log-softmax returned or read by anything else (an ``exp`` of it, a sum over the rows), a
+``log(softmax)`` whose probabilities are read elsewhere, a gather of other shape, a non-integer
+target. The fused value is the log-softmax's, so where ``softmax`` underflows to 0 (``log`` of
+it ``-inf``) the fused ``log(softmax)`` spelling gives the finite value. On CPU targets ``exp``
+is TVM's polynomial ``fast_exp`` (see :mod:`tvm_fusion.legalize`).
 """
 
 from __future__ import annotations
@@ -55,6 +75,7 @@ from tvm.relax.training.utils import register_global_func
 
 from .. import target as _target
 from ._common import get_logger, op_name, prove_equal_shapes, record_rewrite, skip, vars_in
+from ._cross_entropy_spellings import log_softmax_source, unwrap_negative_index
 
 logger = get_logger(__name__)
 NAME = "FuseCrossEntropy"
@@ -96,7 +117,8 @@ def cross_entropy_rows(
     Columns (:func:`row_columns`): the log-sum-exp, the logit of the row's target, and when
     asked the row sum ``sum_j x[i, j]`` and the weighted row sum ``sum_j w[j] * x[i, j]``
     (label smoothing: ``sum_j log_softmax(x)[i, j] = sum_x - V * lse``). A target outside
-    ``[0, V)`` (an ignored row) picks column 0; callers mask such rows.
+    ``[0, V)`` (an ignored row) picks some column (:func:`target_column`); callers mask such
+    rows.
     """
     n, v = x.shape
     xf = _acc(x)
@@ -129,9 +151,7 @@ def cross_entropy_rows(
         sum_exp = reduce_rows(ex, "sum", "ce_sumexp")
 
     def pick(i):
-        ti = t[i].astype("int64")
-        safe = tirx.Select(tirx.all(ti >= 0, ti < v), ti, tirx.const(0, "int64"))
-        return xf(i, safe)
+        return xf(i, target_column(t[i], v))
 
     columns = [lambda i: row_max(i) + te.log(sum_exp(i)), pick]
     if row_sum:
@@ -171,7 +191,7 @@ def cross_entropy_grad(
     wf = _acc_vector(weights) if weights is not None else None
 
     def grad(i, j):
-        hit = j.astype("int64") == t[i].astype("int64")
+        hit = j.astype("int64") == target_column(t[i], v)
         value = output_grad[i, 0] * prob(i, j) + tirx.Select(
             hit, output_grad[i, 1], tirx.const(0.0, ACC)
         )
@@ -193,6 +213,14 @@ def cross_entropy_grad(
             else te.compute((v,), lambda j: dw[j].astype(weights.dtype), name="ce_grad_w_cast")
         )
     return grads
+
+
+def target_column(target, v):
+    """The column a row's target picks: ``t mod V``. A target in ``[0, V)`` is itself, one in
+    ``[-V, 0)`` counts from the end (``t + V``, ONNX's negative GatherElements indices); any
+    other (an ignored row, which every reader masks) picks some column inside the row, never
+    memory outside it."""
+    return tirx.floormod(target.astype("int64"), v)
 
 
 def _acc_vector(w: te.Tensor):
@@ -279,7 +307,7 @@ def _consumers(func: relax.Function) -> dict:
 class _Use:
     """One reader of the log-probabilities ``L``, and what it becomes."""
 
-    kind: str  # gather | nll | rowsum | rowmean | onehot | wsum | wgather
+    kind: str  # gather | nll | rowsum | rowmean | onehot | wsum | wgather | shape
     var: relax.Var  # the binding of the replaced call
     call: relax.Call  # the call that is replaced (the sum or gather, for the multiply forms)
     keepdims: bool = False
@@ -297,6 +325,7 @@ class _Plan:
     weights: relax.Expr | None = None  # (V,) or (1, V): the weighted row sum's weights
     row_sum: bool = False
     columns: dict | None = None  # emitted: column name -> (N,) float32 var
+    wraps: bool = False  # the pick's negative targets count from the end (ONNX indices)
 
 
 @mutator
@@ -307,6 +336,7 @@ class _Rewriter(PyExprMutator):
         self.fast_exp = fast_exp
         self.count = 0
         self.planned: dict = {}  # replaced call -> (_Plan, _Use)
+        self.weight_picks: dict = {}  # gather of broadcast class weights -> the (V,) weights
 
     def transform(self) -> IRModule:
         for gv, func in self.mod.functions_items():
@@ -318,6 +348,7 @@ class _Rewriter(PyExprMutator):
                     self.planned[use.call] = (plan, use)
             if not self.planned:
                 continue
+            self.weight_picks = _weight_picks(func)
             new_func = self.visit_expr(func)
             new_func = relax.analysis.remove_all_unused(new_func)
             self.builder_.update_func(gv, new_func)
@@ -326,8 +357,12 @@ class _Rewriter(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         entry = self.planned.get(call)
         if entry is None:
+            if call in self.weight_picks:
+                return self._pick_weights(call, self.weight_picks[call])
             return super().visit_call_(call)
         plan, use = entry
+        if use.kind == "shape":  # shape_of(L): L's shape is known, no kernel needed
+            return relax.ShapeExpr(plan.x.ty.shape.values)
         if plan.columns is None:
             plan.columns = self._emit_kernel(plan)
             self.count += 1
@@ -395,7 +430,8 @@ class _Rewriter(PyExprMutator):
             out = relax.op.reshape(bb.emit(relax.op.subtract(cols["x_t"], lse)), [n, 1])
         elif use.kind == "wgather":  # gather_elements(L * w, idx) = w[t] * L[i, t]
             w = self._weights_vector(use.weights, v)
-            w_t = bb.emit(relax.op.take(w, cols["t"], axis=0))
+            mode = "wrap" if plan.wraps else "fast"
+            w_t = bb.emit(relax.op.take(w, cols["t"], axis=0, mode=mode))
             picked = bb.emit(relax.op.subtract(cols["x_t"], lse))
             out = relax.op.reshape(bb.emit(relax.op.multiply(w_t, picked)), [n, 1])
         elif use.kind == "onehot":
@@ -429,6 +465,16 @@ class _Rewriter(PyExprMutator):
             out = relax.op.astype(_bound(bb, out), dtype)
         out = bb.normalize(out)
         return _as_shaped(bb, out, use.call.ty)
+
+    def _pick_weights(self, gather: relax.Call, weights: relax.Expr) -> relax.Expr:
+        """``gather_elements(broadcast_to(w, (N, V)), idx, axis=1)`` as ``w[idx]``."""
+        bb = self.builder_
+        n, v = gather.args[0].ty.shape.values
+        w = self.visit_expr(weights)
+        if w.ty.ndim != 1:
+            w = bb.emit(relax.op.reshape(w, [v]))
+        idx = bb.emit(relax.op.reshape(self.visit_expr(gather.args[1]), [n]))
+        return relax.op.reshape(bb.emit(relax.op.take(w, idx, axis=0)), [n, 1])
 
     def _weights_vector(self, weights: relax.Expr, v) -> relax.Expr:
         """Class weights ``(V,)`` or ``(1, V)`` as a float32 ``(V,)`` vector."""
@@ -485,22 +531,22 @@ def _plans(func: relax.Function) -> list:
             position += 1
     plans = []
     for lsm, value in var2val.items():
-        if op_name(value) == "relax.nn.log_softmax":
-            plan = _plan(lsm, value, var2val, consumers, order)
+        source = log_softmax_source(lsm, value, var2val, consumers)
+        if source is not None:
+            plan = _plan(lsm, *source, var2val, consumers, order)
             if plan is not None:
                 plans.append(plan)
     return plans
 
 
-def _plan(lsm, value, var2val, consumers, order) -> _Plan | None:
+def _plan(lsm, x, axis, var2val, consumers, order) -> _Plan | None:
     what = f"log_softmax {lsm.name}"
-    x = value.args[0]
     sinfo = x.ty
     if not isinstance(sinfo, relax.TensorType) or sinfo.ndim != 2:
         return _leave(what, "logits are not 2-D (N, V)")
     if str(sinfo.dtype) not in _FLOATS:
         return _leave(what, f"logits of dtype {sinfo.dtype}")
-    if int(value.attrs.axis) % 2 != 1:
+    if axis % 2 != 1:
         return _leave(what, "log_softmax over another axis than the classes")
     if not isinstance(sinfo.shape, relax.ShapeExpr):
         return _leave(what, "logits of unknown shape")
@@ -513,8 +559,11 @@ def _plan(lsm, value, var2val, consumers, order) -> _Plan | None:
         reason = _add_use(plan, bvar, use_value, n, v, consumers, var2val)
         if reason:
             return _leave(what, reason)
-    # the kernel is emitted at the first use: its inputs must exist there
-    first = min(order[use.var] for use in plan.uses)
+    # the kernel is emitted at the first use that reads it: its inputs must exist there
+    reads = [order[use.var] for use in plan.uses if use.kind != "shape"]
+    if not reads:
+        return _leave(what, "only its shape is read")
+    first = min(reads)
     operands = [plan.pick[1] if plan.pick else None, plan.weights]
     operands += [use.weights for use in plan.uses]
     for operand in operands:
@@ -554,13 +603,15 @@ def _add_use(plan: _Plan, bvar, value, n, v, consumers, var2val) -> str | None:
         return "the log-probabilities are returned"
     if sum(1 for arg in vars_in(value) if arg.same_as(lsm)) != 1:
         return f"{name} reads the log-probabilities twice"
+    if name == "relax.shape_of":
+        plan.uses.append(_Use("shape", bvar, value))
+        return None
     if name == "relax.gather_elements":
         reason = _gather_reason(value, lsm, n)
         if reason:
             return reason
-        idx = value.args[1]
         plan.uses.append(_Use("gather", bvar, value))
-        return _set_pick(plan, ("gather", idx))
+        return _set_pick(plan, _gather_pick(plan, value.args[1], v, var2val))
     if name == "relax.nn.nll_loss":
         t = value.args[1]
         if not value.args[0].same_as(lsm) or not _int_tensor(t, 1):
@@ -612,7 +663,7 @@ def _add_product(plan: _Plan, bvar, value, n, v, consumers, var2val) -> str | No
         if reason:
             return reason
         plan.uses.append(_Use("wgather", reader_var, reader, weights=other))
-        return _set_pick(plan, ("gather", reader.args[1]))
+        return _set_pick(plan, _gather_pick(plan, reader.args[1], v, var2val))
     if op_name(reader) != "relax.sum" or not _row_axis(reader):
         return "L * w is neither summed over the classes nor gathered"
     if plan.weights is not None and not plan.weights.same_as(other):
@@ -620,6 +671,42 @@ def _add_product(plan: _Plan, bvar, value, n, v, consumers, var2val) -> str | No
     plan.weights = other
     plan.uses.append(_Use("wsum", reader_var, reader, bool(reader.attrs.keepdims)))
     return None
+
+
+def _gather_pick(plan: _Plan, idx, v, var2val) -> tuple:
+    """The pick of ``gather_elements(L, idx)``: the targets before the importer's negative-index
+    ``where`` (the kernel wraps negative targets itself), else ``idx``."""
+    targets = unwrap_negative_index(idx, var2val, v)
+    if targets is None:
+        return ("gather", idx)
+    plan.wraps = True
+    return ("gather", targets)
+
+
+def _weight_picks(func: relax.Function) -> dict:
+    """``gather_elements(broadcast_to(w, (N, V)), idx (N, 1), axis=1)`` with class weights ``w``
+    (``(V,)`` / ``(1, V)``): ``{gather call: w}``. PyTorch's weighted ``nll_loss`` with the mean
+    reduction picks its denominator's weights so, an (N, V) broadcast that stock builds in
+    memory; ``w[idx]`` reads V floats once. Only looked for beside a fused log-softmax."""
+    var2val = relax.analysis.get_var2val(func)
+    picks = {}
+    for value in var2val.values():
+        if op_name(value) != "relax.gather_elements" or not isinstance(value.args[0], relax.Var):
+            continue
+        broadcast = var2val.get(value.args[0])
+        sinfo = value.args[0].ty
+        if op_name(broadcast) != "relax.broadcast_to" or not isinstance(
+            getattr(sinfo, "shape", None), relax.ShapeExpr
+        ):
+            continue
+        if sinfo.ndim != 2:
+            continue
+        n, v = sinfo.shape.values
+        weights = broadcast.args[0]
+        if not _class_weights(weights, v) or _gather_reason(value, value.args[0], n):
+            continue
+        picks[value] = _view_source(weights, var2val, v)
+    return picks
 
 
 def _view_source(expr, var2val, v):
