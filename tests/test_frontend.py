@@ -229,7 +229,7 @@ def _padded_labels_model(fold_chain: bool):
             _const("lowest", [-(2**63)]),
             _const("axis0", [0]),
             helper.make_node(
-                "Slice", ["pairs", "minus_one", "lowest", "axis0", "minus_one"], ["rev"]
+                "Slice", ["pairs", "minus_one", "lowest", "axis0", "minus_one"], ["r"]
             ),
             helper.make_node("Transpose", ["r"], ["cols"], perm=[1, 0]),
             helper.make_node("Reshape", ["cols", "minus_one"], ["pads_i"]),

@@ -63,7 +63,9 @@ def test_tune_resume_and_apply(tmp_path):
     assert again.trials_before == 4 and again.trials_after == 4
     name = again.tasks[0]
     assert again.verified[name][0] == pytest.approx(1e-6)  # ms, as the lucky record claimed
-    assert again.best_ms[name] == again.verified[name][1] > 1e-4
+    # measured again: far above the record's claim (a 0.1 us kernel on a fast machine is still
+    # 100x the 1 ns it claimed)
+    assert again.best_ms[name] == again.verified[name][1] > 1e-5
     assert (tmp_path / "database_tuning_record.unverified.json").exists()
     db = ms.database.JSONDatabase(work_dir=str(tmp_path))
     secs = [float(t) for r in db.get_all_tuning_records() for t in r.run_secs]

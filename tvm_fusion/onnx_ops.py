@@ -51,6 +51,7 @@ from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 
+from .onnx_rnn import CONVERTERS as _RNN_CONVERTERS
 from .transform._common import as_i64 as _i64
 from .transform._common import op_name
 
@@ -335,6 +336,7 @@ OVERRIDES = {
 CONVERTERS = {
     "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss,
     "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss,
+    **_RNN_CONVERTERS,  # LSTM, GRU, RNN (onnx_rnn.py)
 }
 
 _INSTALLED = False

@@ -11,8 +11,10 @@ Matches, inside a dataflow block:
   ``chunk`` piece, count as one piece);
 - the elementwise/broadcast ops that consume the pieces (sigmoid, tanh, exp, silu, gelu, relu,
   add, multiply, ...), together with other tensors broadcast to ``(rows, D)`` (the LSTM cell
-  state, the GRU hidden state, constants). Several GEMMs whose pieces meet in these ops (the GRU
-  cell's input and hidden GEMMs) form one group.
+  state, the GRU hidden state, constants, boolean masks of ``where``; ``clip``'s bounds).
+  Several GEMMs whose pieces meet in these ops (the GRU cell's input and hidden GEMMs) form one
+  group, unless one's input is computed from the other's results: the steps of an unrolled RNN
+  (step t + 1's GEMM reads h_t and its gate math c_t) stay one group per step.
 
 Two rewrites first bring other spellings of a gate GEMM to that form (constant weights only):
 two linear layers summed before the split (torch's LSTMCell: ``x @ Wih^T + h @ Whh^T``) become
@@ -29,7 +31,8 @@ Emits ONE ``call_tir`` whose PrimFunc computes, per output tile, every gate of e
 exists in memory. Constant weights (and biases) are laid out at compile time in vector-width
 blocks, ``W (k*D, K) -> Wb (D/V, K, k, V)``: for each block of ``V`` units and each step of the
 reduction, the ``k`` gates' ``V`` weights are contiguous, so one output tile holds all ``k``
-gates of ``V`` units. ``V`` comes from the target's schedule (``schedule.gate_block``). A weight
+gates of ``V`` units. ``V`` comes from the target's schedule (``schedule.gate_block``); a ``D``
+that no ``V`` divides is padded to whole blocks with zero columns that nothing reads. A weight
 that is a runtime input is read in place (fused without reordering); reordering it every call
 would cost a full pass over it, as much as a batch-1 GEMV itself.
 
@@ -41,8 +44,9 @@ Left alone, with the reason logged at debug level: a piece also used outside the
 output (or its bias sum) used by anything but the split, a split on another axis or into
 unequal pieces, a bias that does not broadcast along the features only (or adds leading axes
 to the GEMM result), ops not in the elementwise table, tensors that do not broadcast to the
-pieces' shape, non-float32 data, a ``D`` with no usable vector block, and groups whose external
-inputs depend on the group's own results.
+pieces' shape, non-float32 data, a split piece no op reads (an ONNX LSTM with
+``input_forget``), and groups whose external inputs depend on the group's own results (a GRU
+with ``linear_before_reset = 0``: its second GEMM reads the reset gate).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import numpy as np
 import tvm
 import tvm_ffi
 from tvm import IRModule, relax, te, tirx, topi
+from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
@@ -117,6 +122,8 @@ _ELEMENTWISE = {
     "relax.rsqrt": (1, lambda t, fm: topi.rsqrt(t)),
     "relax.square": (1, lambda t, fm: topi.multiply(t, t)),
     "relax.where": (3, lambda c, a, b, fm: topi.where(c, a, b)),
+    # bounds are PrimValue attributes, not tensors (an ONNX LSTM's clip)
+    "relax.clip": (3, lambda t, lo, hi, fm: topi.clip(t, _scalar(lo), _scalar(hi))),
     "relax.greater": (2, lambda a, b, fm: topi.greater(a, b)),
     "relax.greater_equal": (2, lambda a, b, fm: topi.greater_equal(a, b)),
     "relax.less": (2, lambda a, b, fm: topi.less(a, b)),
@@ -146,6 +153,11 @@ def _emit_op(call: relax.Call, args: list, fast_math: bool):
 
             return te.compute(x.shape, times, name="T_power")
     return _ELEMENTWISE[name][1](*args, fast_math)
+
+
+def _scalar(value) -> float:
+    """A scalar bound (``clip``'s min / max, a FloatImm / IntImm) as a Python float."""
+    return float(value.value)
 
 
 def _integral_scalar(expr) -> int | None:
@@ -809,6 +821,11 @@ def _grow(blk: _Block, gemms: list[_Gemm]) -> list[_Group]:
         if not region_args:
             continue
         groups = {find(owner[a]) for a in region_args}
+        later = _later_step(blk, gemms, groups, owner, find) if len(groups) > 1 else None
+        if later is not None:  # f_{t+1} * c_t: the next step's gate reads this step's state
+            owner[binding.var] = later
+            ops.setdefault(later, []).append(binding)
+            continue
         root = groups.pop()
         for other in groups:
             parent[other] = root
@@ -825,6 +842,35 @@ def _grow(blk: _Block, gemms: list[_Gemm]) -> list[_Group]:
         if group is not None:
             result.append(group)
     return result
+
+
+def _later_step(blk: _Block, gemms: list[_Gemm], groups: set, owner: dict, find) -> int | None:
+    """Of regions that one elementwise op joins, the one whose GEMM input is computed from all
+    the others' results (an unrolled RNN: step t + 1's GEMM reads h_t, and its gate math reads
+    c_t): the op belongs to it, the others' values are its inputs. Merging them would make one
+    group whose input is its own result. None when no region depends on the others."""
+    regions = {g: {v for v, o in owner.items() if find(o) == g} for g in groups}
+    for g in groups:
+        sources = [gm.x for i, gm in enumerate(gemms) if find(i) == g]
+        others = set().union(*(regions[o] for o in groups if o != g))
+        if all(_reaches(blk, sources, regions[o]) for o in groups if o != g) and others:
+            return g
+    return None
+
+
+def _reaches(blk: _Block, exprs: list, targets: set) -> bool:
+    """Whether any of ``exprs`` is computed (through the block's bindings) from ``targets``."""
+    stack = [v for e in exprs for v in vars_in(e)]
+    seen: set = set()
+    while stack:
+        var = stack.pop()
+        if var in targets:
+            return True
+        if var in seen or var not in blk.value:
+            continue
+        seen.add(var)
+        stack.extend(vars_in(blk.value[var]))
+    return False
 
 
 def _check_group(blk: _Block, gemms: list[_Gemm], ops: list) -> _Group | None:
@@ -848,7 +894,7 @@ def _check_group(blk: _Block, gemms: list[_Gemm], ops: list) -> _Group | None:
         if [str(d) for d in (_shape(b.var) or [])] != [str(d) for d in out_shape]:
             return skip(logger, what, f"{b.var.name} is not of the pieces' shape") or None
         for arg in b.value.args:
-            if isinstance(arg, relax.Var) and arg in region:
+            if isinstance(arg, relax.Var) and arg in region or is_prim_expr(arg):
                 continue
             if not _broadcastable(arg, out_shape):
                 return skip(logger, what, f"{arg} does not broadcast to the pieces") or None
@@ -871,7 +917,7 @@ def _broadcastable(arg, out_shape) -> bool:
     if isinstance(sinfo, tvm.ir.PrimType):
         return True
     shape = _shape(arg)
-    if shape is None or len(shape) > len(out_shape) or sinfo.dtype != "float32":
+    if shape is None or len(shape) > len(out_shape) or str(sinfo.dtype) not in ("float32", "bool"):
         return False
     for a, b in zip(reversed(shape), reversed(out_shape), strict=False):
         if _int(a) == 1:
@@ -997,7 +1043,12 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
         for var in group.ops:
             value = blk.value[var]
             args = [
-                env[a] if isinstance(a, relax.Var) and a in env else external(a) for a in value.args
+                env[a]
+                if isinstance(a, relax.Var) and a in env
+                else a
+                if is_prim_expr(a)
+                else external(a)
+                for a in value.args
             ]
             env[var] = _emit_op(value, args, fast_math)
         outs = [env[o] for o in group.outputs]

@@ -1,0 +1,184 @@
+"""ONNX LSTM / GRU / RNN (tvm_fusion/onnx_rnn.py): imported, unrolled, and each step one fused
+gate kernel; numbers against ONNX Runtime (ONNX's reference evaluator where ORT lacks the
+attribute: layout 1), at two batch sizes of a dynamic batch."""
+
+import io
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper
+
+import tvm_fusion
+from tvm_fusion import ModelError, engine
+from tvm_fusion.pipeline import fusion_passes
+from tvm_fusion.transform import collect_rewrites
+
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+
+def _model(kind, seq, inp, hid, direction="forward", **opts):
+    """One recurrent node with constant W, R (and B, P); X (seq, batch, inp) or, with
+    ``layout=1``, (batch, seq, inp); optional initial states and sequence_lens as inputs."""
+    rng = np.random.default_rng(opts.get("seed", 0))
+    g, nd = GATES[kind], 2 if direction == "bidirectional" else 1
+    layout = opts.get("layout", 0)
+
+    def init(name, *shape, scale=0.5):
+        array = (rng.standard_normal(shape) * scale).astype("float32")
+        return onnx.numpy_helper.from_array(array, name)
+
+    inits = [init("W", nd, g * hid, inp), init("R", nd, g * hid, hid)]
+    names = ["X", "W", "R", ""]
+    if opts.get("bias", True):
+        inits.append(init("B", nd, 2 * g * hid, scale=1.0))
+        names[3] = "B"
+    x_shape = [seq, "batch", inp] if layout == 0 else ["batch", seq, inp]
+    inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, x_shape)]
+    names.append("")
+    if opts.get("lens"):
+        inputs.append(helper.make_tensor_value_info("L", TensorProto.INT32, ["batch"]))
+        names[4] = "L"
+    state = [nd, "batch", hid] if layout == 0 else ["batch", nd, hid]
+    if opts.get("init"):
+        names.append("H0")
+        inputs.append(helper.make_tensor_value_info("H0", TensorProto.FLOAT, state))
+        if kind == "LSTM":
+            names.append("C0")
+            inputs.append(helper.make_tensor_value_info("C0", TensorProto.FLOAT, state))
+    if opts.get("peep"):
+        names += [""] * (8 - len(names) - 1) + ["P"]
+        inits.append(init("P", nd, 3 * hid, scale=1.0))
+    while names[-1] == "":
+        names.pop()
+    outs = ["Y", "Y_h"] + (["Y_c"] if kind == "LSTM" else [])
+    attrs = {"hidden_size": hid, "direction": direction}
+    for key in ("layout", "clip", "activations", "activation_alpha", "activation_beta"):
+        if key in opts:
+            attrs[key] = opts[key]
+    if kind == "GRU":
+        attrs["linear_before_reset"] = opts.get("lbr", 0)
+    if opts.get("input_forget"):
+        attrs["input_forget"] = 1
+    node = helper.make_node(kind, names, outs, **attrs)
+    out_info = [
+        helper.make_tensor_value_info(o, TensorProto.FLOAT, [None] * (4 if o == "Y" else 3))
+        for o in outs
+    ]
+    graph = helper.make_graph([node], "g", inputs, out_info, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opts.get("opset", 17))])
+    model.ir_version = 8
+    return model
+
+
+def _reference(model):
+    import onnxruntime as ort
+
+    try:
+        session = ort.InferenceSession(
+            model.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        return lambda feeds: session.run(None, feeds)
+    except Exception:  # ORT has no layout 1
+        from onnx.reference import ReferenceEvaluator
+
+        evaluator = ReferenceEvaluator(model)
+        return lambda feeds: evaluator.run(None, feeds)
+
+
+def _check(model, batches=(1, 3)):
+    reference = _reference(model)
+    mod = tvm_fusion.load_onnx(model)
+    with collect_rewrites() as counts:
+        tvm.transform.Sequential(fusion_passes(tvm_fusion.host_target()))(mod)
+    compiled = engine.compile_module(mod, tvm_fusion.host_target(), "tvm_fusion")
+    seq = model.graph.input[0].type.tensor_type.shape.dim
+    for batch in batches:
+        rng = np.random.default_rng(batch)
+        feeds = {}
+        for info in model.graph.input:
+            dims = [batch if d.dim_param else d.dim_value for d in info.type.tensor_type.shape.dim]
+            if info.name == "L":
+                steps = max(d.dim_value for d in seq)
+                feeds["L"] = rng.integers(1, steps + 1, batch).astype("int32")
+            else:
+                feeds[info.name] = rng.standard_normal(dims).astype("float32")
+        want = reference(feeds)
+        got = engine.TvmRunner(compiled, [feeds[i.name] for i in model.graph.input]).outputs()
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
+    return counts
+
+
+@pytest.mark.parametrize(
+    "kind, seq, inp, hid, direction, opts",
+    [
+        ("LSTM", 5, 6, 7, "forward", {}),
+        ("LSTM", 4, 6, 8, "bidirectional", {"layout": 1, "init": True}),
+        ("LSTM", 3, 5, 4, "reverse", {"bias": False, "clip": 0.5}),
+        ("LSTM", 3, 5, 4, "forward", {"peep": True}),
+        # the forget piece of the split is unused (f = 1 - i): FuseSplitGates wants every piece
+        ("LSTM", 3, 5, 4, "forward", {"peep": True, "input_forget": True, "fused": False}),
+        ("LSTM", 5, 4, 6, "forward", {"lens": True}),
+        (
+            "LSTM",
+            3,
+            4,
+            5,
+            "forward",
+            {
+                "activations": ["HardSigmoid", "ScaledTanh", "Softsign"],
+                "activation_alpha": [0.25, 0.7, 0.0],
+                "activation_beta": [0.4, 1.3, 0.0],
+            },
+        ),
+        # linear_before_reset 0 multiplies r into h before R_h: a second GEMM on the gates'
+        # result, which a gate kernel cannot hold; torch's GRU (1) fuses
+        ("GRU", 5, 6, 7, "forward", {"fused": False}),
+        ("GRU", 4, 6, 5, "bidirectional", {"lbr": 1, "init": True}),
+        ("GRU", 3, 4, 5, "forward", {"opset": 22, "lbr": 1}),
+        ("RNN", 4, 3, 5, "forward", {"activations": ["Relu"]}),
+        ("RNN", 4, 3, 5, "reverse", {"activations": ["HardSigmoid"], "activation_alpha": [0.3]}),
+    ],
+)
+def test_recurrent_op_matches_reference(kind, seq, inp, hid, direction, opts):
+    counts = _check(_model(kind, seq, inp, hid, direction, **opts))
+    steps = seq * (2 if direction == "bidirectional" else 1)
+    if kind != "RNN" and opts.get("fused", True):  # RNN's one gate is no split: no fusion
+        assert counts["FuseSplitGates"] == steps
+
+
+def test_dynamic_sequence_length_is_a_clear_error():
+    model = _model("LSTM", 4, 3, 5)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "seq"
+    with pytest.raises(ModelError, match="LSTM with a dynamic sequence length"):
+        tvm_fusion.load_onnx(model)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_torch_recurrent_layers_fuse_every_step(cell):
+    """``nn.LSTM`` (2 layers, bidirectional, batch_first) and ``nn.GRU`` through
+    ``torch.onnx.export``: ONNX LSTM/GRU ops (stock TVM: no converter), one fused gate kernel
+    per step, layer and direction; numbers as ONNX Runtime's."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    if cell == "LSTM":
+        module, x = (
+            torch.nn.LSTM(12, 16, num_layers=2, bidirectional=True, batch_first=True),
+            (torch.randn(3, 5, 12)),
+        )
+        axes, steps = {"x": {0: "batch"}}, 2 * 2 * 5
+    else:
+        module, x = torch.nn.GRU(12, 16), torch.randn(5, 3, 12)
+        axes, steps = {"x": {1: "batch"}}, 5
+    buffer = io.BytesIO()
+    torch.onnx.export(
+        module.eval(), (x,), buffer, input_names=["x"], dynamic_axes=axes, dynamo=False
+    )
+    model = onnx.load_from_string(buffer.getvalue())
+    assert cell in {n.op_type for n in model.graph.node}
+    counts = _check(model)
+    assert counts["FuseSplitGates"] == steps

@@ -1,0 +1,355 @@
+"""ONNX ``LSTM``, ``GRU`` and ``RNN`` for TVM's Relax importer, which has no converter for them.
+
+A recurrent op with a static sequence length is unrolled into Relax ops, written so that our
+passes find the patterns they fuse: each step is ``x_t @ W^T + Wb + H @ R^T + Rb`` split into
+the gates, then the gate math: FuseSplitGates' summed linear layers, joined into one gate GEMM
+with the gates on its tile (a GRU with ``linear_before_reset``, torch's form, is two GEMMs each
+split into the gates, as torch's GRU cell). Constant weights stay constants, sliced per
+direction on the host.
+
+Covered: ``direction`` forward / reverse / bidirectional, ``layout`` 0 and 1, ``initial_h`` /
+``initial_c``, LSTM peepholes ``P``, ``input_forget``, ``clip``, GRU's ``linear_before_reset``,
+every activation of the ONNX spec with ``activation_alpha`` / ``activation_beta`` (consumed per
+activation position, as ONNX Runtime does), ``sequence_lens`` (rows past their length keep
+their state and output zeros; with a reverse direction only when every length is the whole
+sequence). A dynamic sequence length is refused with a one-line reason: an unrolled graph needs
+the step count, and a loop over time (one kernel that carries the state, or a Relax loop
+through recursion) is not built yet (see ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm import relax, tirx
+from tvm.ir.expr import GenericConst
+from tvm.relax.frontend.onnx import onnx_frontend as _frontend
+
+_DEFAULTS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
+_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+# ONNX activation -> (default alpha, default beta)
+_ACTIVATION_DEFAULTS = {
+    "Relu": (None, None),
+    "Tanh": (None, None),
+    "Sigmoid": (None, None),
+    "Softsign": (None, None),
+    "Softplus": (None, None),
+    "Affine": (1.0, 0.0),
+    "LeakyRelu": (0.01, None),
+    "ThresholdedRelu": (1.0, None),
+    "ScaledTanh": (1.0, 1.0),
+    "HardSigmoid": (0.2, 0.5),
+    "Elu": (1.0, None),
+}
+
+
+def _name(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _const(value: float, dtype: str) -> relax.Expr:
+    return relax.const(np.array(value, dtype))
+
+
+def _activation(bb, name: str, x: relax.Expr, alpha, beta) -> relax.Expr:
+    op, dtype = relax.op, str(x.ty.dtype)
+    canon = {k.lower(): k for k in _ACTIVATION_DEFAULTS}.get(name.lower())
+    if canon is None:
+        raise ValueError(f"recurrent activation {name!r} is not an ONNX activation")
+    default_alpha, default_beta = _ACTIVATION_DEFAULTS[canon]
+    a = default_alpha if alpha is None else alpha
+    b = default_beta if beta is None else beta
+    emit = bb.emit
+    if canon == "Sigmoid":
+        return emit(op.sigmoid(x))
+    if canon == "Tanh":
+        return emit(op.tanh(x))
+    if canon == "Relu":
+        return emit(op.nn.relu(x))
+    if canon == "Affine":
+        return emit(op.add(emit(op.multiply(x, _const(a, dtype))), _const(b, dtype)))
+    if canon == "LeakyRelu":
+        return emit(op.nn.leakyrelu(x, a))
+    if canon == "ThresholdedRelu":
+        return emit(op.where(emit(op.greater(x, _const(a, dtype))), x, _const(0.0, dtype)))
+    if canon == "ScaledTanh":
+        return emit(
+            op.multiply(emit(op.tanh(emit(op.multiply(x, _const(b, dtype))))), _const(a, dtype))
+        )
+    if canon == "HardSigmoid":
+        lin = emit(op.add(emit(op.multiply(x, _const(a, dtype))), _const(b, dtype)))
+        return emit(op.clip(lin, 0.0, 1.0))
+    if canon == "Elu":
+        neg = emit(
+            op.multiply(emit(op.subtract(emit(op.exp(x)), _const(1.0, dtype))), _const(a, dtype))
+        )
+        return emit(op.where(emit(op.greater(x, _const(0.0, dtype))), x, neg))
+    if canon == "Softsign":
+        return emit(op.divide(x, emit(op.add(emit(op.abs(x)), _const(1.0, dtype)))))
+    return emit(op.log(emit(op.add(emit(op.exp(x)), _const(1.0, dtype)))))  # Softplus
+
+
+def _present(inputs, i: int):
+    if len(inputs) <= i or inputs[i] is None:
+        return None
+    value = inputs[i]
+    if isinstance(value, relax.Tuple) and not value.fields:
+        return None
+    return value
+
+
+def _numpy(expr) -> np.ndarray | None:
+    return expr.value.numpy() if isinstance(expr, GenericConst) else None
+
+
+class _Direction:
+    """Weights of one direction: constants when the model's are (sliced here), else Relax."""
+
+    def __init__(self, bb, weight, d: int):
+        self.bb, self.weight, self.d = bb, weight, d
+
+    def get(self, rows: slice | None = None) -> relax.Expr | None:
+        if self.weight is None:
+            return None
+        array = _numpy(self.weight)
+        if array is not None:
+            part = array[self.d] if rows is None else array[self.d][rows]
+            return relax.const(np.ascontiguousarray(part))
+        bb, op = self.bb, relax.op
+        part = bb.emit(
+            op.squeeze(bb.emit(op.strided_slice(self.weight, [0], [self.d], [self.d + 1])), [0])
+        )
+        if rows is not None:
+            part = bb.emit(op.strided_slice(part, [0], [rows.start], [rows.stop]))
+        return part
+
+
+class _Recurrent(_frontend.OnnxOpConverter):
+    KIND = "RNN"
+
+    @classmethod
+    def _impl_v7(cls, bb, inputs, attr, params):
+        return _unroll(bb, cls.KIND, inputs, attr)
+
+    @classmethod
+    def _impl_v14(cls, bb, inputs, attr, params):
+        return _unroll(bb, cls.KIND, inputs, attr)
+
+    @classmethod
+    def _impl_v22(cls, bb, inputs, attr, params):
+        return _unroll(bb, cls.KIND, inputs, attr)
+
+
+class LSTM(_Recurrent):
+    KIND = "LSTM"
+
+
+class GRU(_Recurrent):
+    KIND = "GRU"
+
+
+class RNN(_Recurrent):
+    KIND = "RNN"
+
+
+def _unroll(bb, kind: str, inputs, attr) -> relax.Expr:
+    op = relax.op
+    x, w, r = inputs[0], inputs[1], inputs[2]
+    bias, seq_lens = _present(inputs, 3), _present(inputs, 4)
+    init_h = _present(inputs, 5)
+    init_c = _present(inputs, 6) if kind == "LSTM" else None
+    peep = _present(inputs, 7) if kind == "LSTM" else None
+    layout = int(attr.get("layout", 0))
+    direction = _name(attr.get("direction", "forward"))
+    dirs = {"forward": [False], "reverse": [True], "bidirectional": [False, True]}.get(direction)
+    if dirs is None:
+        raise ValueError(f"{kind} direction {direction!r} is not forward/reverse/bidirectional")
+    if layout == 1:  # (batch, seq, input) -> (seq, batch, input)
+        x = bb.emit(op.permute_dims(x, [1, 0, 2]))
+        if init_h is not None:
+            init_h = bb.emit(op.permute_dims(init_h, [1, 0, 2]))
+        if init_c is not None:
+            init_c = bb.emit(op.permute_dims(init_c, [1, 0, 2]))
+    shape = x.ty.shape.values
+    if not isinstance(shape[0], tirx.IntImm):
+        raise ValueError(
+            f"{kind} with a dynamic sequence length ({shape[0]}) is not supported: the unrolled "
+            "graph needs the number of steps"
+        )
+    seq, batch = int(shape[0]), shape[1]
+    gates = _GATES[kind]
+    hidden = int(attr.get("hidden_size", 0)) or int(w.ty.shape.values[1]) // gates
+    dtype = str(x.ty.dtype)
+    activations = [_name(a) for a in attr.get("activations", [])] or _DEFAULTS[kind] * len(dirs)
+    per_dir = len(_DEFAULTS[kind])
+    if len(activations) != per_dir * len(dirs):
+        raise ValueError(f"{kind} expects {per_dir * len(dirs)} activations, got {activations}")
+    alphas = list(attr.get("activation_alpha", []))
+    betas = list(attr.get("activation_beta", []))
+    clip = attr.get("clip")
+    lengths = _numpy(seq_lens) if seq_lens is not None else None
+    masked = seq_lens is not None and not (lengths is not None and np.all(lengths == seq))
+    if masked and any(dirs):
+        raise ValueError(
+            f"{kind} with a reverse direction and sequence_lens shorter than the input"
+        )
+
+    outputs, last_h, last_c = [], [], []
+    for d, reverse in enumerate(dirs):
+        wd, rd = _Direction(bb, w, d), _Direction(bb, r, d)
+        bd = _Direction(bb, bias, d)
+        fns = [
+            _Act(bb, activations[d * per_dir + i], alphas, betas, d * per_dir + i)
+            for i in range(per_dir)
+        ]
+        # Each step's input projection is its own GEMM beside the recurrent one: the sum of
+        # two linear layers that FuseSplitGates joins into the step's one gate kernel (a GRU
+        # with linear_before_reset: two GEMMs split into the gates, as torch's GRU cell).
+        w_t = bb.emit(op.permute_dims(wd.get()))
+        wb = bd.get(slice(0, gates * hidden)) if bias is not None else None
+        rb = bd.get(slice(gates * hidden, 2 * gates * hidden)) if bias is not None else None
+        h = _initial(bb, init_h, d, batch, hidden, dtype)
+        c = _initial(bb, init_c, d, batch, hidden, dtype) if kind == "LSTM" else None
+        pd = _Direction(bb, peep, d) if peep is not None else None
+        steps = range(seq - 1, -1, -1) if reverse else range(seq)
+        per_step = {}
+        for t in steps:
+            x_t = bb.emit(op.squeeze(bb.emit(op.strided_slice(x, [0], [t], [t + 1])), [0]))
+            x_t = bb.emit(op.matmul(x_t, w_t))
+            if wb is not None:
+                x_t = bb.emit(op.add(x_t, wb))
+            step = _Step(bb, kind, x_t, h, c, rd, rb, hidden, fns, clip, attr, pd, dtype)
+            new_h, new_c = step.run()
+            if masked:
+                live = bb.emit(op.less(_const(t, str(seq_lens.ty.dtype)), seq_lens))
+                live = bb.emit(op.expand_dims(live, [1]))
+                out_h = bb.emit(op.where(live, new_h, _const(0.0, dtype)))
+                new_h = bb.emit(op.where(live, new_h, h))
+                if new_c is not None:
+                    new_c = bb.emit(op.where(live, new_c, c))
+            else:
+                out_h = new_h
+            h, c = new_h, new_c
+            per_step[t] = out_h
+        outputs.append([per_step[t] for t in range(seq)])
+        last_h.append(h)
+        last_c.append(c)
+
+    def stack(items, axis):
+        return bb.emit(op.concat([bb.emit(op.expand_dims(i, [axis])) for i in items], axis=axis))
+
+    # Y: (seq, num_dir, batch, hidden); Y_h / Y_c: (num_dir, batch, hidden)
+    y = stack([stack(outs, 0) for outs in outputs], 1)
+    y_h = stack(last_h, 0)
+    results = [y, y_h]
+    if kind == "LSTM":
+        results.append(stack(last_c, 0))
+    if layout == 1:  # Y: (batch, seq, num_dir, hidden); states (batch, num_dir, hidden)
+        results = [bb.emit(op.permute_dims(results[0], [2, 0, 1, 3]))] + [
+            bb.emit(op.permute_dims(s, [1, 0, 2])) for s in results[1:]
+        ]
+    return relax.Tuple(results)
+
+
+class _Act:
+    def __init__(self, bb, name: str, alphas, betas, index: int):
+        self.bb, self.name = bb, name
+        self.alpha = float(alphas[index]) if index < len(alphas) else None
+        self.beta = float(betas[index]) if index < len(betas) else None
+
+    def __call__(self, x):
+        return _activation(self.bb, self.name, x, self.alpha, self.beta)
+
+
+def _initial(bb, state, d: int, batch, hidden: int, dtype: str) -> relax.Expr:
+    if state is None:
+        return bb.emit(relax.op.zeros(relax.ShapeExpr([batch, hidden]), dtype))
+    part = bb.emit(relax.op.strided_slice(state, [0], [d], [d + 1]))
+    return bb.emit(relax.op.squeeze(part, [0]))
+
+
+class _Step:
+    """One time step of one direction: the new hidden state (and LSTM cell state)."""
+
+    def __init__(self, bb, kind, x_t, h, c, rd, rb, hidden, fns, clip, attr, peep, dtype):
+        self.bb, self.kind, self.x_t, self.h, self.c = bb, kind, x_t, h, c
+        self.rd, self.rb, self.hidden, self.fns = rd, rb, hidden, fns
+        self.clip = None if clip is None else float(clip)
+        self.attr, self.peep, self.dtype = attr, peep, dtype
+
+    def _clip(self, x):
+        if self.clip is None:
+            return x
+        return self.bb.emit(relax.op.clip(x, -self.clip, self.clip))
+
+    def _recurrent(self, rows: slice | None = None, h=None):
+        """``h @ R[rows]^T + Rb[rows]``."""
+        bb, op = self.bb, relax.op
+        weight = self.rd.get(rows)
+        out = bb.emit(op.matmul(self.h if h is None else h, bb.emit(op.permute_dims(weight))))
+        if self.rb is not None:
+            bias = self.rb
+            if rows is not None:
+                array = _numpy(bias)
+                bias = (
+                    relax.const(np.ascontiguousarray(array[rows]))
+                    if array is not None
+                    else bb.emit(op.strided_slice(bias, [0], [rows.start], [rows.stop]))
+                )
+            out = bb.emit(op.add(out, bias))
+        return out
+
+    def run(self):
+        return {"LSTM": self._lstm, "GRU": self._gru, "RNN": self._rnn}[self.kind]()
+
+    def _rnn(self):
+        bb, op = self.bb, relax.op
+        pre = self._clip(bb.emit(op.add(self.x_t, self._recurrent())))
+        return self.fns[0](pre), None
+
+    def _lstm(self):
+        bb, op, n = self.bb, relax.op, self.hidden
+        f_act, g_act, h_act = self.fns
+        pre = bb.emit(op.add(self.x_t, self._recurrent()))
+        parts = bb.emit(op.split(pre, 4, axis=-1))  # ONNX order: i, o, f, c
+        i, o, f, cand = (bb.emit(relax.TupleGetItem(parts, k)) for k in range(4))
+        if self.peep is not None:  # P: (3 * hidden) as p_i, p_o, p_f
+            p_i, p_o, p_f = (self.peep.get(slice(k * n, (k + 1) * n)) for k in range(3))
+            i = bb.emit(op.add(i, bb.emit(op.multiply(p_i, self.c))))
+            f = bb.emit(op.add(f, bb.emit(op.multiply(p_f, self.c))))
+        i = f_act(self._clip(i))
+        if int(self.attr.get("input_forget", 0)):
+            f = bb.emit(op.subtract(_const(1.0, self.dtype), i))
+        else:
+            f = f_act(self._clip(f))
+        cand = g_act(self._clip(cand))
+        c = bb.emit(op.add(bb.emit(op.multiply(f, self.c)), bb.emit(op.multiply(i, cand))))
+        if self.peep is not None:
+            o = bb.emit(op.add(o, bb.emit(op.multiply(p_o, c))))
+        o = f_act(self._clip(o))
+        return bb.emit(op.multiply(o, h_act(c))), c
+
+    def _gru(self):
+        bb, op, n = self.bb, relax.op, self.hidden
+        f_act, g_act = self.fns
+        xs = bb.emit(op.split(self.x_t, 3, axis=-1))  # ONNX order: z, r, h
+        xz, xr, xh = (bb.emit(relax.TupleGetItem(xs, k)) for k in range(3))
+        if int(self.attr.get("linear_before_reset", 0)):
+            hs = bb.emit(op.split(self._recurrent(), 3, axis=-1))
+            hz, hr, hh = (bb.emit(relax.TupleGetItem(hs, k)) for k in range(3))
+            z = f_act(self._clip(bb.emit(op.add(xz, hz))))
+            r = f_act(self._clip(bb.emit(op.add(xr, hr))))
+            cand = bb.emit(op.add(xh, bb.emit(op.multiply(r, hh))))
+        else:
+            hs = bb.emit(op.split(self._recurrent(slice(0, 2 * n)), 2, axis=-1))
+            hz, hr = (bb.emit(relax.TupleGetItem(hs, k)) for k in range(2))
+            z = f_act(self._clip(bb.emit(op.add(xz, hz))))
+            r = f_act(self._clip(bb.emit(op.add(xr, hr))))
+            reset = bb.emit(op.multiply(r, self.h))
+            cand = bb.emit(op.add(xh, self._recurrent(slice(2 * n, 3 * n), h=reset)))
+        cand = g_act(self._clip(cand))
+        keep = bb.emit(op.multiply(z, self.h))
+        new = bb.emit(op.multiply(bb.emit(op.subtract(_const(1.0, self.dtype), z)), cand))
+        return bb.emit(op.add(new, keep)), None
+
+
+CONVERTERS = {"LSTM": LSTM, "GRU": GRU, "RNN": RNN}
