@@ -363,6 +363,10 @@ def test_gate_block_fills_the_registers_for_one_row_tiles(target):
     lanes = vector_lanes(target, "float32")
     assert gate_block(target, 1024, 2, 1) == 4 * lanes
     assert gate_block(target, 1024, 2, 64) == gate_block(target, 1024, 2, None) == lanes
+    # units no full vector divides: padded to whole vectors, not half or quarter ones
+    assert gate_block(target, 97, 2, 64) == lanes  # 7 vectors of 16 (13 of 8, 25 of 4)
+    assert gate_block(target, 1365, 3, 77) == lanes
+    assert gate_block(target, lanes // 2 * 3, 2, 64) == lanes  # 1.5 vectors: 2, not 3 halves
 
 
 def test_gate_tile_rows_fill_the_registers_left_by_the_weight_vectors():

@@ -233,8 +233,10 @@ def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int 
     On llvm: a multiple (or half) of the SIMD lanes that divides ``width`` and keeps
     ``gates * V / lanes`` accumulators within half the vector registers; for one row (GEMV) as
     wide as that allows (more independent accumulators hide FMA latency), otherwise one vector
-    per gate so that more rows fit the register tile. When nothing divides ``width``, the V
-    that pads it least (FuseSplitGates pads the blocked weight with zero columns).
+    per gate so that more rows fit the register tile. Of the blocks that fit, the one with the
+    fewest vector instructions per row, ``ceil(width / V) * V`` units over the lanes a vector
+    of ``V`` fills (FuseSplitGates pads a ``width`` that ``V`` does not divide with zero
+    columns); the earlier in that order of equals.
     """
     if _target.is_gpu(target):
         from .cuda.gate_fusion import gate_block as cuda_gate_block
@@ -245,11 +247,13 @@ def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int 
     # Symbolic rows are padded to the tile of many rows by the CPU rule (cpu/gate_fusion.py).
     wide = [4 * lanes, 2 * lanes, lanes] if rows == 1 else [lanes, 2 * lanes]
     fits = [v for v in wide + [lanes // 2, 8, 4] if v >= 4 and gates * max(v // lanes, 1) <= budget]
-    for v in fits:
-        if width % v == 0:
-            return v
-    # Nothing divides (7, 1998, 1365 units): the blocked weight is padded to whole blocks, the
-    # V wasting the fewest padded units (the first, widest, of equals).
     if not fits:
         return None
-    return min(fits, key=lambda v: (-(-width // v) * v, -v))
+
+    def cost(item):  # vector instructions per row: padded units over the lanes a vector fills
+        order, v = item
+        return (-(-width // v) * v * lanes / min(v, lanes), order)
+
+    # Units that no full vector divides (97, 1365, 1998) are padded to whole blocks of zero
+    # columns rather than run on half or quarter vectors: 97 units are 7 vectors of 16, 13 of 8.
+    return min(enumerate(fits), key=cost)[1]
