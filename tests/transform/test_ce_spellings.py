@@ -48,7 +48,7 @@ def _fused_gather(n, v, index=None):
     with bb.function("main", [x, t]):
         with bb.dataflow():
             idx = index(bb, t) if index else t
-            tt = bb.emit(R.reshape(idx, [n]))
+            tt = bb.emit(R.squeeze(idx, [1]))
             packed = bb.emit(
                 bb.call_te_with_grad(
                     cross_entropy_rows,
@@ -61,10 +61,10 @@ def _fused_gather(n, v, index=None):
                 )
             )
             parts = bb.emit(R.split(packed, 2, axis=1))
-            lse = bb.emit(R.reshape(relax.TupleGetItem(parts, 0), [n]))
-            xt = bb.emit(R.reshape(relax.TupleGetItem(parts, 1), [n]))
+            lse = bb.emit(R.squeeze(bb.emit(relax.TupleGetItem(parts, 0)), [1]))
+            xt = bb.emit(R.squeeze(bb.emit(relax.TupleGetItem(parts, 1)), [1]))
             picked = bb.emit(R.subtract(xt, lse))
-            out = bb.emit_output(R.reshape(picked, [n, 1]))
+            out = bb.emit_output(R.expand_dims(picked, [1]))
         bb.emit_func_output(out)
     return bb.get()
 

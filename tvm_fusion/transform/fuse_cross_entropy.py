@@ -376,9 +376,11 @@ class _Rewriter(PyExprMutator):
         x = self.visit_expr(plan.x)
         n = x.ty.shape.values[0]
         if plan.pick is None:
-            t = bb.emit(relax.op.zeros(relax.ShapeExpr([n]), "int64"))
+            # no target column: any index; zeros shaped like a column of x, no ShapeExpr
+            column = bb.emit(relax.op.strided_slice(x, [1], [0], [1]))
+            t = bb.emit(relax.op.zeros_like(_rows(bb, column), "int64"))
         elif plan.pick[0] == "gather":
-            t = bb.emit(relax.op.reshape(self.visit_expr(plan.pick[1]), [n]))
+            t = _rows(bb, self.visit_expr(plan.pick[1]))
         else:
             t = self.visit_expr(plan.pick[1])
         source = t
@@ -411,8 +413,7 @@ class _Rewriter(PyExprMutator):
         names = row_columns(plan.row_sum, plan.weights is not None)
         parts = bb.emit(relax.op.split(packed, len(names), axis=1))
         columns = {
-            name: bb.emit(relax.op.reshape(relax.TupleGetItem(parts, i), [n]))
-            for i, name in enumerate(names)
+            name: _rows(bb, bb.emit(relax.TupleGetItem(parts, i))) for i, name in enumerate(names)
         }
         columns["t"] = t
         columns["t_source"] = source
@@ -427,13 +428,13 @@ class _Rewriter(PyExprMutator):
         if use.kind == "nll":
             out = self._nll(use.call, cols)
         elif use.kind == "gather":
-            out = relax.op.reshape(bb.emit(relax.op.subtract(cols["x_t"], lse)), [n, 1])
+            out = relax.op.expand_dims(bb.emit(relax.op.subtract(cols["x_t"], lse)), [1])
         elif use.kind == "wgather":  # gather_elements(L * w, idx) = w[t] * L[i, t]
             w = self._weights_vector(use.weights, v)
             mode = "wrap" if plan.wraps else "fast"
             w_t = bb.emit(relax.op.take(w, cols["t"], axis=0, mode=mode))
             picked = bb.emit(relax.op.subtract(cols["x_t"], lse))
-            out = relax.op.reshape(bb.emit(relax.op.multiply(w_t, picked)), [n, 1])
+            out = relax.op.expand_dims(bb.emit(relax.op.multiply(w_t, picked)), [1])
         elif use.kind == "onehot":
             # one_hot of a target outside [0, V) is a zero row: its sum is 0
             t = cols["t"]
@@ -460,7 +461,7 @@ class _Rewriter(PyExprMutator):
             if use.kind == "rowmean":
                 out = relax.op.divide(bb.emit(out), scale)
         if use.keepdims:
-            out = relax.op.reshape(_bound(bb, out), [n, 1])
+            out = relax.op.expand_dims(_bound(bb, out), [1])
         if dtype != ACC:
             out = relax.op.astype(_bound(bb, out), dtype)
         out = bb.normalize(out)
@@ -473,8 +474,8 @@ class _Rewriter(PyExprMutator):
         w = self.visit_expr(weights)
         if w.ty.ndim != 1:
             w = bb.emit(relax.op.reshape(w, [v]))
-        idx = bb.emit(relax.op.reshape(self.visit_expr(gather.args[1]), [n]))
-        return relax.op.reshape(bb.emit(relax.op.take(w, idx, axis=0)), [n, 1])
+        idx = _rows(bb, self.visit_expr(gather.args[1]))
+        return relax.op.expand_dims(bb.emit(relax.op.take(w, idx, axis=0)), [1])
 
     def _weights_vector(self, weights: relax.Expr, v) -> relax.Expr:
         """Class weights ``(V,)`` or ``(1, V)`` as a float32 ``(V,)`` vector."""
@@ -749,6 +750,12 @@ def _gather_reason(call: relax.Call, source, n) -> str | None:
     ):
         return "gather index is not (N, 1)"
     return None
+
+
+def _rows(bb: relax.BlockBuilder, column: relax.Expr) -> relax.Expr:
+    """An ``(N, 1)`` column as ``(N,)``: a squeeze, not a reshape to ``[n]``, whose ShapeExpr of a
+    symbolic ``n`` 0.27's Gradient cannot differentiate (TVM_NOTES)."""
+    return bb.emit(relax.op.squeeze(column, [1]))
 
 
 def _as_shaped(bb: relax.BlockBuilder, out: relax.Expr, sinfo) -> relax.Expr:
