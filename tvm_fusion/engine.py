@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
-from .errors import UsageError
+from .errors import ModelError, TvmFusionError, UsageError, first_line
 from .pipeline import build_pipeline, stock_pipeline
 from .target import is_gpu, num_cores, parse_target
 
@@ -58,11 +58,44 @@ def compile_module(
     else:
         raise UsageError(f"unknown pipeline {pipeline!r}; known: {', '.join(PIPELINES)}")
     start = time.perf_counter()
-    with tgt:
-        lowered = passes(mod)
-        # inside the target scope: TVM's nvcc/NVRTC callback reads the arch from it
-        executable = tvm.compile(lowered, tgt, relax_pipeline=None)
+    where = _LastPass()
+    try:
+        with tgt, _instrumented(where):
+            lowered = passes(mod)
+            where.last = "tvm.compile (code generation)"
+            # inside the target scope: TVM's nvcc/NVRTC callback reads the arch from it
+            executable = tvm.compile(lowered, tgt, relax_pipeline=None)
+    except (TvmFusionError, KeyboardInterrupt):
+        raise
+    except Exception as err:  # TVM's own errors: one line naming the pass that raised
+        raise ModelError(
+            f"{pipeline} compilation failed in {where.last or 'the pipeline'}: {first_line(err)}"
+        ) from err
     return Compiled(executable, lowered, tgt, pipeline, time.perf_counter() - start)
+
+
+@tvm.instrument.pass_instrument
+class _LastPass:
+    """Remembers the innermost pass that started last: where a failure happened."""
+
+    def __init__(self):
+        self.last = ""
+
+    def run_before_pass(self, _mod, info):
+        if info.name not in ("sequential", "tvm_fusion_phases"):
+            self.last = info.name
+
+
+def _instrumented(recorder):
+    """The current PassContext (its opt level, disabled passes, config) plus ``recorder``."""
+    ctx = tvm.transform.PassContext.current()
+    return tvm.transform.PassContext(
+        opt_level=ctx.opt_level,
+        required_pass=list(ctx.required_pass),
+        disabled_pass=list(ctx.disabled_pass),
+        instruments=[*ctx.instruments, recorder],
+        config=dict(ctx.config),
+    )
 
 
 def as_list(out) -> list[np.ndarray]:
