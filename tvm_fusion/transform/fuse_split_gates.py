@@ -14,7 +14,12 @@ Matches, inside a dataflow block:
   state, the GRU hidden state, constants). Several GEMMs whose pieces meet in these ops (the GRU
   cell's input and hidden GEMMs) form one group.
 
-Two rewrites first bring other spellings of a gate GEMM to that form (constant weights only):
+A linear layer on N-D rows written as views around a 2-D GEMM (TVM's PyTorch frontend:
+``reshape(x, (b*s, K)) -> matmul (+ bias) -> reshape((b, s, N))``), whose result is split or
+meets a sibling's in gate math, is first folded into one GEMM on the N-D rows
+(``_gate_views.py``); the fold is kept only when a gate group then fuses.
+
+Two rewrites then bring other spellings of a gate GEMM to that form (constant weights only):
 two linear layers summed before the split (torch's LSTMCell: ``x @ Wih^T + h @ Whh^T``) become
 one GEMM over ``concat(x, h)``; sibling linear layers of one input whose results meet in the
 gate math (Llama's ``silu(x @ Wg) * (x @ Wu)``, GeGLU alike) become one GEMM over the joined
@@ -67,6 +72,7 @@ from ._common import (
     use_counts,
     vars_in,
 )
+from ._gate_views import fold_row_views
 
 logger = get_logger(__name__)
 NAME = "FuseSplitGates"
@@ -171,12 +177,21 @@ class FuseSplitGates:
         target = self.target or tvm.target.Target.current(allow_none=True)
         if target is None:
             target = _target.host_target()
+        folded = fold_row_views(mod)
+        count, out = self._fuse(folded, target)
+        if count == 0 and folded is not mod:
+            skip(logger, "views of linear layers", "no gate group fused through them")
+            count, out = self._fuse(mod, target)
+        record_rewrite(NAME, count)
+        return out
+
+    @staticmethod
+    def _fuse(mod: IRModule, target) -> tuple[int, IRModule]:
         mod = _MergeSummedGemms(mod).transform()
         mod = _merge_siblings(mod, target)
         rewriter = _Rewriter(mod, target)
         mod = rewriter.transform()
-        record_rewrite(NAME, rewriter.count)
-        return mod
+        return rewriter.count, mod
 
 
 # ---------------------------------------------------------------------------------------------
