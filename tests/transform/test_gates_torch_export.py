@@ -88,6 +88,41 @@ def test_sibling_linears_3d(hidden, width, bias):
     _check(_Siblings(hidden, width, bias), hidden)
 
 
+class _LSTM(torch.nn.Module):
+    def __init__(self, hidden, width):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(hidden, width, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+@pytest.mark.parametrize(("hidden", "width"), SIZES)
+def test_lstm_unrolled_steps(hidden, width):
+    """``nn.LSTM`` via torch.export: the sequence unrolls; per step ``h @ W_hh^T + b`` plus
+    the step's slice of the input projection (a non-constant addend), ``split(4)``, gates.
+    Each step is one kernel that reads the slice in its epilogue; the next step's GEMM reads
+    this step's ``h``, so the steps stay separate kernels."""
+    from tvm.relax.frontend.torch import from_exported_program
+
+    torch.manual_seed(hidden)
+    module, steps = _LSTM(hidden, width).eval(), 3
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(module, (torch.randn(2, steps, hidden),), dynamic_shapes=({0: batch},))
+    mod = from_exported_program(ep, keep_params_as_input=False)
+    target = tvm_fusion.host_target()
+    with tvm.target.Target(target), collect_rewrites() as counts:
+        tvm.transform.Sequential(tvm_fusion.fusion_passes(target))(mod)
+    assert counts["FuseSplitGates"] == steps
+    report = analysis.fusion_report(mod, target)
+    assert sum(k.name.startswith("fused_gates") for k in report.ours) == steps
+    for b in (1, 3):
+        x = np.random.default_rng(b).standard_normal((b, steps, hidden)).astype("float32")
+        with torch.no_grad():
+            ref = module(torch.from_numpy(x)).numpy()
+        compare_pipelines(mod, [x], rtol=1e-4, atol=1e-4, reference=[ref])
+
+
 class GatesBase(Base):
     transform = FuseSplitGates(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
 

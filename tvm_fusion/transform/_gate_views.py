@@ -14,13 +14,17 @@ so the split of a fused ``gate_up_proj`` (Phi-3, Qwen) reads a view, not a GEMM,
 ``r = R.add(bias, R.matmul(x, R.permute_dims(W)))``: the same numbers (the rows are only
 renamed), the form the gate matcher takes (its kernel indexes N-D rows).
 
+More generally a view ``r = R.reshape(y, (*lead, N))`` of a 2-D GEMM's rows (``prod(lead)``
+rows, the features kept: ``nn.LSTM``'s per-step ``(b, 4D) -> (1, b, 4D)``) becomes the GEMM of
+the input viewed as ``(*lead, K)``; that view is ``x`` itself where ``xf`` is a reshape of an
+``x`` of shape ``(*lead, K)``.
+
 Matched only where the view ends in gate math: ``r`` read by one ``split`` or by
-``strided_slice`` pieces (a chunked GEMM), or only by elementwise ops while another such view
-of a linear layer of the same ``x`` exists (sibling GEMMs). The view must keep the feature
-axis (``r`` is ``(*lead, N)`` where ``x`` is ``(*lead, K)`` and ``xf`` is
-``(prod(lead), K)``), the bias must broadcast along the features alone, and the GEMM (and its
-bias sum) must be read by nothing else. FuseSplitGates keeps the result only when a gate group
-then fuses.
+``strided_slice`` pieces (a chunked GEMM), directly or through one add of another tensor (an
+RNN step's input projection), or only by elementwise ops while another such view of a linear
+layer of the same ``x`` exists (sibling GEMMs). The view must keep the feature axis, the bias
+must broadcast along the features alone, and the GEMM (and its bias sum) must be read by
+nothing else. FuseSplitGates keeps the result only when a gate group then fuses.
 """
 
 from __future__ import annotations
@@ -52,6 +56,24 @@ def _feature_bias(expr, n_features) -> bool:
     return not shape or shape[-1] in (1, n_features)
 
 
+def _split_users(value: dict, users: dict, var) -> bool:
+    ops = [op_name(value.get(u)) for u in users.get(var, [])]
+    return (ops == ["relax.split"]) or (bool(ops) and set(ops) == {"relax.strided_slice"})
+
+
+def _feeds_split(value: dict, users: dict, var) -> bool:
+    """``var`` is split (or sliced), directly or through one add of another tensor (an RNN
+    step's input projection added to the hidden GEMM)."""
+    if _split_users(value, users, var):
+        return True
+    mine = users.get(var, [])
+    return (
+        len(mine) == 1
+        and op_name(value.get(mine[0])) == "relax.add"
+        and _split_users(value, users, mine[0])
+    )
+
+
 def _n_linear(value: dict, uses: dict, r_var, r_value) -> tuple | None:
     """``(x, matmul call, bias or None, bias first)`` of ``r = reshape(mm(reshape(x)) (+b))``
     that keeps the feature axis, else None (with the reason logged)."""
@@ -74,28 +96,25 @@ def _n_linear(value: dict, uses: dict, r_var, r_value) -> tuple | None:
         return None
     xf, w = mm.args
     w_shape, xf_shape, r_shape = _shape(w), _shape(xf), _shape(r_var)
-    if op_name(value.get(xf)) != "relax.reshape" or None in (w_shape, xf_shape, r_shape):
-        return None
-    x = value[xf].args[0]
-    x_shape = _shape(x)
-    if x_shape is None or len(w_shape) != 2 or len(xf_shape) != 2 or len(x_shape) < 2:
+    if None in (w_shape, xf_shape, r_shape) or len(w_shape) != 2 or len(xf_shape) != 2:
         return None
     n = w_shape[1]
     if bias is not None and not _feature_bias(bias, int(getattr(n, "value", -1))):
         return skip(logger, what, "the bias does not broadcast along the features") or None
-    rows = x_shape[0]
-    for d in x_shape[1:-1]:
+    rows = r_shape[0]
+    for d in r_shape[1:-1]:
         rows = rows * d
-    same = len(r_shape) == len(x_shape) and all(
-        prove_equal(a, b) for a, b in zip(r_shape[:-1], x_shape[:-1], strict=True)
-    )
-    if not (
-        same
-        and prove_equal(rows, xf_shape[0])
-        and prove_equal(x_shape[-1], xf_shape[1])
-        and prove_equal(r_shape[-1], n)
-    ):
+    if len(r_shape) < 2 or not (prove_equal(rows, xf_shape[0]) and prove_equal(r_shape[-1], n)):
         return skip(logger, what, "the view moves the feature axis or the rows differ") or None
+    # the input with the view's rows: x itself where xf is x viewed as (prod(lead), K)
+    x = value[xf].args[0] if op_name(value.get(xf)) == "relax.reshape" else None
+    x_shape = _shape(x) if x is not None else None
+    if (
+        x_shape is None
+        or len(x_shape) != len(r_shape)
+        or not all(prove_equal(a, b) for a, b in zip(x_shape[:-1], r_shape[:-1], strict=True))
+    ):
+        x = relax.op.reshape(xf, [*r_shape[:-1], xf_shape[1]])
     return x, mm, bias, bias_first
 
 
@@ -140,9 +159,7 @@ class _FoldRowViews(PyExprMutator):
                 ops = [op_name(value.get(u)) for u in users.get(var, [])]
                 if not ops:
                     continue
-                split = (len(ops) == 1 and ops[0] == "relax.split") or set(ops) == {
-                    "relax.strided_slice"
-                }
+                split = _feeds_split(value, users, var)
                 if not split and not set(ops) <= set(_ELEMENTWISE):
                     continue
                 found = _n_linear(value, uses, var, val)
@@ -163,9 +180,10 @@ class _FoldRowViews(PyExprMutator):
             return super().visit_var_binding_(binding)
         x, mm, bias, bias_first = found
         bb = self.builder_
-        out = relax.op.matmul(
-            self.visit_expr(x), self.visit_expr(mm.args[1]), out_dtype=mm.attrs.out_dtype
-        )
+        rows = self.visit_expr(x)
+        if isinstance(rows, relax.Call):
+            rows = bb.emit(rows)
+        out = relax.op.matmul(rows, self.visit_expr(mm.args[1]), out_dtype=mm.attrs.out_dtype)
         if bias is not None:
             out = bb.emit(out)
             out = relax.op.add(bias, out) if bias_first else relax.op.add(out, bias)
