@@ -3,14 +3,20 @@
 ``reshape -> matmul (+ bias) -> reshape``, which the pass folds into one GEMM on the N-D rows
 before it matches (``tvm_fusion/transform/_gate_views.py``).
 
+torch.export's ``nn.LSTM`` unrolls the sequence: per step the hidden GEMM plus the step's
+slice of the input projection (a non-constant addend, read in the gate epilogue), one kernel
+per step.
+
 Must not fire: a view of the rows whose GEMM output is also read elsewhere; a reshape that
-moves the split (feature) axis.
+moves the split (feature) axis; a per-row ``(n, 1)`` addend; a GEMM (before the addend) also
+read elsewhere.
 """
 
 import numpy as np
 import pytest
 import tvm
 from helpers import Base, compare_pipelines
+from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
@@ -257,3 +263,60 @@ class TestSiblingViewsFold(GatesBase):
         expected = self.transform(self.Expected)
         tvm.ir.assert_structural_equal(after, expected, map_free_vars=True)
         assert "fused_gates" in after.script()
+
+
+def _addend_module(addend_shape, y_also_output=False):
+    n = tvm.tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([n, 4], "float32"))
+    w = relax.Var("w", relax.TensorType([8, 4], "float32"))
+    shape = [n if d == "n" else d for d in addend_shape]
+    t = relax.Var("t", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x, w, t]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w))))
+            s = bb.emit(relax.op.add(y, t))
+            parts = bb.emit(relax.op.split(s, 2, axis=-1))
+            gate = bb.emit(relax.TupleGetItem(parts, 0))
+            up = bb.emit(relax.TupleGetItem(parts, 1))
+            out = bb.emit_output(relax.op.multiply(relax.op.sigmoid(gate), up))
+            if y_also_output:
+                out = bb.emit_output(relax.Tuple([out, y]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_addend_read_in_the_epilogue():
+    """``x @ W^T + t`` with ``t`` a runtime ``(n, 8)`` tensor, split, gates: one kernel that
+    reads ``t`` (an input of the call) and adds it to the GEMM tile."""
+    mod = _addend_module(["n", 8])
+    after = GatesBase.transform(mod)
+    calls = [
+        b.value
+        for b in after["main"].body.blocks[0].bindings
+        if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"
+    ]
+    assert len(calls) == 1
+    assert [a.name for a in calls[0].args[1].fields] == ["x", "w", "t"]
+    assert "gemm0_add0" in after[calls[0].args[0]].script()
+    rng = np.random.default_rng(0)
+    for n in (1, 5):
+        args = [rng.standard_normal(s).astype("float32") for s in ((n, 4), (8, 4), (n, 8))]
+        y = args[0] @ args[1].T + args[2]
+        ref = y[:, 4:] / (1 + np.exp(-y[:, :4]))
+        compare_pipelines(mod, args, rtol=1e-4, atol=1e-4, reference=[ref])
+
+
+@pytest.mark.parametrize(
+    ("addend_shape", "y_also_output"),
+    [(["n", 1], False), (["n", 8], True)],
+    ids=["per_row_addend", "gemm_also_read"],
+)
+def test_addend_left_alone(addend_shape, y_also_output):
+    """Must not fire: a per-row ``(n, 1)`` tensor (not every feature's own value) and a GEMM
+    output that is also read elsewhere."""
+    mod = _addend_module(addend_shape, y_also_output)
+    with collect_rewrites() as counts:
+        after = GatesBase.transform(mod)
+    assert counts["FuseSplitGates"] == 0
+    tvm.ir.assert_structural_equal(after, mod)
