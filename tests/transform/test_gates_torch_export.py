@@ -54,27 +54,27 @@ class _Siblings(torch.nn.Module):
         return torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
 
 
-def _import(module, hidden):
+def _import(module, hidden, inner=()):
     from tvm.relax.frontend.torch import from_exported_program
 
     torch.manual_seed(0)
     batch = torch.export.Dim("batch", min=1, max=64)
     seq = torch.export.Dim("seq", min=1, max=64)
     ep = torch.export.export(
-        module.eval(), (torch.randn(2, 3, hidden),), dynamic_shapes=({0: batch, 1: seq},)
+        module.eval(), (torch.randn(2, 3, *inner, hidden),), dynamic_shapes=({0: batch, 1: seq},)
     )
     return from_exported_program(ep, keep_params_as_input=False)
 
 
-def _check(module, hidden):
-    mod = _import(module, hidden)
+def _check(module, hidden, inner=()):
+    mod = _import(module, hidden, inner)
     target = tvm_fusion.host_target()
     with tvm.target.Target(target), collect_rewrites() as counts:
         tvm.transform.Sequential(tvm_fusion.fusion_passes(target))(mod)
     assert counts["FuseSplitGates"] == 1
     report = analysis.fusion_report(mod, target)
     assert [k.name.startswith("fused_gates") for k in report.ours] == [True]
-    for shape in [(1, 5, hidden), (3, 7, hidden)]:
+    for shape in [(1, 5, *inner, hidden), (3, 7, *inner, hidden)]:
         x = np.random.default_rng(len(shape)).standard_normal(shape).astype("float32")
         with torch.no_grad():
             ref = module(torch.from_numpy(x)).numpy()
@@ -92,6 +92,13 @@ def test_fused_gate_up_proj_3d(hidden, width):
 def test_sibling_linears_3d(hidden, width, bias):
     torch.manual_seed(hidden)
     _check(_Siblings(hidden, width, bias), hidden)
+
+
+def test_gates_on_4d_rows():
+    """N-D inputs: ``(b, s, 4, H)`` rows flattened around the GEMM fold the same way."""
+    torch.manual_seed(1)
+    _check(_Fused(20, 13), 20, inner=(4,))
+    _check(_Siblings(20, 13, bias=True), 20, inner=(4,))
 
 
 class _LSTM(torch.nn.Module):
