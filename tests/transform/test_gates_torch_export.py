@@ -101,25 +101,27 @@ def test_gates_on_4d_rows():
     _check(_Siblings(20, 13, bias=True), 20, inner=(4,))
 
 
-class _LSTM(torch.nn.Module):
-    def __init__(self, hidden, width):
+class _RNN(torch.nn.Module):
+    def __init__(self, cell, hidden, width):
         super().__init__()
-        self.lstm = torch.nn.LSTM(hidden, width, batch_first=True)
+        self.rnn = cell(hidden, width, batch_first=True)
 
     def forward(self, x):
-        return self.lstm(x)[0]
+        return self.rnn(x)[0]
 
 
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
 @pytest.mark.parametrize(("hidden", "width"), SIZES)
-def test_lstm_unrolled_steps(hidden, width):
+def test_rnn_unrolled_steps(hidden, width, cell):
     """``nn.LSTM`` via torch.export: the sequence unrolls; per step ``h @ W_hh^T + b`` plus
     the step's slice of the input projection (a non-constant addend), ``split(4)``, gates.
     Each step is one kernel that reads the slice in its epilogue; the next step's GEMM reads
-    this step's ``h``, so the steps stay separate kernels."""
+    this step's ``h``, so the steps stay separate kernels. ``nn.GRU`` alike (its hidden GEMM
+    on ``(1, b, D)`` rows split in 3, the input slice added to the gate math)."""
     from tvm.relax.frontend.torch import from_exported_program
 
     torch.manual_seed(hidden)
-    module, steps = _LSTM(hidden, width).eval(), 3
+    module, steps = _RNN(getattr(torch.nn, cell), hidden, width).eval(), 3
     batch = torch.export.Dim("batch", min=1, max=64)
     ep = torch.export.export(module, (torch.randn(2, steps, hidden),), dynamic_shapes=({0: batch},))
     mod = from_exported_program(ep, keep_params_as_input=False)
