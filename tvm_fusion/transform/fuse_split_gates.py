@@ -13,10 +13,19 @@ Matches, inside a dataflow block:
   add, multiply, ...), together with other tensors broadcast to ``(rows, D)`` (the LSTM cell
   state, the GRU hidden state, constants, boolean masks of ``where``; ``clip``'s bounds).
   Several GEMMs whose pieces meet in these ops (the GRU cell's input and hidden GEMMs) form one
-  group, unless one's input is computed from the other's results: the steps of an unrolled RNN
-  (step t + 1's GEMM reads h_t and its gate math c_t) stay one group per step.
+  group; a GEMM that reads another group's results (the next step of an unrolled RNN: ONNX
+  LSTM / GRU, or torch.export's ``nn.LSTM``) starts its own group, which reads them as inputs;
+- non-constant tensors added to the GEMM output before the split that broadcast to it with
+  all its features (torch.export's ``nn.LSTM``: per step ``h @ W_hh^T + b`` plus the step's
+  slice of the input projection computed for all steps): read by the kernel and added to the
+  accumulator tile with the bias.
 
-Two rewrites first bring other spellings of a gate GEMM to that form (constant weights only):
+A linear layer on N-D rows written as views around a 2-D GEMM (TVM's PyTorch frontend:
+``reshape(x, (b*s, K)) -> matmul (+ bias) -> reshape((b, s, N))``), whose result is split or
+meets a sibling's in gate math, is first folded into one GEMM on the N-D rows
+(``_gate_views.py``); the fold is kept only when a gate group then fuses.
+
+Two rewrites then bring other spellings of a gate GEMM to that form (constant weights only):
 two linear layers summed before the split (torch's LSTMCell: ``x @ Wih^T + h @ Whh^T``) become
 one GEMM over ``concat(x, h)``; sibling linear layers of one input whose results meet in the
 gate math (Llama's ``silu(x @ Wg) * (x @ Wu)``, GeGLU alike) become one GEMM over the joined
@@ -72,6 +81,7 @@ from ._common import (
     use_counts,
     vars_in,
 )
+from ._gate_views import fold_row_views
 
 logger = get_logger(__name__)
 NAME = "FuseSplitGates"
@@ -183,12 +193,21 @@ class FuseSplitGates:
         target = self.target or tvm.target.Target.current(allow_none=True)
         if target is None:
             target = _target.host_target()
+        folded = fold_row_views(mod)
+        count, out = self._fuse(folded, target)
+        if count == 0 and folded is not mod:
+            skip(logger, "views of linear layers", "no gate group fused through them")
+            count, out = self._fuse(mod, target)
+        record_rewrite(NAME, count)
+        return out
+
+    @staticmethod
+    def _fuse(mod: IRModule, target) -> tuple[int, IRModule]:
         mod = _MergeSummedGemms(mod).transform()
         mod = _merge_siblings(mod, target)
         rewriter = _Rewriter(mod, target)
         mod = rewriter.transform()
-        record_rewrite(NAME, rewriter.count)
-        return mod
+        return rewriter.count, mod
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,6 +528,9 @@ class _Gemm:
     chain: list[relax.Var]  # bindings the group replaces (matmul, add, split, items)
     width: int  # D
     aliases: dict = dataclasses.field(default_factory=dict)  # duplicate slice -> its piece
+    # non-constant tensors broadcast to the GEMM output, added to it before the split (an RNN
+    # step's input projection): read in the epilogue, added to the accumulator tile
+    addends: list = dataclasses.field(default_factory=list)
 
     @property
     def gates(self) -> int:
@@ -727,6 +749,15 @@ def _gemm_of(blk: _Block, y, pieces, chain, width, aliases) -> _Gemm | None:
         return skip(logger, what, "GEMM output used elsewhere") or None
     value = blk.value[y]
     chain = [y, *chain, *(pieces if sliced else []), *aliases]
+    addends = []
+    while _op(value) == "relax.add" and len(addends) < 4:
+        inner = _addend_split(blk, value, width * len(pieces), _shape(y))
+        if inner is None:
+            break
+        var, addend = inner
+        addends.append(addend)
+        chain.insert(0, var)
+        value = blk.value[var]
     bias = None
     if _op(value) == "relax.add":
         lhs, rhs = value.args
@@ -777,10 +808,38 @@ def _gemm_of(blk: _Block, y, pieces, chain, width, aliases) -> _Gemm | None:
     n_feat = _int(w_shape[0] if transposed else w_shape[1])
     if n_feat != width * len(pieces):
         return skip(logger, what, "weight rows do not match the split") or None
-    for t in (x, w, *([bias] if bias is not None else [])):
+    for t in (x, w, *([bias] if bias is not None else []), *addends):
         if t.ty.dtype != "float32":
             return skip(logger, what, f"dtype {t.ty.dtype} (float32 only)") or None
-    return _Gemm(x, w, transposed, bias, pieces, chain, width, aliases)
+    return _Gemm(x, w, transposed, bias, pieces, chain, width, aliases, addends)
+
+
+def _addend_split(blk: _Block, add: relax.Call, n_features: int, out_shape) -> tuple | None:
+    """``(inner var, addend)`` of ``add(inner, addend)`` where ``inner`` is a matmul or a sum
+    (read only here) and ``addend`` a non-constant tensor that broadcasts to the GEMM output
+    ``out_shape`` with all ``n_features`` features (an RNN step's input projection), else
+    None."""
+    for inner, addend in (add.args, add.args[::-1]):
+        if not isinstance(inner, relax.Var) or isinstance(addend, GenericConst):
+            continue
+        if _op(blk.value.get(inner)) not in ("relax.matmul", "relax.add"):
+            continue
+        shape = _shape(addend)
+        if (
+            not blk.single_use(inner)
+            or shape is None
+            or out_shape is None
+            or not 2 <= len(shape) <= len(out_shape)
+            or _int(shape[-1]) != n_features
+            or [str(d) for d in (_shape(inner) or [])] != [str(d) for d in out_shape]
+        ):
+            continue
+        if all(
+            _int(a) == 1 or prove_equal(a, b)
+            for a, b in zip(shape[:-1], out_shape[-len(shape) : -1], strict=True)
+        ):
+            return inner, addend
+    return None
 
 
 @dataclasses.dataclass
@@ -810,6 +869,15 @@ def _grow(blk: _Block, gemms: list[_Gemm]) -> list[_Group]:
             owner[p] = gi
     ops: dict[int, list] = {}
     start = min(blk.index[p] for g in gemms for p in g.pieces)
+    inputs = [_ancestors(blk, [g.x, g.weight, *g.addends]) for g in gemms]
+
+    def gis(root):
+        return [gi for gi in range(len(gemms)) if find(gi) == root]
+
+    def _after(gi, root) -> bool:
+        """GEMM ``gi`` reads a result of group ``root``."""
+        return any(v in owner and find(owner[v]) == root for v in inputs[gi])
+
     for binding in blk.bindings[start:]:
         if not isinstance(binding, relax.VarBinding) or binding.var in owner:
             continue
@@ -821,11 +889,19 @@ def _grow(blk: _Block, gemms: list[_Gemm]) -> list[_Group]:
         if not region_args:
             continue
         groups = {find(owner[a]) for a in region_args}
-        later = _later_step(blk, gemms, groups, owner, find) if len(groups) > 1 else None
-        if later is not None:  # f_{t+1} * c_t: the next step's gate reads this step's state
-            owner[binding.var] = later
-            ops.setdefault(later, []).append(binding)
-            continue
+        later = [r for r in groups if any(_after(gi, q) for gi in gis(r) for q in groups - {r})]
+        if later:
+            # one group's GEMM reads another's results (the next step of an unrolled RNN):
+            # they stay two groups; the op belongs to the later one, the other's result is
+            # its input
+            # (the one some GEMM of which reads each other's results: a GRU step's input GEMM
+            # reads x_t alone, its hidden GEMM h_t)
+            last = [
+                r for r in later if all(any(_after(gi, q) for gi in gis(r)) for q in groups - {r})
+            ]
+            if len(last) != 1:
+                continue
+            groups = {last[0]}
         root = groups.pop()
         for other in groups:
             parent[other] = root
@@ -844,35 +920,6 @@ def _grow(blk: _Block, gemms: list[_Gemm]) -> list[_Group]:
     return result
 
 
-def _later_step(blk: _Block, gemms: list[_Gemm], groups: set, owner: dict, find) -> int | None:
-    """Of regions that one elementwise op joins, the one whose GEMM input is computed from all
-    the others' results (an unrolled RNN: step t + 1's GEMM reads h_t, and its gate math reads
-    c_t): the op belongs to it, the others' values are its inputs. Merging them would make one
-    group whose input is its own result. None when no region depends on the others."""
-    regions = {g: {v for v, o in owner.items() if find(o) == g} for g in groups}
-    for g in groups:
-        sources = [gm.x for i, gm in enumerate(gemms) if find(i) == g]
-        others = set().union(*(regions[o] for o in groups if o != g))
-        if all(_reaches(blk, sources, regions[o]) for o in groups if o != g) and others:
-            return g
-    return None
-
-
-def _reaches(blk: _Block, exprs: list, targets: set) -> bool:
-    """Whether any of ``exprs`` is computed (through the block's bindings) from ``targets``."""
-    stack = [v for e in exprs for v in vars_in(e)]
-    seen: set = set()
-    while stack:
-        var = stack.pop()
-        if var in targets:
-            return True
-        if var in seen or var not in blk.value:
-            continue
-        seen.add(var)
-        stack.extend(vars_in(blk.value[var]))
-    return False
-
-
 def _check_group(blk: _Block, gemms: list[_Gemm], ops: list) -> _Group | None:
     what = f"gates of {', '.join(g.pieces[0].name for g in gemms)}"
     if not ops:
@@ -889,6 +936,9 @@ def _check_group(blk: _Block, gemms: list[_Gemm], ops: list) -> _Group | None:
         for p in [*g.pieces, *g.aliases]:
             if p in blk.outputs or any(u not in region for u in blk.users.get(p, [])):
                 return skip(logger, what, f"piece {p.name} is also used outside the group") or None
+    for g in gemms:
+        if any(_depends_on(blk, a, region) for a in g.addends):
+            return skip(logger, what, "an addend depends on the group's own results") or None
     externals: list = []
     for b in ops:
         if [str(d) for d in (_shape(b.var) or [])] != [str(d) for d in out_shape]:
@@ -925,6 +975,20 @@ def _broadcastable(arg, out_shape) -> bool:
         if str(a) != str(b):
             return False
     return True
+
+
+def _ancestors(blk: _Block, exprs: list) -> set:
+    """Every variable of the block that ``exprs`` read, directly or through bindings."""
+    stack = [v for e in exprs for v in vars_in(e)]
+    seen: set = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in blk.value:
+            stack.extend(vars_in(blk.value[v]))
+    return seen
 
 
 def _depends_on(blk: _Block, expr, region: set) -> bool:
@@ -1001,6 +1065,25 @@ def _bias_stage(y, bias, width: int, n_rows: int, name: str):
     return te.compute(y.shape, body, name=name)
 
 
+def _addend_stage(y, addend, width: int, n_rows: int, name: str):
+    """``y + addend`` with ``addend`` of shape ``(*rows[-r:], gates * width)``: axes of size 1
+    broadcast, padded units of a blocked ``y`` read the last unit."""
+    blocked = len(y.shape) == n_rows + 3
+    block = y.shape[-1] if blocked else None
+    lead = len(addend.shape) - 1
+
+    def body(*idx):
+        gate = idx[n_rows]
+        d = idx[n_rows + 1] * block + idx[n_rows + 2] if blocked else idx[n_rows + 1]
+        if blocked and _int(block) * _int(y.shape[-2]) != width:
+            d = tirx.min(d, width - 1)
+        rows = idx[n_rows - lead : n_rows]
+        at = [0 if _int(e) == 1 else r for r, e in zip(rows, addend.shape[:-1], strict=True)]
+        return y(*idx) + addend[(*at, gate * width + d)]
+
+    return te.compute(y.shape, body, name=name)
+
+
 def _piece_stage(y, gate: int, width: int, n_rows: int, name: str):
     blocked = len(y.shape) == n_rows + 3
     block = y.shape[-1] if blocked else None
@@ -1027,6 +1110,9 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
             y = _gemm_stage(x, w, layouts[gi], block, width, g.gates, n_rows, f"gemm{gi}")
             if g.bias is not None:
                 y = _bias_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_bias")
+                pos += 1
+            for ai in range(len(g.addends)):
+                y = _addend_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_add{ai}")
                 pos += 1
             for gate, piece in enumerate(g.pieces):
                 env[piece] = _piece_stage(y, gate, width, n_rows, f"gate{gi}_{gate}")
@@ -1099,6 +1185,7 @@ def _emission_order(blk: _Block, groups: list[_Group]) -> list | None:
     def needs(item) -> set:
         if isinstance(item, _Group):
             exprs = [e for g in item.gemms for e in (g.x, g.weight, g.bias) if e is not None]
+            exprs += [a for g in item.gemms for a in g.addends]
             exprs += list(item.externals)
         else:
             exprs = [item.value]
@@ -1182,6 +1269,7 @@ class _Rewriter(PyExprMutator):
                 layouts.append("nk" if gemm.transposed else "kn")
             if gemm.bias is not None:
                 args.append(self.visit_expr(gemm.bias))
+            args += [self.visit_expr(a) for a in gemm.addends]
         args += [self.visit_expr(e) for e in group.externals]
         fn = _compute(group, self._blk, group.block, fast_math, layouts)
         call = self.builder_.call_te(fn, *args, primfunc_name_hint=_name(group))
