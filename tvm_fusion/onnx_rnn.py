@@ -1,11 +1,12 @@
 """ONNX ``LSTM``, ``GRU`` and ``RNN`` for TVM's Relax importer, which has no converter for them.
 
 A recurrent op with a static sequence length is unrolled into Relax ops, written so that our
-passes find the patterns they fuse: each step is ``x_t @ W^T + Wb + H @ R^T + Rb`` split into
-the gates, then the gate math: FuseSplitGates' summed linear layers, joined into one gate GEMM
-with the gates on its tile (a GRU with ``linear_before_reset``, torch's form, is two GEMMs each
-split into the gates, as torch's GRU cell). Constant weights stay constants, sliced per
-direction on the host.
+passes find the patterns they fuse: the input projection of all steps is one GEMM
+(``X @ W^T + Wb`` over ``seq * batch`` rows: the input weights read once), and each step is
+``H @ R^T + Rb`` plus the step's slice of that projection, split into the gates, then the gate
+math: FuseSplitGates' GEMM with an added tensor, one gate kernel per step (a GRU with
+``linear_before_reset``, torch's form: the projection's pieces meet the recurrent GEMM's in the
+gate math). Constant weights stay constants, sliced per direction on the host.
 
 Covered: ``direction`` forward / reverse / bidirectional, ``layout`` 0 and 1, ``initial_h`` /
 ``initial_c``, LSTM peepholes ``P``, ``input_forget``, ``clip``, GRU's ``linear_before_reset``,
@@ -175,7 +176,7 @@ def _unroll(bb, kind: str, inputs, attr) -> relax.Expr:
             f"{kind} with a dynamic sequence length ({shape[0]}) is not supported: the unrolled "
             "graph needs the number of steps"
         )
-    seq, batch = int(shape[0]), shape[1]
+    seq, batch, features = int(shape[0]), shape[1], shape[2]
     gates = _GATES[kind]
     hidden = int(attr.get("hidden_size", 0)) or int(w.ty.shape.values[1]) // gates
     dtype = str(x.ty.dtype)
@@ -193,6 +194,7 @@ def _unroll(bb, kind: str, inputs, attr) -> relax.Expr:
             f"{kind} with a reverse direction and sequence_lens shorter than the input"
         )
 
+    flat = bb.emit(op.reshape(x, [seq * batch, features]))
     outputs, last_h, last_c = [], [], []
     for d, reverse in enumerate(dirs):
         wd, rd = _Direction(bb, w, d), _Direction(bb, r, d)
@@ -201,11 +203,13 @@ def _unroll(bb, kind: str, inputs, attr) -> relax.Expr:
             _Act(bb, activations[d * per_dir + i], alphas, betas, d * per_dir + i)
             for i in range(per_dir)
         ]
-        # Each step's input projection is its own GEMM beside the recurrent one: the sum of
-        # two linear layers that FuseSplitGates joins into the step's one gate kernel (a GRU
-        # with linear_before_reset: two GEMMs split into the gates, as torch's GRU cell).
-        w_t = bb.emit(op.permute_dims(wd.get()))
-        wb = bd.get(slice(0, gates * hidden)) if bias is not None else None
+        # The input projection of every step is one GEMM over seq * batch rows (the weight
+        # read once, not once a step); each step adds its slice to the recurrent GEMM, which
+        # FuseSplitGates reads as an extra input of the step's gate kernel.
+        proj = bb.emit(op.matmul(flat, bb.emit(op.permute_dims(wd.get()))))
+        if bias is not None:
+            proj = bb.emit(op.add(proj, bd.get(slice(0, gates * hidden))))
+        proj = bb.emit(op.reshape(proj, [seq, batch, gates * hidden]))
         rb = bd.get(slice(gates * hidden, 2 * gates * hidden)) if bias is not None else None
         h = _initial(bb, init_h, d, batch, hidden, dtype)
         c = _initial(bb, init_c, d, batch, hidden, dtype) if kind == "LSTM" else None
@@ -213,10 +217,7 @@ def _unroll(bb, kind: str, inputs, attr) -> relax.Expr:
         steps = range(seq - 1, -1, -1) if reverse else range(seq)
         per_step = {}
         for t in steps:
-            x_t = bb.emit(op.squeeze(bb.emit(op.strided_slice(x, [0], [t], [t + 1])), [0]))
-            x_t = bb.emit(op.matmul(x_t, w_t))
-            if wb is not None:
-                x_t = bb.emit(op.add(x_t, wb))
+            x_t = bb.emit(op.squeeze(bb.emit(op.strided_slice(proj, [0], [t], [t + 1])), [0]))
             step = _Step(bb, kind, x_t, h, c, rd, rb, hidden, fns, clip, attr, pd, dtype)
             new_h, new_c = step.run()
             if masked:
