@@ -97,6 +97,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_until(ready, what: str, timeout_s: float = 120.0) -> None:
+    """Poll ``ready()`` until it is true: a tracker or server started by ``python -m`` takes
+    seconds to import TVM, more on a loaded machine (a fixed 2 s sleep was refused there)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not come up within {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _registered(tracker_port: int, key: str) -> bool:
+    try:
+        summary = tvm.rpc.connect_tracker("127.0.0.1", tracker_port).summary()
+    except (OSError, RuntimeError, tvm.error.TVMError):
+        return False
+    return key in summary.get("queue_info", {})
+
+
 def test_tune_through_rpc_tracker(tmp_path):
     """A tracker and one server on loopback; the candidates are measured on the server."""
     tracker_port, server_port = _free_port(), _free_port()
@@ -107,14 +133,14 @@ def test_tune_through_rpc_tracker(tmp_path):
     )  # fmt: skip
     server = None
     try:
-        time.sleep(2)
+        _wait_until(lambda: _listening(tracker_port), "the RPC tracker")
         server = subprocess.Popen(
             [sys.executable, "-m", "tvm.exec.rpc_server", "--host", "127.0.0.1",
              "--port", str(server_port), "--port-end", str(server_port + 1),
              "--tracker", f"127.0.0.1:{tracker_port}", "--key", "tvm-fusion-test"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        time.sleep(3)
+        _wait_until(lambda: _registered(tracker_port, "tvm-fusion-test"), "the RPC server")
         mod, _, _ = _tiny()
         report = tuning.tune(
             mod,
