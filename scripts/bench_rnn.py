@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Recurrent layers through ONNX: ``nn.LSTM`` / ``nn.GRU`` exported by ``torch.onnx.export``
-(ONNX ``LSTM`` / ``GRU`` ops, static sequence, dynamic batch), compiled by tvm_fusion (which
-unrolls them, one fused gate kernel per step) against ONNX Runtime's own LSTM/GRU kernels on
-the same file and PyTorch eager; engines in alternating rounds with pauses, medians.
+(ONNX ``LSTM`` / ``GRU`` ops, dynamic batch; the sequence axis static or dynamic), compiled by
+tvm_fusion (a static sequence unrolled, one fused gate kernel per step; a dynamic one as one
+loop kernel per layer and direction) against ONNX Runtime's own LSTM/GRU kernels on the same
+file and PyTorch eager; engines in alternating rounds with pauses, medians.
 
     python scripts/bench_rnn.py                      # bench/rnn.{json,md}
-    python scripts/bench_rnn.py --output /tmp/rnn.json --repeat 5
+    python scripts/bench_rnn.py --only "x2 seq64 b8" --output /tmp/rnn.json --repeat 5
 """
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ import sys
 import warnings
 from pathlib import Path
 
-# (name, layer, input, hidden, layers, bidirectional, seq, batch)
+# (name, layer, input, hidden, layers, bidirectional, seq, batch, dynamic sequence axis)
 CASES = [
-    ("lstm 256 seq32 b4", "LSTM", 256, 256, 1, False, 32, 4),
-    ("lstm 512x2 bidir seq16 b1", "LSTM", 512, 512, 2, True, 16, 1),
-    ("gru 256 seq32 b4", "GRU", 256, 256, 1, False, 32, 4),
-    ("gru 1024 seq8 b1", "GRU", 1024, 1024, 1, False, 8, 1),
+    # issue #25's figures: 2 layers, hidden 512, seq 64, batch 8; both sequence forms
+    ("lstm 512x2 seq64 b8 dyn", "LSTM", 512, 512, 2, False, 64, 8, True),
+    ("lstm 512x2 seq64 b8", "LSTM", 512, 512, 2, False, 64, 8, False),
+    ("gru 512x2 seq64 b8 dyn", "GRU", 512, 512, 2, False, 64, 8, True),
+    ("gru 512x2 seq64 b8", "GRU", 512, 512, 2, False, 64, 8, False),
+    ("lstm 256 seq32 b4", "LSTM", 256, 256, 1, False, 32, 4, False),
+    ("lstm 512x2 bidir seq16 b1 dyn", "LSTM", 512, 512, 2, True, 16, 1, True),
+    ("lstm 512x2 bidir seq16 b1", "LSTM", 512, 512, 2, True, 16, 1, False),
+    ("gru 256 seq32 b4", "GRU", 256, 256, 1, False, 32, 4, False),
+    ("gru 1024 seq8 b1 dyn", "GRU", 1024, 1024, 1, False, 8, 1, True),
+    ("gru 1024 seq8 b1", "GRU", 1024, 1024, 1, False, 8, 1, False),
 ]
 
 
@@ -32,6 +40,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--budget", type=float, default=3.0)
     parser.add_argument("--output", default="bench/rnn.json")
+    parser.add_argument("--only", default="", help="only the cases whose name contains this")
     args = parser.parse_args(argv)
     try:
         import torch
@@ -50,14 +59,21 @@ def main(argv=None) -> int:
     torch.set_num_threads(threads)
     target = tvm_fusion.host_target()
     rows = []
-    for name, layer, inp, hidden, layers, bidir, seq, batch in CASES:
+    for name, layer, inp, hidden, layers, bidir, seq, batch, dynamic in CASES:
+        if args.only not in name:
+            continue
         torch.manual_seed(0)
         module = getattr(torch.nn, layer)(inp, hidden, num_layers=layers, bidirectional=bidir)
         module = module.eval()
         x = torch.randn(seq, batch, inp)
         buffer = io.BytesIO()
         torch.onnx.export(
-            module, (x,), buffer, input_names=["x"], dynamic_axes={"x": {1: "batch"}}, dynamo=False
+            module,
+            (x,),
+            buffer,
+            input_names=["x"],
+            dynamic_axes={"x": {0: "seq", 1: "batch"} if dynamic else {1: "batch"}},
+            dynamo=False,
         )
         model = onnx.load_from_string(buffer.getvalue())
         mod = tvm_fusion.load_onnx(model)
@@ -79,6 +95,8 @@ def main(argv=None) -> int:
         )
         row = {
             "case": name,
+            "load_avg": os.getloadavg()[0],
+            "compile_s": compiled.compile_s,
             "kernels_ours": report.ours_kernels,
             "gate_rewrites": report.rewrites.get("FuseSplitGates", 0),
             "max_abs_err_vs_ort": error,
@@ -98,15 +116,18 @@ def main(argv=None) -> int:
         f"Machine: {result['machine'].get('processor', '?')}, {threads} threads. "
         "Command: `python scripts/bench_rnn.py`. Medians of warm calls, engines alternating.",
         "",
+        "`dyn`: the sequence axis exported dynamic (one loop kernel per layer and direction); "
+        "otherwise static (unrolled, one gate kernel per step).",
+        "",
         "| case | our kernels | gate kernels | ours ms | ORT ms | torch ms | ours/ORT | "
-        "ours/torch | max err |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "ours/torch | max err | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['case']} | {r['kernels_ours']} | {r['gate_rewrites']} | {r['ours_ms']:.3f} | "
             f"{r['onnxruntime_ms']:.3f} | {r['torch_ms']:.3f} | {r['ours/ort']:.2f} | "
-            f"{r['ours/torch']:.2f} | {r['max_abs_err_vs_ort']:.1e} |"
+            f"{r['ours/torch']:.2f} | {r['max_abs_err_vs_ort']:.1e} | {r['load_avg']:.1f} |"
         )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
