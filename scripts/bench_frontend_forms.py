@@ -160,7 +160,7 @@ def _markdown(result: dict) -> str:
         "# Issue #25: gated MLPs via torch.export, the ONNX GatherElements cross entropy",
         "",
         f"Machine: {result['machine'].get('processor', '?')}, {result['threads']} threads. "
-        "Command: `python scripts/bench_frontend_forms.py`. Medians of warm calls, engines "
+        f"Command: `{result['command']}`. Medians of warm calls, engines "
         "alternating in rounds; `load`: 1-minute load average when the row was measured.",
         "",
         "| case | our kernels | rewrites | ours ms | torch ms | ORT ms | ours/torch | ours/ORT "
@@ -214,7 +214,9 @@ def main(argv=None) -> int:
         row["load_avg"] = os.getloadavg()[0]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"machine": machine_info(target), "threads": threads, "rows": rows}
+    command = " ".join(["python", "scripts/bench_frontend_forms.py", *(argv or sys.argv[1:])])
+    result = {"machine": machine_info(target), "threads": threads, "command": command}
+    result["rows"] = rows
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

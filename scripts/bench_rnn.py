@@ -108,13 +108,16 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine_info(target), "threads": threads, "rows": rows}
+    command = " ".join(["python", "scripts/bench_rnn.py", *(argv or sys.argv[1:])])
+    result = {"machine": machine_info(target), "threads": threads, "command": command}
+    result["rows"] = rows
     out.write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# Recurrent layers via ONNX: tvm_fusion vs ONNX Runtime's LSTM/GRU kernels and PyTorch",
         "",
         f"Machine: {result['machine'].get('processor', '?')}, {threads} threads. "
-        "Command: `python scripts/bench_rnn.py`. Medians of warm calls, engines alternating.",
+        f"Command: `{result['command']}`. Medians of warm calls, engines alternating; "
+        "load: 1-minute load average at the row.",
         "",
         "`dyn`: the sequence axis exported dynamic (one loop kernel per layer and direction); "
         "otherwise static (unrolled, one gate kernel per step).",
