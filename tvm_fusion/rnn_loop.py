@@ -37,6 +37,7 @@ from tvm.script import tirx as T
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 LANES = 16  # units per block: one AVX-512 float32 vector, two AVX2 ones
 ROWS = 4  # batch rows per register tile
+PARALLEL_MIN_MACS = 1 << 19  # multiply-adds per batch row and step below which a step is serial
 
 # Eigen's rational tanh (TVM's topi.fast_tanh): x clamped to [-9, 9]
 _TANH_P = (
@@ -99,6 +100,8 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
     blocks = -(-hidden // lanes)
     padded, width = blocks * lanes, gates * hidden
     rev = int(reverse)
+    # a step of little work runs on one thread: a parallel launch and join per step costs more
+    blocks_loop = T.parallel if gates * hidden * hidden >= PARALLEL_MIN_MACS else T.serial
 
     def clipped(x):
         if clip is None:
@@ -135,7 +138,7 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
                 hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
                 cs[n, j] = T.if_then_else(j < hidden, c0[n, T.min(j, hidden - 1)], T.float32(0))
             for s in range(seq):
-                for jb in T.parallel(blocks):
+                for jb in blocks_loop(blocks):
                     for bo in range((batch + rows - 1) // rows):
                         acc = T.decl_buffer((rows, gates, lanes), "float32", scope="local")
                         for r, g, v in T.grid(rows, gates, lanes):
@@ -228,7 +231,7 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
             for n, j in T.grid(batch, padded):
                 hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
             for s in range(seq):
-                for jb in T.parallel(blocks):
+                for jb in blocks_loop(blocks):
                     for bo in range((batch + rows - 1) // rows):
                         acc = T.decl_buffer((rows, gates, lanes), "float32", scope="local")
                         for r, g, v in T.grid(rows, gates, lanes):
@@ -314,7 +317,7 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
         for n, j in T.grid(batch, padded):
             hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
         for s in range(seq):
-            for jb in T.parallel(blocks):
+            for jb in blocks_loop(blocks):
                 for bo in range((batch + rows - 1) // rows):
                     acc = T.decl_buffer((rows, gates, lanes), "float32", scope="local")
                     for r, g, v in T.grid(rows, gates, lanes):
