@@ -12,7 +12,7 @@ import tvm
 from onnx import TensorProto, helper
 
 import tvm_fusion
-from tvm_fusion import ModelError, engine
+from tvm_fusion import ModelError, engine, rnn_loop
 from tvm_fusion.pipeline import fusion_passes
 from tvm_fusion.transform import collect_rewrites
 
@@ -168,15 +168,22 @@ def _loops(mod):
     "kind, inp, hid, direction, opts",
     [
         # 19 units: one whole 16-unit block and a padded one; batch 5: a 4-row tile and a tail
-        ("LSTM", 6, 19, "bidirectional", {"layout": 1, "init": True, "clip": 1.5}),
+        # "parallel": unit blocks in parallel at any size (else serial below 2**19 MACs a row)
+        ("LSTM", 6, 19, "bidirectional", {"layout": 1, "init": True, "parallel": True}),
+        # clip against ORT (ONNX's reference evaluator, layout 1's reference, ignores it)
+        ("LSTM", 5, 16, "reverse", {"clip": 0.5}),
         ("GRU", 5, 7, "reverse", {"lbr": 1, "init": True, "clip": 0.9}),
         ("RNN", 4, 16, "forward", {"bias": False}),
     ],
 )
-def test_dynamic_sequence_runs_one_loop_kernel_per_direction(kind, inp, hid, direction, opts):
+def test_dynamic_sequence_runs_one_loop_kernel_per_direction(
+    kind, inp, hid, direction, opts, monkeypatch
+):
     """A symbolic sequence length: the input projection one GEMM, the recurrence one loop
     kernel per direction (no unrolled steps, so no gate rewrites); numbers as the reference at
     sequence lengths 1, 6 and 20 and batches 1 and 5, and empty outputs at length 0."""
+    if opts.get("parallel"):
+        monkeypatch.setattr(rnn_loop, "PARALLEL_MIN_MACS", 0)
     model = _dynamic(_model(kind, 3, inp, hid, direction, **opts))
     reference = _reference(model)
     mod = tvm_fusion.load_onnx(model)

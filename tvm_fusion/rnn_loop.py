@@ -9,7 +9,9 @@ schedule rules leave it as written) that ``onnx_rnn`` calls with ``call_tir``:
   unit block's gate columns contiguous per input unit: one vector load per gate and unit, units
   padded with zero columns to whole blocks), the recurrent bias ``Rb`` as ``(gates, H_pad)``,
   the initial states;
-- a serial loop over time; each step runs in parallel over unit blocks; per block, a register
+- a serial loop over time; each step runs in parallel over unit blocks (serially when a step
+  is under ``PARALLEL_MIN_MACS`` multiply-adds per row: a parallel launch and join per step
+  then costs more than it saves); per block, a register
   tile of 4 batch rows x gates x V units accumulates ``h @ R^T`` (the block's weights read once
   per 4 rows; rows past the batch read a clamped row and are not written), then the gate math on
   the tile (fast polynomial tanh, sigmoid as ``0.5 tanh(x / 2) + 0.5``), writing the new state
