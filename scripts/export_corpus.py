@@ -371,6 +371,39 @@ def lstm_hand():
     return Cell().eval(), inputs, ["h_out", "c_out"], axes, ["fuse_split_gates (chunk(4))"]
 
 
+def _recurrent(kind: str):
+    import torch
+
+    hidden = S.cell_hidden // 2
+    layer = getattr(torch.nn, kind)(S.cell_in, hidden, num_layers=2, batch_first=True).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            y, state = self.layer(x)
+            return (y, *state) if isinstance(state, tuple) else (y, state)
+
+    def inputs(b, s):
+        return {"x": torch.randn(b, s, S.cell_in)}
+
+    states = ["h_n", "c_n"] if kind == "LSTM" else ["h_n"]
+    axes = {"x": {0: "batch", 1: "seq"}, "y": {0: "batch", 1: "seq"}}
+    axes.update({name: {1: "batch"} for name in states})
+    patterns = [f"onnx_rnn ({kind}, dynamic sequence: one loop kernel per layer)"]
+    return Wrap(), inputs, ["y", *states], axes, patterns
+
+
+def lstm():
+    return _recurrent("LSTM")
+
+
+def gru():
+    return _recurrent("GRU")
+
+
 MODELS = {
     "xlnet": xlnet,
     "bert_mlm": bert_mlm,
@@ -382,6 +415,8 @@ MODELS = {
     "gru_cell": gru_cell,
     "swiglu_chunk": swiglu_chunk,
     "lstm_hand": lstm_hand,
+    "lstm": lstm,
+    "gru": gru,
 }
 
 

@@ -3,6 +3,7 @@ gate kernel; numbers against ONNX Runtime (ONNX's reference evaluator where ORT 
 attribute: layout 1), at two batch sizes of a dynamic batch."""
 
 import io
+import re
 
 import numpy as np
 import onnx
@@ -11,7 +12,7 @@ import tvm
 from onnx import TensorProto, helper
 
 import tvm_fusion
-from tvm_fusion import ModelError, engine
+from tvm_fusion import ModelError, engine, rnn_loop
 from tvm_fusion.pipeline import fusion_passes
 from tvm_fusion.transform import collect_rewrites
 
@@ -151,10 +152,79 @@ def test_recurrent_op_matches_reference(kind, seq, inp, hid, direction, opts):
         assert counts["FuseSplitGates"] == steps
 
 
-def test_dynamic_sequence_length_is_a_clear_error():
-    model = _model("LSTM", 4, 3, 5)
-    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "seq"
-    with pytest.raises(ModelError, match="LSTM with a dynamic sequence length"):
+def _dynamic(model):
+    """``model`` with its sequence axis renamed ``seq`` (symbolic)."""
+    layout = next((a.i for a in model.graph.node[0].attribute if a.name == "layout"), 0)
+    model.graph.input[0].type.tensor_type.shape.dim[layout].dim_param = "seq"
+    return model
+
+
+def _loops(mod):
+    """The loop kernels that ``main`` calls, once per call (equal kernels are one PrimFunc)."""
+    return re.findall(r"call_tir\((?:cls\.)?(\w+_loop\d*)", mod["main"].script())
+
+
+@pytest.mark.parametrize(
+    "kind, inp, hid, direction, opts",
+    [
+        # 19 units: one whole 16-unit block and a padded one; batch 5: a 4-row tile and a tail
+        # "parallel": unit blocks in parallel at any size (else serial below 2**19 MACs a row)
+        ("LSTM", 6, 19, "bidirectional", {"layout": 1, "init": True, "parallel": True}),
+        # clip against ORT (ONNX's reference evaluator, layout 1's reference, ignores it)
+        ("LSTM", 5, 16, "reverse", {"clip": 0.5}),
+        ("GRU", 5, 7, "reverse", {"lbr": 1, "init": True, "clip": 0.9}),
+        ("RNN", 4, 16, "forward", {"bias": False}),
+    ],
+)
+def test_dynamic_sequence_runs_one_loop_kernel_per_direction(
+    kind, inp, hid, direction, opts, monkeypatch
+):
+    """A symbolic sequence length: the input projection one GEMM, the recurrence one loop
+    kernel per direction (no unrolled steps, so no gate rewrites); numbers as the reference at
+    sequence lengths 1, 6 and 20 and batches 1 and 5, and empty outputs at length 0."""
+    if opts.get("parallel"):
+        monkeypatch.setattr(rnn_loop, "PARALLEL_MIN_MACS", 0)
+    model = _dynamic(_model(kind, 3, inp, hid, direction, **opts))
+    reference = _reference(model)
+    mod = tvm_fusion.load_onnx(model)
+    directions = 2 if direction == "bidirectional" else 1
+    assert len(_loops(mod)) == directions, _loops(mod)
+    with collect_rewrites() as counts:
+        tvm.transform.Sequential(fusion_passes(tvm_fusion.host_target()))(mod)
+    assert counts["FuseSplitGates"] == 0
+    compiled = engine.compile_module(mod, tvm_fusion.host_target(), "tvm_fusion")
+    for seq, batch in ((1, 1), (6, 5), (20, 1), (0, 2)):
+        rng = np.random.default_rng(seq)
+        feeds = {}
+        for info in model.graph.input:
+            dims = [
+                {"seq": seq, "batch": batch}.get(d.dim_param, d.dim_value)
+                for d in info.type.tensor_type.shape.dim
+            ]
+            feeds[info.name] = rng.standard_normal(dims).astype("float32")
+        got = engine.TvmRunner(compiled, list(feeds.values())).outputs()
+        if seq == 0:  # Y empty; the final states are the initial ones (or zeros)
+            assert got[0].size == 0
+            want_h = feeds.get("H0", np.zeros_like(got[1]))
+            np.testing.assert_array_equal(got[1], want_h)
+            continue
+        for g, w in zip(got, reference(feeds), strict=True):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "kind, opts, why",
+    [
+        ("GRU", {"lbr": 0}, "linear_before_reset = 0"),
+        ("LSTM", {"peep": True}, "peepholes"),
+        ("LSTM", {"lens": True}, "sequence_lens"),
+        ("RNN", {"activations": ["Relu"]}, "activations"),
+    ],
+)
+def test_dynamic_sequence_outside_the_loop_kernel_is_a_clear_error(kind, opts, why):
+    model = _dynamic(_model(kind, 4, 3, 5, **opts))
+    with pytest.raises(ModelError, match=f"{kind} with a dynamic sequence length and {why}"):
         tvm_fusion.load_onnx(model)
 
 
@@ -182,3 +252,41 @@ def test_torch_recurrent_layers_fuse_every_step(cell):
     assert cell in {n.op_type for n in model.graph.node}
     counts = _check(model)
     assert counts["FuseSplitGates"] == steps
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_torch_recurrent_layers_dynamic_sequence(cell):
+    """``nn.LSTM`` / ``nn.GRU`` (2 layers, bidirectional, batch_first, initial states) through
+    the TorchScript exporter with dynamic batch and sequence axes: one loop kernel per layer
+    and direction; numbers as ONNX Runtime's at sequence lengths 1, 7, 20 (the dynamo export
+    is in the corpus)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    module = getattr(torch.nn, cell)(12, 16, num_layers=2, bidirectional=True, batch_first=True)
+    x, h0 = torch.randn(3, 5, 12), torch.randn(4, 3, 16)
+    args = (x, (h0, torch.randn(4, 3, 16))) if cell == "LSTM" else (x, h0)
+    names = ["x", "h0", "c0"][: 3 if cell == "LSTM" else 2]
+    axes = {"x": {0: "batch", 1: "seq"}, "h0": {1: "batch"}, "c0": {1: "batch"}}
+    buffer = io.BytesIO()
+    torch.onnx.export(
+        module.eval(),
+        args,
+        buffer,
+        input_names=names,
+        dynamic_axes={k: axes[k] for k in names},
+        dynamo=False,
+    )
+    model = onnx.load_from_string(buffer.getvalue())
+    mod = tvm_fusion.load_onnx(model)
+    assert len(_loops(mod)) == 4, _loops(mod)
+    reference = _reference(model)
+    compiled = engine.compile_module(mod, tvm_fusion.host_target(), "tvm_fusion")
+    rng = np.random.default_rng(0)
+    for seq, batch in ((1, 1), (7, 3), (20, 2)):
+        feeds = {"x": rng.standard_normal((batch, seq, 12)).astype("float32")}
+        for name in names[1:]:
+            feeds[name] = rng.standard_normal((4, batch, 16)).astype("float32")
+        got = engine.TvmRunner(compiled, [feeds[n] for n in names]).outputs()
+        for g, w in zip(got, reference(feeds), strict=True):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)

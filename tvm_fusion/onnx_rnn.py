@@ -13,9 +13,14 @@ Covered: ``direction`` forward / reverse / bidirectional, ``layout`` 0 and 1, ``
 every activation of the ONNX spec with ``activation_alpha`` / ``activation_beta`` (consumed per
 activation position, as ONNX Runtime does), ``sequence_lens`` (rows past their length keep
 their state and output zeros; with a reverse direction only when every length is the whole
-sequence). A dynamic sequence length is refused with a one-line reason: an unrolled graph needs
-the step count, and a loop over time (one kernel that carries the state, or a Relax loop
-through recursion) is not built yet (see ARCHITECTURE.md).
+sequence).
+
+A dynamic sequence length cannot be unrolled: the input projection of all steps is still one
+GEMM, and the recurrence is one loop kernel per direction (``rnn_loop.py``: a scheduled
+PrimFunc that loops over time, the fused gate step as its body, the state in a workspace),
+called with ``call_tir``. It covers default activations, ``clip``, GRU with
+``linear_before_reset = 1``, constant ``R`` / ``B``; anything else on a dynamic sequence is
+refused with a one-line reason (see ARCHITECTURE.md, "Recurrent ops").
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import numpy as np
 from tvm import relax, tirx
 from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
+
+from tvm_fusion import rnn_loop
 
 _DEFAULTS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -171,12 +178,6 @@ def _unroll(bb, kind: str, inputs, attr) -> relax.Expr:
         if init_c is not None:
             init_c = bb.emit(op.permute_dims(init_c, [1, 0, 2]))
     shape = x.ty.shape.values
-    if not isinstance(shape[0], tirx.IntImm):
-        raise ValueError(
-            f"{kind} with a dynamic sequence length ({shape[0]}) is not supported: the unrolled "
-            "graph needs the number of steps"
-        )
-    seq, batch, features = int(shape[0]), shape[1], shape[2]
     gates = _GATES[kind]
     hidden = int(attr.get("hidden_size", 0)) or int(w.ty.shape.values[1]) // gates
     dtype = str(x.ty.dtype)
@@ -187,6 +188,10 @@ def _unroll(bb, kind: str, inputs, attr) -> relax.Expr:
     alphas = list(attr.get("activation_alpha", []))
     betas = list(attr.get("activation_beta", []))
     clip = attr.get("clip")
+    if not isinstance(shape[0], tirx.IntImm):
+        results = _loop(bb, kind, x, (w, r, bias, seq_lens, init_h, init_c, peep), attr, dirs)
+        return _layout_back(bb, results, layout)
+    seq, batch, features = int(shape[0]), shape[1], shape[2]
     lengths = _numpy(seq_lens) if seq_lens is not None else None
     masked = seq_lens is not None and not (lengths is not None and np.all(lengths == seq))
     if masked and any(dirs):
@@ -244,11 +249,87 @@ def _unroll(bb, kind: str, inputs, attr) -> relax.Expr:
     results = [y, y_h]
     if kind == "LSTM":
         results.append(stack(last_c, 0))
+    return _layout_back(bb, results, layout)
+
+
+def _stack(bb, items, axis):
+    op = relax.op
+    return bb.emit(op.concat([bb.emit(op.expand_dims(i, [axis])) for i in items], axis=axis))
+
+
+def _layout_back(bb, results, layout: int) -> relax.Expr:
+    """Y (seq, num_dir, batch, hidden) and states (num_dir, batch, hidden) in ``layout``."""
+    op = relax.op
     if layout == 1:  # Y: (batch, seq, num_dir, hidden); states (batch, num_dir, hidden)
         results = [bb.emit(op.permute_dims(results[0], [2, 0, 1, 3]))] + [
             bb.emit(op.permute_dims(s, [1, 0, 2])) for s in results[1:]
         ]
     return relax.Tuple(results)
+
+
+def _loop(bb, kind: str, x, inputs, attr, dirs) -> list:
+    """A dynamic sequence: the input projection of all steps as one GEMM, then one loop kernel
+    per direction (rnn_loop.py) that carries the state over time. Raises a one-line
+    ValueError for what the kernel does not cover."""
+    op = relax.op
+    w, r, bias, seq_lens, init_h, init_c, peep = inputs
+    gates = _GATES[kind]
+    hidden = int(attr.get("hidden_size", 0)) or int(w.ty.shape.values[1]) // gates
+    dtype = str(x.ty.dtype)
+    activations = [_name(a).lower() for a in attr.get("activations", [])]
+    defaults = [a.lower() for a in _DEFAULTS[kind]] * len(dirs)
+    why = None
+    if kind == "GRU" and not int(attr.get("linear_before_reset", 0)):
+        why = "linear_before_reset = 0 (its candidate GEMM reads r * h of every unit)"
+    elif peep is not None or int(attr.get("input_forget", 0)):
+        why = "peepholes or input_forget"
+    elif seq_lens is not None:
+        why = "sequence_lens"
+    elif activations and (activations != defaults or attr.get("activation_alpha")):
+        why = f"activations {activations}"
+    elif dtype != "float32":
+        why = f"dtype {dtype}"
+    elif _numpy(r) is None or (bias is not None and _numpy(bias) is None):
+        why = "R or B not constant"
+    if why is not None:
+        raise ValueError(
+            f"{kind} with a dynamic sequence length and {why} is not supported: the loop kernel "
+            "covers default activations, clip, GRU linear_before_reset = 1, constant R and B"
+        )
+    clip = attr.get("clip")
+    seq, batch, features = x.ty.shape.values
+    flat = bb.emit(op.reshape(x, [seq * batch, features]))
+    ys, last_h, last_c = [], [], []
+    for d, reverse in enumerate(dirs):
+        wd = _Direction(bb, w, d)
+        proj = bb.emit(op.matmul(flat, bb.emit(op.permute_dims(wd.get()))))
+        rb = None
+        if bias is not None:
+            proj = bb.emit(op.add(proj, _Direction(bb, bias, d).get(slice(0, gates * hidden))))
+            rb = _numpy(bias)[d][gates * hidden :]
+        proj = bb.emit(op.reshape(proj, [seq, batch, gates * hidden]))
+        kernel = rnn_loop.loop_kernel(kind, hidden, reverse, None if clip is None else float(clip))
+        gv = bb.add_func(kernel, f"{kind.lower()}_loop")
+        args = [
+            proj,
+            relax.const(rnn_loop.block_weight(_numpy(r)[d], gates)),
+            relax.const(rnn_loop.block_bias(rb, gates, hidden)),
+            _initial(bb, init_h, d, batch, hidden, dtype),
+        ]
+        state = relax.TensorType([batch, hidden], dtype)
+        out = [relax.TensorType([seq, batch, hidden], dtype), state]
+        if kind == "LSTM":
+            args.append(_initial(bb, init_c, d, batch, hidden, dtype))
+            out.append(state)
+        call = bb.emit(relax.call_tir(gv, args, out))
+        ys.append(bb.emit(relax.TupleGetItem(call, 0)))
+        last_h.append(bb.emit(relax.TupleGetItem(call, 1)))
+        if kind == "LSTM":
+            last_c.append(bb.emit(relax.TupleGetItem(call, 2)))
+    results = [_stack(bb, ys, 1), _stack(bb, last_h, 0)]
+    if kind == "LSTM":
+        results.append(_stack(bb, last_c, 0))
+    return results
 
 
 class _Act:

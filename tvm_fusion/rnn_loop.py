@@ -1,0 +1,357 @@
+"""One CPU kernel per direction for an ONNX ``LSTM`` / ``GRU`` / ``RNN`` over a dynamic sequence.
+
+``onnx_rnn.py`` unrolls a recurrent op whose step count is known; a symbolic one cannot be
+unrolled, so the recurrence becomes one scheduled TIR PrimFunc (``tirx.is_scheduled``: the
+schedule rules leave it as written) that ``onnx_rnn`` calls with ``call_tir``:
+
+- inputs: the input projection of every step ``X @ W^T + Wb`` (one GEMM before the kernel, as
+  on the static path), the recurrent weight blocked at import as ``(H / V, H, gates, V)`` (a
+  unit block's gate columns contiguous per input unit: one vector load per gate and unit, units
+  padded with zero columns to whole blocks), the recurrent bias ``Rb`` as ``(gates, H_pad)``,
+  the initial states;
+- a serial loop over time; each step runs in parallel over unit blocks (serially when a step
+  is under ``PARALLEL_MIN_MACS`` multiply-adds per row: a parallel launch and join per step
+  then costs more than it saves); per block, a register
+  tile of 4 batch rows x gates x V units accumulates ``h @ R^T`` (the block's weights read once
+  per 4 rows; rows past the batch read a clamped row and are not written), then the gate math on
+  the tile (fast polynomial tanh, sigmoid as ``0.5 tanh(x / 2) + 0.5``), writing the new state
+  and ``Y[t]``;
+- the hidden state ping-pongs between two halves of a ``(2, batch, H_pad)`` workspace (a step
+  reads the previous half while other threads write the next one); the LSTM cell state is per
+  unit, updated in place; the final states are copied out after the loop (the initial ones when
+  the sequence is empty).
+
+Covered: LSTM (ONNX gate order i, o, f, c), GRU with ``linear_before_reset = 1`` (torch's
+form: ``r * (h @ R_h^T + Rb_h)`` is per unit), RNN; default activations, ``clip``, forward and
+reverse. Not covered (``onnx_rnn`` refuses them in one line on a dynamic sequence): GRU with
+``linear_before_reset = 0`` (its candidate GEMM reads ``r * h`` of every unit: a second
+parallel phase per step), peepholes, ``input_forget``, ``sequence_lens``, other activations,
+non-constant ``R`` / ``B``, dtypes other than float32. The kernel is CPU code (parallel and
+vector loops, no GPU thread bindings).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm import tirx
+from tvm.script import tirx as T
+
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+LANES = 16  # units per block: one AVX-512 float32 vector, two AVX2 ones
+ROWS = 4  # batch rows per register tile
+PARALLEL_MIN_MACS = 1 << 19  # multiply-adds per batch row and step below which a step is serial
+
+# Eigen's rational tanh (TVM's topi.fast_tanh): x clamped to [-9, 9]
+_TANH_P = (
+    -2.76076847742355e-16,
+    2.00018790482477e-13,
+    -8.60467152213735e-11,
+    5.12229709037114e-08,
+    1.48572235717979e-05,
+    6.37261928875436e-04,
+    4.89352455891786e-03,
+)
+_TANH_Q = (1.19825839466702e-06, 1.18534705686654e-04, 2.26843463243900e-03, 4.89352518554385e-03)
+
+
+def _let(value, body):
+    """``body(v)`` with ``v`` bound once to ``value`` (no copies of a long expression)."""
+    var = tirx.Var("t", "float32")
+    return tirx.Let(var, value, body(var))
+
+
+def _tanh(x):
+    def poly(x):
+        x2 = x * x
+        p = T.float32(_TANH_P[0])
+        for c in _TANH_P[1:]:
+            p = x2 * p + T.float32(c)
+        q = T.float32(_TANH_Q[0])
+        for c in _TANH_Q[1:]:
+            q = x2 * q + T.float32(c)
+        return x * p / q
+
+    return _let(T.max(T.min(x, T.float32(9.0)), T.float32(-9.0)), poly)
+
+
+def _sigmoid(x):
+    return T.float32(0.5) * _tanh(T.float32(0.5) * x) + T.float32(0.5)
+
+
+def block_weight(r: np.ndarray, gates: int) -> np.ndarray:
+    """``R`` (gates * H, H) -> (H_pad / V, H, gates, V), padded units zero."""
+    hidden = r.shape[1]
+    blocks = -(-hidden // LANES)
+    padded = np.zeros((gates, blocks * LANES, hidden), r.dtype)
+    padded[:, :hidden] = r.reshape(gates, hidden, hidden)
+    return np.ascontiguousarray(padded.reshape(gates, blocks, LANES, hidden).transpose(1, 3, 0, 2))
+
+
+def block_bias(rb: np.ndarray | None, gates: int, hidden: int) -> np.ndarray:
+    """``Rb`` (gates * H) -> (gates, H_pad), zeros where absent."""
+    blocks = -(-hidden // LANES)
+    out = np.zeros((gates, blocks * LANES), "float32")
+    if rb is not None:
+        out[:, :hidden] = rb.reshape(gates, hidden)
+    return out
+
+
+def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> tirx.PrimFunc:
+    """The scheduled PrimFunc of one direction: (proj, w, b, h0[, c0]) -> (y, h_T[, c_T])."""
+    gates, lanes, rows = GATES[kind], LANES, ROWS
+    blocks = -(-hidden // lanes)
+    padded, width = blocks * lanes, gates * hidden
+    rev = int(reverse)
+    # a step of little work runs on one thread: a parallel launch and join per step costs more
+    blocks_loop = T.parallel if gates * hidden * hidden >= PARALLEL_MIN_MACS else T.serial
+
+    def clipped(x):
+        if clip is None:
+            return x
+        return T.max(T.min(x, T.float32(clip)), T.float32(-clip))
+
+    if kind == "LSTM":
+
+        @T.prim_func(private=True, s_tir=True)
+        def lstm_loop(
+            p_proj: T.handle,
+            p_w: T.handle,
+            p_b: T.handle,
+            p_h0: T.handle,
+            p_c0: T.handle,
+            p_y: T.handle,
+            p_ht: T.handle,
+            p_ct: T.handle,
+        ):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+            seq = T.int64()
+            batch = T.int64()
+            proj = T.match_buffer(p_proj, (seq, batch, width))
+            w = T.match_buffer(p_w, (blocks, hidden, gates, lanes))
+            b = T.match_buffer(p_b, (gates, padded))
+            h0 = T.match_buffer(p_h0, (batch, hidden))
+            c0 = T.match_buffer(p_c0, (batch, hidden))
+            y = T.match_buffer(p_y, (seq, batch, hidden))
+            ht = T.match_buffer(p_ht, (batch, hidden))
+            ct = T.match_buffer(p_ct, (batch, hidden))
+            hs = T.alloc_buffer((2, batch, padded))
+            cs = T.alloc_buffer((batch, padded))
+            for n, j in T.grid(batch, padded):
+                hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
+                cs[n, j] = T.if_then_else(j < hidden, c0[n, T.min(j, hidden - 1)], T.float32(0))
+            for s in range(seq):
+                for jb in blocks_loop(blocks):
+                    for bo in range((batch + rows - 1) // rows):
+                        acc = T.decl_buffer((rows, gates, lanes), "float32", scope="local")
+                        for r, g, v in T.grid(rows, gates, lanes):
+                            acc[r, g, v] = b[g, jb * lanes + v]
+                        for k in range(hidden):
+                            for r in T.unroll(rows):
+                                for g in T.unroll(gates):
+                                    for v in T.vectorized(lanes):
+                                        acc[r, g, v] = (
+                                            acc[r, g, v]
+                                            + hs[s % 2, T.min(bo * rows + r, batch - 1), k]
+                                            * w[jb, k, g, v]
+                                        )
+                        for r in range(rows):
+                            if bo * rows + r < batch:
+                                for v in T.vectorized(lanes):
+                                    cs[bo * rows + r, jb * lanes + v] = _sigmoid(
+                                        clipped(
+                                            acc[r, 2, v]
+                                            + proj[
+                                                s + rev * (seq - 1 - 2 * s),
+                                                bo * rows + r,
+                                                T.min(2 * hidden + jb * lanes + v, width - 1),
+                                            ]
+                                        )
+                                    ) * cs[bo * rows + r, jb * lanes + v] + _sigmoid(
+                                        clipped(
+                                            acc[r, 0, v]
+                                            + proj[
+                                                s + rev * (seq - 1 - 2 * s),
+                                                bo * rows + r,
+                                                T.min(jb * lanes + v, width - 1),
+                                            ]
+                                        )
+                                    ) * _tanh(
+                                        clipped(
+                                            acc[r, 3, v]
+                                            + proj[
+                                                s + rev * (seq - 1 - 2 * s),
+                                                bo * rows + r,
+                                                T.min(3 * hidden + jb * lanes + v, width - 1),
+                                            ]
+                                        )
+                                    )
+                                    hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = _sigmoid(
+                                        clipped(
+                                            acc[r, 1, v]
+                                            + proj[
+                                                s + rev * (seq - 1 - 2 * s),
+                                                bo * rows + r,
+                                                T.min(hidden + jb * lanes + v, width - 1),
+                                            ]
+                                        )
+                                    ) * _tanh(cs[bo * rows + r, jb * lanes + v])
+                                for v in range(lanes):
+                                    if jb * lanes + v < hidden:
+                                        y[
+                                            s + rev * (seq - 1 - 2 * s),
+                                            bo * rows + r,
+                                            jb * lanes + v,
+                                        ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+            for n, j in T.grid(batch, hidden):
+                ht[n, j] = hs[seq % 2, n, j]
+                ct[n, j] = cs[n, j]
+
+        return lstm_loop
+
+    if kind == "GRU":
+
+        @T.prim_func(private=True, s_tir=True)
+        def gru_loop(
+            p_proj: T.handle,
+            p_w: T.handle,
+            p_b: T.handle,
+            p_h0: T.handle,
+            p_y: T.handle,
+            p_ht: T.handle,
+        ):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+            seq = T.int64()
+            batch = T.int64()
+            proj = T.match_buffer(p_proj, (seq, batch, width))
+            w = T.match_buffer(p_w, (blocks, hidden, gates, lanes))
+            b = T.match_buffer(p_b, (gates, padded))
+            h0 = T.match_buffer(p_h0, (batch, hidden))
+            y = T.match_buffer(p_y, (seq, batch, hidden))
+            ht = T.match_buffer(p_ht, (batch, hidden))
+            hs = T.alloc_buffer((2, batch, padded))
+            gz = T.alloc_buffer((batch, padded))
+            for n, j in T.grid(batch, padded):
+                hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
+            for s in range(seq):
+                for jb in blocks_loop(blocks):
+                    for bo in range((batch + rows - 1) // rows):
+                        acc = T.decl_buffer((rows, gates, lanes), "float32", scope="local")
+                        for r, g, v in T.grid(rows, gates, lanes):
+                            acc[r, g, v] = b[g, jb * lanes + v]
+                        for k in range(hidden):
+                            for r in T.unroll(rows):
+                                for g in T.unroll(gates):
+                                    for v in T.vectorized(lanes):
+                                        acc[r, g, v] = (
+                                            acc[r, g, v]
+                                            + hs[s % 2, T.min(bo * rows + r, batch - 1), k]
+                                            * w[jb, k, g, v]
+                                        )
+                        for r in range(rows):
+                            if bo * rows + r < batch:
+                                for v in T.vectorized(lanes):
+                                    # ONNX order z, r, h; z kept in gz for the update below
+                                    gz[bo * rows + r, jb * lanes + v] = _sigmoid(
+                                        clipped(
+                                            acc[r, 0, v]
+                                            + proj[
+                                                s + rev * (seq - 1 - 2 * s),
+                                                bo * rows + r,
+                                                T.min(jb * lanes + v, width - 1),
+                                            ]
+                                        )
+                                    )
+                                    hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = (
+                                        T.float32(1) - gz[bo * rows + r, jb * lanes + v]
+                                    ) * _tanh(
+                                        clipped(
+                                            proj[
+                                                s + rev * (seq - 1 - 2 * s),
+                                                bo * rows + r,
+                                                T.min(2 * hidden + jb * lanes + v, width - 1),
+                                            ]
+                                            + _sigmoid(
+                                                clipped(
+                                                    acc[r, 1, v]
+                                                    + proj[
+                                                        s + rev * (seq - 1 - 2 * s),
+                                                        bo * rows + r,
+                                                        T.min(hidden + jb * lanes + v, width - 1),
+                                                    ]
+                                                )
+                                            )
+                                            * acc[r, 2, v]
+                                        )
+                                    ) + gz[bo * rows + r, jb * lanes + v] * hs[
+                                        s % 2, bo * rows + r, jb * lanes + v
+                                    ]
+                                for v in range(lanes):
+                                    if jb * lanes + v < hidden:
+                                        y[
+                                            s + rev * (seq - 1 - 2 * s),
+                                            bo * rows + r,
+                                            jb * lanes + v,
+                                        ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+            for n, j in T.grid(batch, hidden):
+                ht[n, j] = hs[seq % 2, n, j]
+
+        return gru_loop
+
+    @T.prim_func(private=True, s_tir=True)
+    def rnn_loop(
+        p_proj: T.handle,
+        p_w: T.handle,
+        p_b: T.handle,
+        p_h0: T.handle,
+        p_y: T.handle,
+        p_ht: T.handle,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        seq = T.int64()
+        batch = T.int64()
+        proj = T.match_buffer(p_proj, (seq, batch, width))
+        w = T.match_buffer(p_w, (blocks, hidden, gates, lanes))
+        b = T.match_buffer(p_b, (gates, padded))
+        h0 = T.match_buffer(p_h0, (batch, hidden))
+        y = T.match_buffer(p_y, (seq, batch, hidden))
+        ht = T.match_buffer(p_ht, (batch, hidden))
+        hs = T.alloc_buffer((2, batch, padded))
+        for n, j in T.grid(batch, padded):
+            hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
+        for s in range(seq):
+            for jb in blocks_loop(blocks):
+                for bo in range((batch + rows - 1) // rows):
+                    acc = T.decl_buffer((rows, gates, lanes), "float32", scope="local")
+                    for r, g, v in T.grid(rows, gates, lanes):
+                        acc[r, g, v] = b[g, jb * lanes + v]
+                    for k in range(hidden):
+                        for r in T.unroll(rows):
+                            for g in T.unroll(gates):
+                                for v in T.vectorized(lanes):
+                                    acc[r, g, v] = (
+                                        acc[r, g, v]
+                                        + hs[s % 2, T.min(bo * rows + r, batch - 1), k]
+                                        * w[jb, k, g, v]
+                                    )
+                    for r in range(rows):
+                        if bo * rows + r < batch:
+                            for v in T.vectorized(lanes):
+                                hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = _tanh(
+                                    clipped(
+                                        acc[r, 0, v]
+                                        + proj[
+                                            s + rev * (seq - 1 - 2 * s),
+                                            bo * rows + r,
+                                            T.min(jb * lanes + v, width - 1),
+                                        ]
+                                    )
+                                )
+                            for v in range(lanes):
+                                if jb * lanes + v < hidden:
+                                    y[
+                                        s + rev * (seq - 1 - 2 * s), bo * rows + r, jb * lanes + v
+                                    ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+        for n, j in T.grid(batch, hidden):
+            ht[n, j] = hs[seq % 2, n, j]
+
+    return rnn_loop
