@@ -375,7 +375,8 @@ def _add_common(p: argparse.ArgumentParser, with_passes: bool = True) -> None:
         "--target",
         default=None,
         type=_target_arg,
-        help="llvm (host CPU, default) | cuda | cuda:sm_XX | cuda:TAG | JSON target dict (kind llvm or cuda)",
+        help="llvm (host CPU, default) | cuda | cuda:sm_XX | cuda:TAG | "
+        "JSON target dict (kind llvm or cuda)",
     )
     if with_passes:
         p.add_argument(
