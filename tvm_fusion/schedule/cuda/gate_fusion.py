@@ -20,10 +20,18 @@ SMs) where the problem has that many tiles of at least one warp; a smaller probl
 smallest tile (fewer blocks than SMs: there is not more work to split without split-K).
 Rows, units and ``K`` that the tiles do not divide are guarded (TIR predicates), not refused.
 
-**Few rows** (static rows < ``MIN_TILED_ROWS``, batch-1 decode): units are tiled by ``V`` and
-rows by ``TM``; a thread owns one (row, unit) and keeps its ``gates`` accumulators in registers,
-running the whole reduction over ``K`` with scalar loads. A batch-1 cell runs ``D / V`` warps:
-split-K over more blocks (issue #26, item 2) is not done yet.
+**Split-K GEMV** (static rows < ``MIN_TILED_ROWS``: batch-1 decode, LSTM/GRU cells): the
+weight block is ``V = TU = 4`` (:func:`gate_block`), so one thread's weights of one ``k`` (all
+gates of 4 units) are contiguous and 32 lanes at consecutive ``k`` read one contiguous run. A
+thread block per 4 units (``D / 4`` blocks: 256 for ``D = 1024``) and per ``RT`` rows; its
+``KS`` threads split ``K`` (rfactor), each accumulating ``RT x gates x 4`` partial sums with
+``float4`` weight loads; a cross-thread reduction (warp shuffles, then shared memory across
+warps) per sum; then the gate math on the block's units, in the same kernel (both GRU GEMMs
+too). ``K`` that ``KS`` does not divide is padded with zeros, read in place.
+
+**Few rows** (what the two schedules above do not take: a kernel not of their form): units
+tiled by ``V`` and rows by ``TM``; a thread owns one (row, unit) and keeps its ``gates``
+accumulators in registers, running the whole reduction over ``K`` with scalar loads.
 """
 
 from __future__ import annotations
@@ -78,10 +86,14 @@ class Tile:
 
 
 def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int:
-    """Units per weight block: 32 (the widest the tiles read as one run) when it divides
-    ``width``, else the largest of 16, 8, 4 that does; a ``width`` none divides is padded by
-    FuseSplitGates to blocks of 32 (of 4 when narrower than 32) with zero columns."""
-    del target, gates, rows
+    """Units per weight block. Few static rows (the split-K GEMV): 4, so that one thread's
+    ``gates x 4`` weights of one ``k`` are one contiguous run and a warp's 32 consecutive ``k``
+    one contiguous slab. Otherwise 32 (the widest the tiles read as one run) when it divides
+    ``width``, else the largest of 16, 8, 4 that does. A ``width`` that the block does not
+    divide is padded by FuseSplitGates with zero columns."""
+    del target, gates
+    if rows is not None and rows < MIN_TILED_ROWS:
+        return TU
     for v in (32, 16, 8, 4):
         if width % v == 0:
             return v
@@ -186,6 +198,10 @@ class GateFusion(ScheduleRule):
                     b for b in remaining if any(w.source in params for w in sch.get(b).writes)
                 ]
                 inner = [b for b in remaining if b not in finals]
+        if (not row_loops or is_static(rows)) and block % TU == 0:
+            gemv = _gemv_or_none(func, params)
+            if gemv is not None:
+                return gemv
         return _few_rows(sch, block, reductions, finals, inner)
 
     def _tiled(self, func, block, reductions, finals, inner, sch, rows):
@@ -326,6 +342,105 @@ def _cooperative_copy(sch: s_tir.Schedule, copy, depth: int, threads: int, buf) 
     else:
         _, tx = sch.split(fused, [None, threads])
     sch.bind(tx, "threadIdx.x")
+
+
+def _gemv_or_none(func, params):
+    """The split-K GEMV schedule of ``func`` from scratch, None when it does not apply."""
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    reductions = [i.block_rv for i in infos if is_reduction(sch, i.block_rv)]
+    others = [i for i in infos if not is_reduction(sch, i.block_rv)]
+    remaining = [i.block_rv for i in try_inline_safe(sch, others)]
+    finals = [b for b in remaining if any(w.source in params for w in sch.get(b).writes)]
+    inner = [b for b in remaining if b not in finals]
+    try:
+        return _schedule_gemv(sch, reductions, finals, inner)
+    except Exception as err:  # noqa: BLE001 - not the expected form: the few-rows schedule
+        logger.debug("gate fusion (cuda): split-K GEMV failed: %s", str(err)[:300])
+        return None
+
+
+def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner):
+    """Few static rows: a thread block per ``TU`` units (and per ``RT`` rows); its ``KS``
+    threads split ``K`` (thread ``t`` takes ``k = t, t + KS, ...``: a warp reads one contiguous
+    run of the blocked weight, each thread ``gates`` float4 per step), each keeping ``RT x gates
+    x TU`` partial sums in registers (rfactor); then one cross-thread reduction per sum (warp
+    shuffles, then shared memory across warps) and the gate math on the block's units."""
+    *row_loops, unit_loop = sch.get_loops(finals[0])
+    gemm_gates = []
+    k_max = 0
+    for red in reductions:
+        stmt = sch.get(red)
+        shape = stmt.writes[0].source.shape
+        gemm_gates.append(int(shape[-3]))
+        k_max = max(
+            k_max, *(int(iv.dom.extent) for iv in stmt.iter_vars if iv.iter_type == iv.CommReduce)
+        )
+    ks = 64 if k_max >= 64 * 8 else 32
+    # split K over the threads first: rfactor wants the reduction first in its loop nest; a K
+    # that the threads do not divide is padded with zeros (no predicate in the partial sums)
+    factored, pads = [], []
+    for red in reductions:
+        stmt = sch.get(red)
+        k_ext = [int(iv.dom.extent) for iv in stmt.iter_vars if iv.iter_type == iv.CommReduce]
+        if k_ext[0] % ks:
+            before = {sch.get(b).name_hint for b in sch.get_consumers(red)}
+            factors = [ks if iv.iter_type == iv.CommReduce else 1 for iv in stmt.iter_vars]
+            sch.pad_einsum(red, factors)
+            pads += list(sch.get_producers(red))
+            for cut in sch.get_consumers(red):
+                if sch.get(cut).name_hint not in before:
+                    sch.compute_inline(cut)
+        *_, k_loop = sch.get_loops(red)
+        _, kt = sch.split(k_loop, [None, ks])
+        factored.append((red, sch.rfactor(kt, 0)))
+    bx, tu = sch.split(unit_loop, [None, TU])
+    sch.bind(bx, "blockIdx.x")
+    if row_loops:  # a single row may have no loop left
+        rows = sch.fuse(*row_loops) if len(row_loops) > 1 else row_loops[0]
+        rt = max(1, min(extent(sch, rows), ACC_BUDGET // (sum(gemm_gates) * TU)))
+        by, ri = sch.split(rows, [None, rt])
+        sch.reorder(bx, by, ri, tu)
+        sch.bind(by, "blockIdx.y")
+    else:
+        by = bx
+    loops = [sch.get(loop) for loop in sch.get_loops(finals[0])]
+    depth = next(i for i, loop in enumerate(loops) if loop.same_as(sch.get(by))) + 1
+    for other in reversed(inner):
+        sch.compute_at(other, by, preserve_unit_loops=True)
+        sch.set_scope(other, 0, "local")
+    for red, rf in factored:
+        sch.compute_at(red, by, preserve_unit_loops=True)
+        sch.set_scope(red, 0, "local")
+        sch.compute_at(rf, by, preserve_unit_loops=True)
+        kt_rf, *acc, ko_rf = sch.get_loops(rf)[depth:]
+        sch.reorder(kt_rf, ko_rf, *acc)
+        sch.bind(kt_rf, "threadIdx.x")
+        sch.set_scope(rf, 0, "local")
+        for loop in acc:
+            sch.unroll(loop)
+        # the weights of one k: gates x TU contiguous floats, read as float4
+        weight = max(
+            range(len(sch.get(rf).reads)), key=lambda i: len(sch.get(rf).reads[i].source.shape)
+        )
+        cache = sch.cache_read(rf, weight, "local")
+        sch.compute_at(cache, ko_rf, preserve_unit_loops=True)
+        *_, vec = sch.get_loops(cache)
+        if extent(sch, vec) == TU:
+            sch.vectorize(vec)
+        sch.decompose_reduction(rf, ko_rf)
+        # the write-back: one cross-thread reduction per partial sum
+        wb_loops = sch.get_loops(red)[depth:]
+        ivs = sch.get(red).iter_vars
+        (kt_wb,) = [
+            loop for loop, iv in zip(wb_loops, ivs, strict=True) if iv.iter_type == iv.CommReduce
+        ]
+        spatial = [loop for loop in wb_loops if not sch.get(loop).same_as(sch.get(kt_wb))]
+        sch.reorder(*spatial, kt_wb)
+        sch.bind(kt_wb, "threadIdx.x")
+    for pad in pads:  # read in place, zeros past K
+        sch.compute_inline(pad)
+    return sch
 
 
 def _few_rows(sch: s_tir.Schedule, block: int, reductions, finals, inner):
