@@ -85,19 +85,22 @@ class Tile:
         return self.tx * self.ty
 
 
-def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int:
+def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int | None:
     """Units per weight block. Few static rows (the split-K GEMV): 4, so that one thread's
     ``gates x 4`` weights of one ``k`` are one contiguous run and a warp's 32 consecutive ``k``
     one contiguous slab. Otherwise 32 (the widest the tiles read as one run) when it divides
     ``width``, else the largest of 16, 8, 4 that does. A ``width`` that the block does not
-    divide is padded by FuseSplitGates with zero columns."""
+    divide is padded by FuseSplitGates with zero columns; one narrower than 4 gets None (not
+    fused)."""
     del target, gates
+    if width < TU:
+        return None  # narrower than one float4: nothing to block
     if rows is not None and rows < MIN_TILED_ROWS:
         return TU
     for v in (32, 16, 8, 4):
         if width % v == 0:
             return v
-    return 32 if width >= 32 else 4
+    return 32 if width >= 32 else TU
 
 
 def choose_tile(rows, units: int, block: int, gemm_gates: list[int], k_max: int) -> Tile:
