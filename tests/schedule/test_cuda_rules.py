@@ -180,6 +180,7 @@ def test_odd_extents_build_for_sm90():
 BENCH = {  # workload: (tiled, gate kernels)
     "gate_2890": True,
     "swiglu": True,
+    "geglu": True,  # gelu's erf in the epilogue: registers
     "lstm_cell": False,
     "gru_cell": False,
 }
@@ -211,3 +212,15 @@ def test_gate_kernels_at_benchmark_size(name):
     else:  # batch 1: split-K GEMV, float4 weight loads, a cross-thread reduction
         assert gate.vector_loads > 0, gate.to_text()
         assert gate.shared_loads > 0 and gate.barriers > 0, gate.to_text()
+
+
+@needs_nvcc
+def test_explain_ptxas_prints_each_kernel(capsys):
+    from tvm_fusion.cli import main
+
+    assert main(["explain", "lstm_cell", "--target", "cuda", "--ptxas"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("fused_gates"))
+    assert re.search(r"\d+ blocks x \d+ threads, \d+ registers, 0 B spilled", line), line
+    assert main(["explain", "lstm_cell", "--ptxas"]) == 2  # llvm: refused in one line
+    assert "needs a CUDA --target" in capsys.readouterr().err
