@@ -122,8 +122,9 @@ def compacted_allocations(func: tirx.PrimFunc) -> list[tirx.Buffer]:
 
     Runs the TIR lowering steps that decide allocation sizes (LowerCrossThreadReduction,
     LowerInitBlock, PlanAndUpdateBufferAllocationLocation, ConvertBlocksToOpaque,
-    LiftThreadBinding, CompactBufferAllocation), so a buffer computed at a tile loop shows its tile size, not its
-    declared size (a GPU thread's partial sums before a cross-thread reduction: its own).
+    LiftThreadBinding, CompactBufferAllocation), so a buffer computed at a tile loop shows its
+    tile size, not its declared size (a GPU thread's partial sums before a cross-thread
+    reduction: its own).
     """
     import tvm
     from tvm.s_tir import transform as st

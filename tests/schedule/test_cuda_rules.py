@@ -220,7 +220,7 @@ def test_explain_ptxas_prints_each_kernel(capsys):
 
     assert main(["explain", "lstm_cell", "--target", "cuda", "--ptxas"]) == 0
     out = capsys.readouterr().out
-    line = next(x for x in out.splitlines() if x.strip().startswith("fused_gates"))
+    line = next(x for x in out.splitlines() if x.strip().startswith("fused_gates_41_kernel"))
     assert re.search(r"\d+ blocks x \d+ threads, \d+ registers, 0 B spilled", line), line
     assert main(["explain", "lstm_cell", "--ptxas"]) == 2  # llvm: refused in one line
     assert "needs a CUDA --target" in capsys.readouterr().err
