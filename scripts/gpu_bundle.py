@@ -174,7 +174,17 @@ def _compile_case(
     lowered, lifted = compiled.lowered, []
     if lift_min:
         lowered, lifted = _lift_constants(compiled.lowered, lift_min, function)
-    with target:  # nvcc's callback reads the arch from the current target
+    # our gate kernels' shared-memory copies as cp.async, as engine.compile_module builds them
+    config = (
+        {"tirx.use_async_copy": True} if pipeline != "stock" and engine.async_copy(target) else {}
+    )
+    # nvcc's callback reads the arch from the current target
+    with (
+        target,
+        tvm.transform.PassContext(
+            opt_level=tvm.transform.PassContext.current().opt_level, config=config
+        ),
+    ):
         executable = tvm.compile(lowered, target, relax_pipeline=None)
     executable.export_library(str(path))
     params = compiled.lowered[function].params
