@@ -12,13 +12,17 @@ a thread's registers and the results are written once.
 of ``gates x BN`` floats per ``k``); each thread owns a ``TM x gates x TU`` register tile (``TU
 = 4`` consecutive units of every gate of its GEMM). The reduction runs in steps of ``BK``: per
 step the block stages ``x[BM, BK]`` and ``Wb[BK, gates, BN]`` in shared memory, the threads
-copying them cooperatively with 128-bit loads (``float4``; ``x`` with scalar loads when its row
-length ``K`` is not a multiple of 4, where a ``float4`` would be misaligned), then every thread
-runs ``BK`` steps of ``TM x gates x TU`` FMAs from shared memory (the weights as ``float4``
-shared loads). The tile sizes are chosen to give at least ``SMS`` thread blocks (132, an H100's
-SMs) where the problem has that many tiles of at least one warp; a smaller problem gets the
-smallest tile (fewer blocks than SMs: there is not more work to split without split-K).
-Rows, units and ``K`` that the tiles do not divide are guarded (TIR predicates), not refused.
+copying them cooperatively with 16-byte copies (``cp.async`` on sm_80+ where the build sets
+``tirx.use_async_copy``, as ``engine.compile_module`` does; else ``float4`` loads; ``x`` with
+scalar copies when its row length ``K`` is not a multiple of 4, where 16 bytes would be
+misaligned) in a 2-stage software pipeline (the next step's copy overlaps this step's math),
+then every thread runs ``BK`` steps of ``TM x gates x TU`` FMAs from shared memory (the weights
+as ``float4`` shared loads). The tile sizes are chosen to give at least ``SMS`` thread blocks
+(132, an H100's SMs) where the problem has that many tiles of at least one warp; a smaller
+problem gets the tile with the most blocks (no in-block split-K yet). Rows and ``K`` that the
+tiles do not divide are padded (``pad_einsum``; the padding read in place, zeros past the end),
+units are guarded; no extent is refused. At most ``ACC_BUDGET`` accumulators per thread and
+``SMEM_BUDGET`` bytes of static shared memory per block (both stages).
 
 **Split-K GEMV** (static rows < ``MIN_TILED_ROWS``: batch-1 decode, LSTM/GRU cells): the
 weight block is ``V = TU = 4`` (:func:`gate_block`), so one thread's weights of one ``k`` (all
@@ -57,7 +61,7 @@ TU = 4  # units per thread (one float4 of the blocked weight per gate)
 ACC_BUDGET = 48  # accumulators per thread (all GEMMs of the kernel live at once)
 SMEM_BUDGET = 48 * 1024  # static shared memory per block
 VEC = 4  # floats per 128-bit load
-PIPELINE = True
+PIPELINE = True  # 2-stage software pipeline over the reduction steps
 STAGES = 2 if PIPELINE else 1
 KI_UNROLL = 16  # reduction steps unrolled per shared-memory slab
 
