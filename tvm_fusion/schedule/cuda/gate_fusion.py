@@ -33,6 +33,9 @@ thread block per 4 units (``D / 4`` blocks: 256 for ``D = 1024``) and per ``RT``
 warps) per sum; then the gate math on the block's units, in the same kernel (both GRU GEMMs
 too). ``K`` that ``KS`` does not divide is padded with zeros, read in place.
 
+Rows on several axes (a ``(batch, seq, K)`` input) are not tiled yet: static ones take the
+split-K GEMV (correct, not the best schedule from 16 rows up), symbolic ones the few-rows one.
+
 **Few rows** (what the two schedules above do not take: a kernel not of their form): units
 tiled by ``V`` and rows by ``TM``; a thread owns one (row, unit) and keeps its ``gates``
 accumulators in registers, running the whole reduction over ``K`` with scalar loads.
