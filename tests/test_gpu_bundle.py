@@ -39,7 +39,8 @@ def test_bundle_compiles_device_code_and_lifts_weights(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     manifest = json.loads((out / "manifest.json").read_text())
     cases = {c["case"]: c for c in manifest["cases"]}
-    assert set(cases) == {"gate_2890.small", "gate_2890.seed"}
+    assert set(cases) == {"gate_2890.small", "gate_2890.small_dyn", "gate_2890.seed"}
+    assert cases["gate_2890.small_dyn"]["check"]  # the tiled schedule, checked on the GPU
     small, seed = cases["gate_2890.small"], cases["gate_2890.seed"]
     assert small["check"] and (out / small["data"]).exists()
     assert seed["pipelines"]["tvm_fusion"]["kernels"] == 1

@@ -245,8 +245,12 @@ def cmd_explain(args) -> int:
         _check_output_file(args.dot, "--dot")
     mod, name = _load_module(args.model, _parse_shapes(args.shape))
     options = {k: v for k, v in _pipeline_options(args).items() if k not in ("dump_dir",)}
+    if args.ptxas and args.json:
+        raise UsageError("--ptxas prints text: leave out --json")
     report = fusion_report(mod, args.target, name=name, **options)
     print(report.to_json() if args.json else report.to_text())
+    if args.ptxas:
+        _print_ptxas(mod, args.target, options)
     if args.dot:
         from .analysis import grouped
 
@@ -254,6 +258,22 @@ def cmd_explain(args) -> int:
         Path(args.dot).write_text(to_dot(grouped(mod, args.target, ours=True, **flags), name))
         print(f"wrote {args.dot}")
     return 0
+
+
+def _print_ptxas(mod, target, options) -> None:
+    """``explain --ptxas``: our pipeline's CUDA kernels as nvcc builds them (no GPU needed)."""
+    from . import cuda_check, engine
+    from .target import is_gpu, parse_target
+
+    tgt = parse_target(target)
+    if not is_gpu(tgt):
+        raise UsageError("--ptxas needs a CUDA --target (cuda, cuda:sm_XX, cuda:TAG)")
+    if not cuda_check.have_nvcc():
+        raise UsageError("--ptxas needs nvcc on PATH (the CUDA toolkit)")
+    compiled = engine.compile_module(mod, tgt, "tvm_fusion", **options)
+    print("CUDA kernels (nvcc -Xptxas -v, PTX):")
+    for kernel in cuda_check.check(compiled, str(tgt.attrs.get("arch", "sm_90"))):
+        print(f"  {kernel.to_text()}")
 
 
 def cmd_tune(args) -> int:
@@ -375,7 +395,8 @@ def _add_common(p: argparse.ArgumentParser, with_passes: bool = True) -> None:
         "--target",
         default=None,
         type=_target_arg,
-        help="llvm (host CPU, default) | cuda | cuda:sm_XX | JSON target dict (kind llvm or cuda)",
+        help="llvm (host CPU, default) | cuda | cuda:sm_XX | cuda:TAG | "
+        "JSON target dict (kind llvm or cuda)",
     )
     if with_passes:
         p.add_argument(
@@ -436,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dot", default=None, metavar="FILE", help="write the fused graph as DOT")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--ptxas",
+        action="store_true",
+        help="CUDA: build with nvcc and print per kernel its launch shape, registers, spills, "
+        "shared memory, 128-bit loads, cp.async and bar.sync (no GPU needed)",
+    )
     _add_common(p)
     p.set_defaults(func=cmd_explain)
 

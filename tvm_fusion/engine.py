@@ -60,7 +60,7 @@ def compile_module(
     start = time.perf_counter()
     where = _LastPass()
     try:
-        with tgt, _instrumented(where):
+        with tgt, _instrumented(where, async_copy=pipeline == "tvm_fusion" and async_copy(tgt)):
             lowered = passes(mod)
             where.last = "tvm.compile (code generation)"
             # inside the target scope: TVM's nvcc/NVRTC callback reads the arch from it
@@ -86,16 +86,28 @@ class _LastPass:
             self.last = info.name
 
 
-def _instrumented(recorder):
-    """The current PassContext (its opt level, disabled passes, config) plus ``recorder``."""
+def _instrumented(recorder, async_copy: bool = False):
+    """The current PassContext (its opt level, disabled passes, config) plus ``recorder``;
+    with ``async_copy``, global-to-shared copies in software pipelines become ``cp.async``
+    (``tirx.use_async_copy``, unless the context sets it)."""
     ctx = tvm.transform.PassContext.current()
+    config = dict(ctx.config)
+    if async_copy:
+        config.setdefault("tirx.use_async_copy", True)
     return tvm.transform.PassContext(
         opt_level=ctx.opt_level,
         required_pass=list(ctx.required_pass),
         disabled_pass=list(ctx.disabled_pass),
         instruments=[*ctx.instruments, recorder],
-        config=dict(ctx.config),
+        config=config,
     )
+
+
+def async_copy(target) -> bool:
+    """``cp.async`` exists from sm_80 (Ampere) on."""
+    arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
+    digits = "".join(c for c in arch[3:] if c.isdigit())
+    return arch.startswith("sm_") and bool(digits) and int(digits) >= 80
 
 
 def as_list(out) -> list[np.ndarray]:

@@ -6,6 +6,14 @@ whatever the machine has, so ``host_target()`` names the host's CPU (``mcpu``) a
 one line: other target kinds than ``llvm`` and ``cuda`` (ROCm, Vulkan, ...: no schedule rules of
 ours, and their toolchains fail deep inside the build) and CUDA architectures that the CUDA
 backend cannot read (``sm_1``).
+
+A CUDA target is complete: ``cuda`` / ``cuda:sm_XX`` carry the attributes of TVM's
+``nvidia/nvidia-h100`` tag (``max_threads_per_block``, ``max_shared_memory_per_block``,
+``thread_warp_size``, ``registers_per_block``, ``l2_cache_size_bytes``: MetaSchedule and dlight
+read them; a bare ``{"kind": "cuda"}`` lacks ``max_threads_per_block`` and tuning fails on it)
+with the requested ``arch``; ``cuda:TAG`` (``cuda:nvidia/nvidia-a100``, ``cuda:nvidia-a100``)
+takes a TVM target tag's attributes as they are; a JSON dict of kind ``cuda`` gets the
+attributes it does not set from the H100 tag.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from tvm.target import Target
 from .errors import UsageError
 
 DEFAULT_CUDA_ARCH = "sm_90"
+# the tag whose attributes complete a CUDA target (thread and shared-memory limits, warp size)
+DEFAULT_CUDA_TAG = "nvidia/nvidia-h100"
 # kinds of target this package compiles for; a dict naming another kind is refused
 KINDS = ("llvm", "cuda")
 # sm_XX: TVM's CUDA backend reads a major and a minor digit at least (sm_90, sm_90a, sm_100)
@@ -44,14 +54,47 @@ def host_target(num_cores: int | None = None) -> Target:
 
 
 def cuda_target(arch: str = DEFAULT_CUDA_ARCH) -> Target:
-    """A CUDA target for ``arch`` (e.g. ``sm_90``) with the host CPU as its host."""
+    """A CUDA target for ``arch`` (e.g. ``sm_90``) with the host CPU as its host, and the
+    limits of :data:`DEFAULT_CUDA_TAG` (the same on every NVIDIA GPU since Volta but for the L2
+    size: 1024 threads and 48 KB static shared memory per block, 64K registers, warps of 32)."""
     if not _CUDA_ARCH.fullmatch(arch):
         raise UsageError(f"unknown CUDA architecture {arch!r}: expected sm_XX, e.g. sm_90")
-    return Target({"kind": "cuda", "arch": arch}, host=host_target())
+    return Target({**_tag_attrs(DEFAULT_CUDA_TAG), "arch": arch}, host=host_target())
+
+
+def cuda_tag_target(tag: str) -> Target:
+    """The CUDA target of TVM's tag ``tag`` (``nvidia/nvidia-a100``; the ``nvidia/`` prefix may
+    be left out) with the host CPU as its host."""
+    from tvm.target.tag import list_tags
+
+    tags = list_tags()
+    name = tag if tag in tags else f"nvidia/{tag}"
+    if name not in tags:
+        raise UsageError(
+            f"unknown CUDA target {tag!r}: expected sm_XX or a TVM target tag such as "
+            f"{DEFAULT_CUDA_TAG}"
+        )
+    attrs = _tag_attrs(name)
+    if attrs.get("kind") != "cuda":
+        raise UsageError(f"target tag {name!r} is not a CUDA target")
+    return Target(attrs, host=host_target())
+
+
+def _tag_attrs(tag: str) -> dict:
+    """A target tag's attributes as a target dict (``kind`` included, ``tag`` left out)."""
+    target = Target(tag)
+    attrs = {key: _plain(value) for key, value in target.attrs.items()}
+    return {"kind": target.kind.name, **attrs}
+
+
+def _plain(value):
+    if isinstance(value, tvm.tirx.IntImm | int):
+        return int(value)
+    return str(value)
 
 
 def parse_target(spec: str | dict | Target | None) -> Target:
-    """``llvm`` | ``cpu`` | ``cuda`` | ``cuda:sm_XX`` | a JSON target dict | a Target.
+    """``llvm`` | ``cpu`` | ``cuda`` | ``cuda:sm_XX`` | ``cuda:TAG`` | a JSON dict | a Target.
 
     ``None`` and ``llvm`` mean the host CPU (see :func:`host_target`).
     """
@@ -67,13 +110,16 @@ def parse_target(spec: str | dict | Target | None) -> Target:
     if text == "cuda":
         return cuda_target()
     if text.startswith("cuda:"):
-        return cuda_target(text.split(":", 1)[1])
+        rest = text.split(":", 1)[1]
+        return cuda_target(rest) if rest.startswith("sm_") else cuda_tag_target(rest)
     if text.startswith("{"):
         try:
             return _from_dict(json.loads(text))
         except json.JSONDecodeError as err:
             raise UsageError(f"target {text!r} is not valid JSON: {err.msg}") from None
-    raise UsageError(f"unknown target {text!r}: use llvm, cuda, cuda:sm_XX or a JSON target dict")
+    raise UsageError(
+        f"unknown target {text!r}: use llvm, cuda, cuda:sm_XX, cuda:TAG or a JSON target dict"
+    )
 
 
 def _from_dict(spec: dict) -> Target:
@@ -83,6 +129,10 @@ def _from_dict(spec: dict) -> Target:
         raise UsageError(
             f"target kind {kind!r} is not supported: tvm-fusion compiles for {' and '.join(KINDS)}"
         )
+    if kind == "cuda":  # complete it: the limits it does not set are the H100 tag's
+        defaults = _tag_attrs(DEFAULT_CUDA_TAG)
+        defaults.pop("arch")
+        spec = {**defaults, **spec}
     try:
         target = Target(spec)
     except Exception as err:  # TVM raises several error types for bad dicts

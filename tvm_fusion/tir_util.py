@@ -120,9 +120,11 @@ def visit(func: tirx.PrimFunc, fn: Callable[[object], None]) -> None:
 def compacted_allocations(func: tirx.PrimFunc) -> list[tirx.Buffer]:
     """Buffers ``func`` allocates once TVM has shrunk each to the region actually used.
 
-    Runs the TIR lowering steps that decide allocation sizes (LowerInitBlock,
-    PlanAndUpdateBufferAllocationLocation, ConvertBlocksToOpaque, CompactBufferAllocation), so a
-    buffer computed at a tile loop shows its tile size, not its declared size.
+    Runs the TIR lowering steps that decide allocation sizes (LowerCrossThreadReduction,
+    LowerInitBlock, PlanAndUpdateBufferAllocationLocation, ConvertBlocksToOpaque,
+    LiftThreadBinding, CompactBufferAllocation), so a buffer computed at a tile loop shows its
+    tile size, not its declared size (a GPU thread's partial sums before a cross-thread
+    reduction: its own).
     """
     import tvm
     from tvm.s_tir import transform as st
@@ -130,9 +132,11 @@ def compacted_allocations(func: tirx.PrimFunc) -> list[tirx.Buffer]:
     mod = tvm.IRModule({"main": func})
     mod = tvm.transform.Sequential(
         [
+            st.LowerCrossThreadReduction(),
             st.LowerInitBlock(),
             st.PlanAndUpdateBufferAllocationLocation(),
             st.ConvertBlocksToOpaque(),
+            st.LiftThreadBinding(),
             st.CompactBufferAllocation(),
         ]
     )(mod)

@@ -620,6 +620,12 @@ def tune(
     if tracker and not rpc_key:
         raise UsageError("--rpc-tracker needs --rpc-key")
     tgt = parse_target(target)
+    if not tracker and not is_cpu(tgt) and not tvm.device(tgt.kind.name, 0).exist:
+        # MetaSchedule's local runner would wait on every build and record nothing
+        raise UsageError(
+            f"no {tgt.kind.name} device on this machine to measure on: tune over RPC "
+            "(--rpc-tracker HOST:PORT --rpc-key KEY) from a machine with one"
+        )
     work_dir = Path(work_dir)
     if work_dir.exists() and not work_dir.is_dir():
         raise UsageError(f"tuning work dir {work_dir} is not a directory")

@@ -713,8 +713,9 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("name", GATE_WORKLOADS)
 def test_cuda_compile_no_global_gemm_intermediate(name, dynamic):
-    """For CUDA the gate kernel compiles (to PTX, with nvcc or NVRTC) and keeps the GEMM
-    outputs in registers: one thread owns one (row, unit) and every gate of it."""
+    """For CUDA the gate kernel compiles and keeps the GEMM outputs on chip: a thread's
+    register tile (rows x gates x 4 units, at most 64 accumulators; the split-K GEMV's partial
+    sums alike) and shared memory (the staged ``x`` and weight slabs); no global buffer."""
     inst = models.build(name, "small", dynamic=dynamic)
     compiled = engine.compile_module(inst.mod, CUDA, "tvm_fusion")
     kernel = next(
@@ -722,12 +723,13 @@ def test_cuda_compile_no_global_gemm_intermediate(name, dynamic):
     )
     assert "threadIdx.x" in kernel.script()
     buffers = tir_util.compacted_allocations(kernel)
-    gates = int(kernel.attrs["tvm_fusion.gate_fusion"]["gates"])
     assert buffers
     for buf in buffers:
-        assert buf.scope() == "local", buf.name
+        assert buf.scope() in ("local", "shared"), buf.name
         n = tir_util.num_elements(buf)
-        assert n is not None and n <= gates * (2 if name == "gru_cell" else 1), (buf.name, n)
+        assert n is not None, buf.name
+        if buf.scope() == "local":
+            assert n <= 64, (buf.name, n)
 
 
 def _lstm_tail(bb, gates, c):

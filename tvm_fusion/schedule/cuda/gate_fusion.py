@@ -1,22 +1,50 @@
 """CUDA rule for FuseSplitGates' kernels, and the vector block ``V`` of their weights.
 
-The kernel (see :mod:`tvm_fusion.schedule.cpu.gate_fusion` for its shape) is scheduled from its
-last block, which writes every result ``(rows, D)``: units are tiled by ``V`` (the weight
-block, 32 = one warp when it divides ``D``) and rows by ``TM``. A thread block computes a
-``TM x V`` tile of units for every gate; a thread owns one (row, unit) and keeps its ``gates``
-accumulators in registers, running the reduction over ``K`` and then the gate math on them.
-The GEMM outputs are ``local``: no buffer of ``rows x gates x D`` exists, in global memory or
-anywhere else.
+The kernel (see :mod:`tvm_fusion.schedule.cpu.gate_fusion` for its shape) has one reduction
+block per gate GEMM, ``Y_j[rows, gate, d // V, d % V] += x_j[rows, k] * Wb_j[d // V, k, gate,
+d % V]``, then the gate math, whose last block writes every result ``(rows, D)``. Both
+schedules below are driven by that last block, and in both the GEMM outputs are ``local``: no
+buffer of ``rows x gates x D`` exists, in global memory or anywhere else; the gate math runs on
+a thread's registers and the results are written once.
 
-Memory traffic: for one ``k``, the 32 lanes of a warp read 32 consecutive floats of the blocked
-weight ``Wb[d // V, k, gate, d % V]`` (coalesced) and one broadcast element of ``x``. Rows of a
-thread block re-read the same weight panel from L1/L2. There is no shared-memory staging or
-split-K yet: a batch-1 cell runs ``D / V`` warps, a fraction of an H100 (see issue #4's notes).
+**Tiled** (static rows >= ``MIN_TILED_ROWS``, or symbolic rows): thread blocks over (row block
+``BM`` x unit block ``BN``; ``BN`` divides ``V``, so a block's weight slab is one contiguous run
+of ``gates x BN`` floats per ``k``); each thread owns a ``TM x gates x TU`` register tile (``TU
+= 4`` consecutive units of every gate of its GEMM). The reduction runs in steps of ``BK``: per
+step the block stages ``x[BM, BK]`` and ``Wb[BK, gates, BN]`` in shared memory, the threads
+copying them cooperatively with 16-byte copies (``cp.async`` on sm_80+ where the build sets
+``tirx.use_async_copy``, as ``engine.compile_module`` does; else ``float4`` loads; ``x`` with
+scalar copies when its row length ``K`` is not a multiple of 4, where 16 bytes would be
+misaligned) in a 2-stage software pipeline (the next step's copy overlaps this step's math),
+then every thread runs ``BK`` steps of ``TM x gates x TU`` FMAs from shared memory (the weights
+as ``float4`` shared loads). The tile sizes are chosen to give at least ``SMS`` thread blocks
+(132, an H100's SMs) where the problem has that many tiles of at least one warp; a smaller
+problem gets the tile with the most blocks (no in-block split-K yet). Rows and ``K`` that the
+tiles do not divide are padded (``pad_einsum``; the padding read in place, zeros past the end),
+units are guarded; no extent is refused. At most ``ACC_BUDGET`` accumulators per thread and
+``SMEM_BUDGET`` bytes of static shared memory per block (both stages).
+
+**Split-K GEMV** (static rows < ``MIN_TILED_ROWS``: batch-1 decode, LSTM/GRU cells): the
+weight block is ``V = TU = 4`` (:func:`gate_block`), so one thread's weights of one ``k`` (all
+gates of 4 units) are contiguous and 32 lanes at consecutive ``k`` read one contiguous run. A
+thread block per 4 units (``D / 4`` blocks: 256 for ``D = 1024``) and per ``RT`` rows; its
+``KS`` threads split ``K`` (rfactor), each accumulating ``RT x gates x 4`` partial sums with
+``float4`` weight loads; a cross-thread reduction (warp shuffles, then shared memory across
+warps) per sum; then the gate math on the block's units, in the same kernel (both GRU GEMMs
+too). ``K`` that ``KS`` does not divide is padded with zeros, read in place.
+
+Rows on several axes (a ``(batch, seq, K)`` input) are not tiled yet: static ones take the
+split-K GEMV (correct, not the best schedule from 16 rows up), symbolic ones the few-rows one.
+
+**Few rows** (what the two schedules above do not take: a kernel not of their form): units
+tiled by ``V`` and rows by ``TM``; a thread owns one (row, unit) and keeps its ``gates``
+accumulators in registers, running the whole reduction over ``K`` with scalar loads.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -29,24 +57,108 @@ from .._common import extent, is_reduction, is_static, try_inline_safe
 GATE_ATTR = "tvm_fusion.gate_fusion"
 logger = logging.getLogger(__name__)
 
-THREADS = 256  # per thread block: TM rows x V units
+THREADS = 256  # few-rows path, per thread block: TM rows x V units
+MIN_TILED_ROWS = 16  # static rows from which the tiled schedule runs
+SMS = 132  # thread blocks wanted: an H100 SXM's streaming multiprocessors
+TU = 4  # units per thread (one float4 of the blocked weight per gate)
+ACC_BUDGET = 48  # accumulators per thread (all GEMMs of the kernel live at once)
+SMEM_BUDGET = 48 * 1024  # static shared memory per block
+VEC = 4  # floats per 128-bit load
+PIPELINE = True  # 2-stage software pipeline over the reduction steps
+STAGES = 2 if PIPELINE else 1
+KI_UNROLL = 16  # reduction steps unrolled per shared-memory slab
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One thread block: ``ty x tx`` threads, each ``tm`` rows x ``TU`` units of every gate;
+    reduction steps of ``bk``."""
+
+    tm: int
+    ty: int
+    tx: int
+    bk: int
+
+    @property
+    def bm(self) -> int:
+        return self.tm * self.ty
+
+    @property
+    def bn(self) -> int:
+        return self.tx * TU
+
+    @property
+    def threads(self) -> int:
+        return self.tx * self.ty
 
 
 def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int | None:
-    """Units per thread-block tile column: 32 (a warp's worth) when it divides ``width``."""
-    del target, gates, rows
+    """Units per weight block. Few static rows (the split-K GEMV): 4, so that one thread's
+    ``gates x 4`` weights of one ``k`` are one contiguous run and a warp's 32 consecutive ``k``
+    one contiguous slab. Otherwise 32 (the widest the tiles read as one run) when it divides
+    ``width``, else the largest of 16, 8, 4 that does. A ``width`` that the block does not
+    divide is padded by FuseSplitGates with zero columns; one narrower than 4 gets None (not
+    fused)."""
+    del target, gates
+    if width < TU:
+        return None  # narrower than one float4: nothing to block
+    if rows is not None and rows < MIN_TILED_ROWS:
+        return TU
     for v in (32, 16, 8, 4):
         if width % v == 0:
             return v
-    return None
+    return 32 if width >= 32 else TU
 
 
-def tile_rows(rows, block: int) -> int:
-    """Rows per thread block: ``THREADS / V``, fewer when ``rows`` is smaller (static)."""
-    tm = max(1, THREADS // block)
-    if is_static(rows):
-        tm = min(tm, rows)
-    return tm
+def choose_tile(rows, units: int, block: int, gemm_gates: list[int], k_max: int) -> Tile:
+    """The tile with the largest register tile, then the widest unit block, then the most
+    threads, that still gives ``SMS`` blocks; of tiles that all give fewer, the one with the
+    most blocks.
+
+    ``rows`` may be symbolic (then the largest tile of 8 thread rows); ``units`` is the padded
+    width (a multiple of ``block``); ``gemm_gates`` the gates of each GEMM (their accumulators
+    are all live at the gate math); ``k_max`` the longest reduction. A static ``rows`` takes no
+    tile twice as tall or taller (mostly padding)."""
+    total_gates = sum(gemm_gates)
+    tms = [tm for tm in (8, 4, 2, 1) if total_gates * tm * TU <= ACC_BUDGET] or [1]
+    txs = [tx for tx in (8, 4, 2, 1) if tx * TU <= block]
+    candidates = []
+    for tm in tms:
+        for tx in txs:
+            for ty in (32, 16, 8, 4, 2, 1):
+                if not 32 <= tx * ty <= 256:
+                    continue
+                if is_static(rows) and tm * ty >= 2 * rows and tm * ty > 8:
+                    continue
+                tile = _fit_smem(Tile(tm, ty, tx, 32 if k_max >= 32 else 16), gemm_gates)
+                if tile is not None:
+                    candidates.append(tile)
+    if not candidates:  # nothing fits the budgets: the smallest tile
+        return Tile(1, 32 // txs[-1], txs[-1], 8)
+    if not is_static(rows):
+        return next((t for t in candidates if t.ty == 8), candidates[0])
+    for tile in candidates:
+        if blocks(tile, rows, units) >= SMS:
+            return tile
+    return max(candidates, key=lambda t: (blocks(t, rows, units), t.tm, t.bn))
+
+
+def _fit_smem(tile: Tile, gemm_gates: list[int]) -> Tile | None:
+    """``tile`` with its reduction step halved until its shared memory fits, or None."""
+    while _smem_bytes(tile, gemm_gates) > SMEM_BUDGET:
+        if tile.bk <= 8:
+            return None
+        tile = Tile(tile.tm, tile.ty, tile.tx, tile.bk // 2)
+    return tile
+
+
+def blocks(tile: Tile, rows: int, units: int) -> int:
+    return -(-rows // tile.bm) * -(-units // tile.bn)
+
+
+def _smem_bytes(tile: Tile, gemm_gates: list[int]) -> int:
+    """Shared memory: every GEMM's ``x`` and weight slab for ``STAGES`` reduction steps."""
+    return STAGES * sum(4 * tile.bk * (tile.bm + gates * tile.bn) for gates in gemm_gates)
 
 
 class GateFusion(ScheduleRule):
@@ -76,48 +188,322 @@ class GateFusion(ScheduleRule):
         inner = [b for b in remaining if b not in finals]
         if not finals:
             return None
-
-        *row_loops, unit_loop = sch.get_loops(finals[0])
-        jo, ji = sch.split(unit_loop, [None, block])
+        *row_loops, _ = sch.get_loops(finals[0])
         if row_loops:
-            rows = sch.fuse(*row_loops) if len(row_loops) > 1 else row_loops[0]
-            tm = tile_rows(extent(sch, rows), block)
-            io, ii = sch.split(rows, [None, tm])
-            sch.reorder(jo, io, ii, ji)
-            sch.bind(jo, "blockIdx.x")
-            sch.bind(io, "blockIdx.y")
-            thread = sch.fuse(ii, ji)
-        else:
-            sch.bind(jo, "blockIdx.x")
-            thread = ji
-        sch.bind(thread, "threadIdx.x")
-        tloop = sch.get(thread)
-        for final in finals:
-            if not any(sch.get(loop).same_as(tloop) for loop in sch.get_loops(final)):
-                logger.debug("gate fusion (cuda): results are not written from one loop nest")
-                return None
-        depth = len(sch.get_loops(finals[0]))  # block x, [block y,] thread
+            rows = 1
+            for loop in row_loops:
+                ext = extent(sch, loop)
+                rows = ext if not is_static(rows) or not is_static(ext) else rows * ext
+            if not is_static(rows) or rows >= MIN_TILED_ROWS:
+                tiled = self._tiled(func, block, reductions, finals, inner, sch, rows)
+                if tiled is not None:
+                    return tiled
+                # not the expected form: the few-rows schedule, from the unscheduled function
+                sch = s_tir.Schedule(func)
+                infos = normalize_prim_func(sch)
+                reductions = [i.block_rv for i in infos if is_reduction(sch, i.block_rv)]
+                others = [i for i in infos if not is_reduction(sch, i.block_rv)]
+                remaining = [i.block_rv for i in try_inline_safe(sch, others)]
+                finals = [
+                    b for b in remaining if any(w.source in params for w in sch.get(b).writes)
+                ]
+                inner = [b for b in remaining if b not in finals]
+        if (not row_loops or is_static(rows)) and block % TU == 0:
+            gemv = _gemv_or_none(func, params)
+            if gemv is not None:
+                return gemv
+        return _few_rows(sch, block, reductions, finals, inner)
 
-        for other in reversed(inner):
-            sch.compute_at(other, thread, preserve_unit_loops=True)
-            sch.set_scope(other, 0, "local")
-        for red in reductions:
-            sch.compute_at(red, thread, preserve_unit_loops=True)
-            sch.set_scope(red, 0, "local")
-            *tile, k_loop = sch.get_loops(red)[depth:]  # rows, gate, unit (unit extents), reduction
-            sch.reorder(k_loop, *tile)
-            for loop in tile:
-                sch.unroll(loop)
-            ko, ki = sch.split(k_loop, [None, 4]) if _divisible(sch, k_loop, 4) else (k_loop, None)
-            if ki is not None:
-                sch.unroll(ki)
-            try:
-                sch.decompose_reduction(red, ko)
-            except s_tir.schedule.ScheduleError as err:
-                # rows of a 3-D input (batch, seq, K) fused into one symbolic loop: the init
-                # stays in the reduction block (correct, one compare per step)
-                logger.debug("gate fusion (cuda): init not decomposed: %s", str(err)[:200])
-        return sch
+    def _tiled(self, func, block, reductions, finals, inner, sch, rows):
+        gemm_gates, k_max, units = _gemm_shapes(sch, reductions, block)
+        if gemm_gates is None:
+            logger.debug("gate fusion (cuda): GEMMs not of the blocked form, few-rows schedule")
+            return None
+        tile = choose_tile(rows, units, block, gemm_gates, k_max)
+        try:
+            return _schedule_tiled(sch, tile, reductions, finals, inner)
+        except Exception as err:  # noqa: BLE001 - not the expected form: the few-rows schedule
+            logger.debug("gate fusion (cuda): tiled schedule failed: %s", str(err)[:300])
+            return None
+
+
+def _gemm_shapes(sch: s_tir.Schedule, reductions: list, block: int):
+    """Gates of each GEMM ``Y[rows..., gates, D/V, V]`` (read from its output buffer: unit
+    axes may have been dropped from its loops), the longest ``K`` and the padded width ``D``;
+    (None, 0, 0) when a GEMM is not of that form."""
+    gates, k_max, units = [], 0, 0
+    for red in reductions:
+        stmt = sch.get(red)
+        reduce = [iv for iv in stmt.iter_vars if iv.iter_type == iv.CommReduce]
+        shape = stmt.writes[0].source.shape if len(stmt.writes) == 1 else []
+        if len(reduce) != 1 or len(shape) < 4:
+            return None, 0, 0
+        g, do, di = shape[-3:]
+        k = reduce[0].dom.extent
+        if not all(isinstance(e, tirx.IntImm) for e in (g, do, di, k)) or int(di) != block:
+            return None, 0, 0
+        gates.append(int(g))
+        k_max = max(k_max, int(k))
+        units = max(units, int(do) * int(di))
+    return gates, k_max, units
+
+
+def _pad(sch: s_tir.Schedule, red, tile: Tile) -> list:
+    """Pad one GEMM's rows to a multiple of ``BM`` and its reduction to a multiple of ``BK``
+    (``pad_einsum``; the cut back to the real rows inlined into the gate math): the thread tiles
+    then carry no predicate, so that their accumulators keep a constant size in registers
+    (symbolic rows under a predicate gave a stack allocation of symbolic size). Returns the
+    padding blocks, later inlined into the shared-memory copies (no padded copy in global
+    memory remains)."""
+    stmt = sch.get(red)
+    if len(stmt.writes) != 1 or len(stmt.writes[0].source.shape) != 4:
+        raise s_tir.schedule.ScheduleError("not one row axis")
+    factors = [
+        tile.bk if iv.iter_type == iv.CommReduce else (tile.bm if i == 0 else 1)
+        for i, iv in enumerate(stmt.iter_vars)
+    ]
+    extents = [iv.dom.extent for iv in stmt.iter_vars]
+    if all(
+        isinstance(e, tirx.IntImm) and int(e) % f == 0
+        for e, f in zip(extents, factors, strict=True)
+    ):
+        return []  # the tiles divide every extent
+    before = {sch.get(b).name_hint for b in sch.get_consumers(red)}
+    sch.pad_einsum(red, factors)
+    pads = list(sch.get_producers(red))
+    for cut in sch.get_consumers(red):
+        if sch.get(cut).name_hint not in before:
+            sch.compute_inline(cut)
+    return pads
+
+
+def _schedule_tiled(sch: s_tir.Schedule, tile: Tile, reductions, finals, inner):
+    pads = [p for red in reductions for p in _pad(sch, red, tile)]
+    *row_loops, unit_loop = sch.get_loops(finals[0])
+    rows = sch.fuse(*row_loops) if len(row_loops) > 1 else row_loops[0]
+    bx, tx, tu = sch.split(unit_loop, [None, tile.tx, TU])
+    by, ty, tm = sch.split(rows, [None, tile.ty, tile.tm])
+    sch.reorder(by, bx, ty, tx, tm, tu)
+    sch.bind(by, "blockIdx.y")
+    sch.bind(bx, "blockIdx.x")
+    thread = sch.fuse(ty, tx)
+    sch.bind(thread, "threadIdx.x")
+    tloop = sch.get(thread)
+    for final in finals:
+        if not any(sch.get(loop).same_as(tloop) for loop in sch.get_loops(final)):
+            raise s_tir.schedule.ScheduleError("results are not written from one loop nest")
+    depth = len(sch.get_loops(finals[0])) - 2  # blockIdx.y, blockIdx.x, threadIdx.x
+    for tile_loop in (tm, tu):
+        sch.unroll(tile_loop)
+
+    for other in reversed(inner):
+        sch.compute_at(other, thread, preserve_unit_loops=True)
+        sch.set_scope(other, 0, "local")
+    for red in reductions:
+        sch.compute_at(red, thread, preserve_unit_loops=True)
+        sch.set_scope(red, 0, "local")
+        *acc, k_loop = sch.get_loops(red)[depth:]  # rows, gate, unit block, units, reduction
+        ko, ki = sch.split(k_loop, [None, tile.bk])
+        sch.reorder(ko, ki, *acc)
+        for loop in acc:
+            sch.unroll(loop)
+        buffers = [region.source for region in sch.get(red).reads]
+        own = [w.source for w in sch.get(red).writes]
+        copies = []
+        for index, buf in enumerate(buffers):
+            if any(buf.same_as(o) for o in own):
+                continue
+            copy = sch.cache_read(red, index, "shared")
+            sch.compute_at(copy, ko, preserve_unit_loops=True)
+            _cooperative_copy(sch, copy, depth + 1, tile.threads, buf)
+            copies.append(copy)
+        if PIPELINE:
+            sch.annotate(ko, "software_pipeline_stage", [0] * len(copies) + [1])
+            sch.annotate(ko, "software_pipeline_order", list(range(len(copies) + 1)))
+            sch.annotate(ko, "software_pipeline_async_stages", [0])
+        sch.annotate(ki, "pragma_auto_unroll_max_step", KI_UNROLL)
+        sch.annotate(ki, "pragma_unroll_explicit", 0)
+        try:
+            sch.decompose_reduction(red, ko)
+        except s_tir.schedule.ScheduleError as err:
+            # rows of a 3-D input fused into one symbolic loop: the init stays in the block
+            logger.debug("gate fusion (cuda): init not decomposed: %s", str(err)[:200])
+    for pad in pads:
+        sch.compute_inline(pad)
+    return sch
+
+
+def _cooperative_copy(sch: s_tir.Schedule, copy, depth: int, threads: int, buf) -> None:
+    """All threads of the block copy one reduction step's slab: the copy's loops fused, split
+    over the threads, ``float4`` wide where every row of the source starts 16-byte aligned."""
+    loops = sch.get_loops(copy)[depth:]
+    inner = extent(sch, loops[-1])
+    last = buf.shape[-1]
+    aligned = (
+        isinstance(inner, int)
+        and inner % VEC == 0
+        and isinstance(last, tirx.IntImm)
+        and int(last) % VEC == 0
+    )
+    fused = sch.fuse(*loops)
+    if aligned:
+        _, tx, vec = sch.split(fused, [None, threads, VEC])
+        sch.vectorize(vec)
+    else:
+        _, tx = sch.split(fused, [None, threads])
+    sch.bind(tx, "threadIdx.x")
+
+
+def _gemv_or_none(func, params):
+    """The split-K GEMV schedule of ``func`` from scratch, None when it does not apply."""
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    reductions = [i.block_rv for i in infos if is_reduction(sch, i.block_rv)]
+    others = [i for i in infos if not is_reduction(sch, i.block_rv)]
+    remaining = [i.block_rv for i in try_inline_safe(sch, others)]
+    finals = [b for b in remaining if any(w.source in params for w in sch.get(b).writes)]
+    inner = [b for b in remaining if b not in finals]
+    try:
+        return _schedule_gemv(sch, reductions, finals, inner)
+    except Exception as err:  # noqa: BLE001 - not the expected form: the few-rows schedule
+        logger.debug("gate fusion (cuda): split-K GEMV failed: %s", str(err)[:300])
+        return None
+
+
+def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner):
+    """Few static rows: a thread block per ``TU`` units (and per ``RT`` rows); its ``KS``
+    threads split ``K`` (thread ``t`` takes ``k = t, t + KS, ...``: a warp reads one contiguous
+    run of the blocked weight, each thread ``gates`` float4 per step), each keeping ``RT x gates
+    x TU`` partial sums in registers (rfactor); then one cross-thread reduction per sum (warp
+    shuffles, then shared memory across warps) and the gate math on the block's units."""
+    *row_loops, unit_loop = sch.get_loops(finals[0])
+    gemm_gates = []
+    k_max = 0
+    for red in reductions:
+        stmt = sch.get(red)
+        shape = stmt.writes[0].source.shape
+        gemm_gates.append(int(shape[-3]))
+        k_max = max(
+            k_max, *(int(iv.dom.extent) for iv in stmt.iter_vars if iv.iter_type == iv.CommReduce)
+        )
+    ks = 64 if k_max >= 64 * 8 else 32
+    # split K over the threads first: rfactor wants the reduction first in its loop nest; a K
+    # that the threads do not divide is padded with zeros (no predicate in the partial sums)
+    factored, pads = [], []
+    for red in reductions:
+        stmt = sch.get(red)
+        k_ext = [int(iv.dom.extent) for iv in stmt.iter_vars if iv.iter_type == iv.CommReduce]
+        if k_ext[0] % ks:
+            before = {sch.get(b).name_hint for b in sch.get_consumers(red)}
+            factors = [ks if iv.iter_type == iv.CommReduce else 1 for iv in stmt.iter_vars]
+            sch.pad_einsum(red, factors)
+            pads += list(sch.get_producers(red))
+            for cut in sch.get_consumers(red):
+                if sch.get(cut).name_hint not in before:
+                    sch.compute_inline(cut)
+        *_, k_loop = sch.get_loops(red)
+        _, kt = sch.split(k_loop, [None, ks])
+        factored.append((red, sch.rfactor(kt, 0)))
+    bx, tu = sch.split(unit_loop, [None, TU])
+    sch.bind(bx, "blockIdx.x")
+    if row_loops:  # a single row may have no loop left
+        rows = sch.fuse(*row_loops) if len(row_loops) > 1 else row_loops[0]
+        rt = max(1, min(extent(sch, rows), ACC_BUDGET // (sum(gemm_gates) * TU)))
+        by, ri = sch.split(rows, [None, rt])
+        sch.reorder(bx, by, ri, tu)
+        sch.bind(by, "blockIdx.y")
+    else:
+        by = bx
+    loops = [sch.get(loop) for loop in sch.get_loops(finals[0])]
+    depth = next(i for i, loop in enumerate(loops) if loop.same_as(sch.get(by))) + 1
+    for other in reversed(inner):
+        sch.compute_at(other, by, preserve_unit_loops=True)
+        sch.set_scope(other, 0, "local")
+    for red, rf in factored:
+        sch.compute_at(red, by, preserve_unit_loops=True)
+        sch.set_scope(red, 0, "local")
+        sch.compute_at(rf, by, preserve_unit_loops=True)
+        kt_rf, *acc, ko_rf = sch.get_loops(rf)[depth:]
+        sch.reorder(kt_rf, ko_rf, *acc)
+        sch.bind(kt_rf, "threadIdx.x")
+        sch.set_scope(rf, 0, "local")
+        for loop in acc:
+            sch.unroll(loop)
+        # the weights of one k: gates x TU contiguous floats, read as float4
+        weight = max(
+            range(len(sch.get(rf).reads)), key=lambda i: len(sch.get(rf).reads[i].source.shape)
+        )
+        cache = sch.cache_read(rf, weight, "local")
+        sch.compute_at(cache, ko_rf, preserve_unit_loops=True)
+        *_, vec = sch.get_loops(cache)
+        if extent(sch, vec) == TU:
+            sch.vectorize(vec)
+        sch.decompose_reduction(rf, ko_rf)
+        # the write-back: one cross-thread reduction per partial sum
+        wb_loops = sch.get_loops(red)[depth:]
+        ivs = sch.get(red).iter_vars
+        (kt_wb,) = [
+            loop for loop, iv in zip(wb_loops, ivs, strict=True) if iv.iter_type == iv.CommReduce
+        ]
+        spatial = [loop for loop in wb_loops if not sch.get(loop).same_as(sch.get(kt_wb))]
+        sch.reorder(*spatial, kt_wb)
+        sch.bind(kt_wb, "threadIdx.x")
+    for pad in pads:  # read in place, zeros past K
+        sch.compute_inline(pad)
+    return sch
+
+
+def _few_rows(sch: s_tir.Schedule, block: int, reductions, finals, inner):
+    """One (row, unit) per thread, ``gates`` accumulators in registers, the whole ``K``."""
+    *row_loops, unit_loop = sch.get_loops(finals[0])
+    jo, ji = sch.split(unit_loop, [None, block])
+    if row_loops:
+        rows = sch.fuse(*row_loops) if len(row_loops) > 1 else row_loops[0]
+        tm = tile_rows(extent(sch, rows), block)
+        io, ii = sch.split(rows, [None, tm])
+        sch.reorder(jo, io, ii, ji)
+        sch.bind(jo, "blockIdx.x")
+        sch.bind(io, "blockIdx.y")
+        thread = sch.fuse(ii, ji)
+    else:
+        sch.bind(jo, "blockIdx.x")
+        thread = ji
+    sch.bind(thread, "threadIdx.x")
+    tloop = sch.get(thread)
+    for final in finals:
+        if not any(sch.get(loop).same_as(tloop) for loop in sch.get_loops(final)):
+            logger.debug("gate fusion (cuda): results are not written from one loop nest")
+            return None
+    depth = len(sch.get_loops(finals[0]))  # block x, [block y,] thread
+
+    for other in reversed(inner):
+        sch.compute_at(other, thread, preserve_unit_loops=True)
+        sch.set_scope(other, 0, "local")
+    for red in reductions:
+        sch.compute_at(red, thread, preserve_unit_loops=True)
+        sch.set_scope(red, 0, "local")
+        *tile, k_loop = sch.get_loops(red)[depth:]  # rows, gate, unit (unit extents), reduction
+        sch.reorder(k_loop, *tile)
+        for loop in tile:
+            sch.unroll(loop)
+        ko, ki = sch.split(k_loop, [None, 4]) if _divisible(sch, k_loop, 4) else (k_loop, None)
+        if ki is not None:
+            sch.unroll(ki)
+        try:
+            sch.decompose_reduction(red, ko)
+        except s_tir.schedule.ScheduleError as err:
+            # rows of a 3-D input (batch, seq, K) fused into one symbolic loop: the init
+            # stays in the reduction block (correct, one compare per step)
+            logger.debug("gate fusion (cuda): init not decomposed: %s", str(err)[:200])
+    return sch
+
+
+def tile_rows(rows, block: int) -> int:
+    """Few-rows path: rows per thread block, ``THREADS / V``, fewer when ``rows`` is smaller."""
+    tm = max(1, THREADS // block)
+    if is_static(rows):
+        tm = min(tm, rows)
+    return tm
 
 
 def _divisible(sch: s_tir.Schedule, loop, factor: int) -> bool:

@@ -1,0 +1,226 @@
+"""The CUDA gate rule and the CUDA target, checked without a GPU (issue #26).
+
+- the CUDA target carries the limits MetaSchedule and dlight read; ``cuda:TAG`` takes a tag;
+  tuning for CUDA without a device stops at once with one line;
+- the tiled schedule (rows >= 16 or symbolic) computes what the unscheduled kernel computes, at
+  extents the tiles do not divide (13 rows x 97 units x K = 389), for symbolic rows and for two
+  GEMMs in one kernel (GRU): checked on llvm with the thread loops run one after the other (the
+  schedule's meaning; CUDA's code generation is what the nvcc checks below look at);
+- at the benchmark sizes of the gate workloads, built for sm_90 with nvcc (skipped without it):
+  one gate kernel, no global (rows, gates, D) buffer, ptxas without spills within 128
+  registers and 48 KB of static shared memory, >= 132 blocks; the tiled kernels (64 rows) stage
+  through shared memory with 16-byte ``cp.async`` and ``bar.sync``; the batch-1 cells (LSTM,
+  GRU: split-K GEMV) read the weights with 128-bit loads and reduce across threads (warp
+  shuffles, then shared memory and ``bar.sync``).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax import op as R
+
+from tvm_fusion import cuda_check, engine, models, pipeline, tir_util
+from tvm_fusion import target as _target
+from tvm_fusion.errors import UsageError
+from tvm_fusion.schedule import cuda
+from tvm_fusion.schedule.cuda.gate_fusion import (
+    ACC_BUDGET,
+    SMEM_BUDGET,
+    SMS,
+    TU,
+    _smem_bytes,
+    blocks,
+    choose_tile,
+)
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+
+
+def test_cuda_target_is_complete():
+    for spec in ("cuda", "cuda:sm_80", {"kind": "cuda", "arch": "sm_86"}):
+        tgt = _target.parse_target(spec)
+        for key in ("max_threads_per_block", "max_shared_memory_per_block", "thread_warp_size"):
+            assert key in tgt.attrs, (spec, key)
+        assert int(tgt.attrs["max_shared_memory_per_block"]) == 48 * 1024
+    assert str(_target.parse_target("cuda:sm_80").attrs["arch"]) == "sm_80"
+    a100 = _target.parse_target("cuda:nvidia-a100")
+    assert str(a100.attrs["arch"]) == "sm_80" and a100.host is not None
+    assert _target.parse_target("cuda:nvidia/nvidia-h100").attrs["max_threads_per_block"] == 1024
+    with pytest.raises(UsageError, match="unknown CUDA target"):
+        _target.parse_target("cuda:nvidia-nothing")
+
+
+@pytest.mark.skipif(tvm.cuda(0).exist, reason="a CUDA device is present")
+def test_tune_cuda_without_device_stops_with_one_line(tmp_path):
+    from tvm_fusion import tuning
+
+    with pytest.raises(UsageError, match="no cuda device on this machine"):
+        tuning.tune(models.build("gate_2890", "small").mod, "cuda", tmp_path / "w", trials=4)
+
+
+@pytest.mark.parametrize(
+    "rows, units, gemm_gates, k",
+    [(64, 1024, [3], 1024), (64, 5632, [2], 2048), (13, 128, [3], 389), (300, 1024, [4], 1024)],
+)
+def test_tile_fits_budgets_and_fills_the_sms(rows, units, gemm_gates, k):
+    tile = choose_tile(rows, units, 32, gemm_gates, k)
+    assert sum(gemm_gates) * tile.tm * TU <= ACC_BUDGET
+    assert _smem_bytes(tile, gemm_gates) <= SMEM_BUDGET
+    assert 32 <= tile.threads <= 256 and tile.bn <= 32
+    if rows * units >= SMS * 32 * 8:  # enough work for a block of one warp x 8 rows per SM
+        assert blocks(tile, rows, units) >= SMS, tile
+    assert choose_tile(tirx_var(), units, 32, gemm_gates, k) is not None
+
+
+def tirx_var():
+    return tvm.tirx.Var("n", "int64")
+
+
+def _gate_module(rows: int, k: int, d: int, dynamic: bool) -> tuple[tvm.IRModule, dict]:
+    """``x @ W^T + b -> split(3) -> sigmoid + tanh * exp`` (gate_2890's graph) at any size."""
+    gen = np.random.default_rng(26)
+    w = (gen.standard_normal((3 * d, k)) * k**-0.5).astype("float32")
+    b = (gen.standard_normal(3 * d) * 0.1).astype("float32")
+    n = tvm.tirx.Var("n", "int64") if dynamic else rows
+    x = relax.Var("x", relax.TensorType((n, k), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(R.matmul(x, bb.emit(R.permute_dims(relax.const(w)))))
+            y = bb.emit(R.add(y, relax.const(b)))
+            parts = bb.emit(R.split(y, 3, axis=-1))
+            s, t, e = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
+            s, t, e = bb.emit(R.sigmoid(s)), bb.emit(R.tanh(t)), bb.emit(R.exp(e))
+            out = bb.emit_output(R.add(s, bb.emit(R.multiply(t, e))))
+        bb.emit_func_output(out)
+    return bb.get(), {"x": gen.standard_normal((rows, k)).astype("float32")}
+
+
+def _gate_kernels(mod: tvm.IRModule, tgt) -> list:
+    with tgt:
+        fused = tvm.transform.Sequential(pipeline.fused_passes(tgt))(mod)
+    return [
+        f
+        for _, f in fused.functions_items()
+        if isinstance(f, tvm.tirx.PrimFunc) and "tvm_fusion.gate_fusion" in f.attrs
+    ]
+
+
+def _sequential(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """``func`` with its thread loops serial and its buffers global: the scheduled program's
+    meaning, runnable on llvm (the software pipeline's annotations dropped: its async copies
+    exist on CUDA only)."""
+    text = func.script()
+    text = re.sub(r'T\.thread_binding\((.+?), thread="[^"]+"\)', r"T.serial(\1)", text)
+    text = re.sub(r'"software_pipeline_\w+": \[[^\]]*\](, )?', "", text)
+    text = text.replace('scope="shared"', 'scope="global"').replace('scope="local"', "")
+    parsed = tvm.script.from_source(text)
+    return parsed if isinstance(parsed, tvm.tirx.PrimFunc) else parsed["main"]
+
+
+def _run_kernel(func: tvm.tirx.PrimFunc, args: list[np.ndarray]) -> list[np.ndarray]:
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), "llvm")
+    tensors = [tvm.runtime.tensor(a) for a in args]
+    lib["main"](*tensors)
+    return [t.numpy() for t in tensors]
+
+
+CASES = {  # name: (module, rows to run a symbolic kernel at, tiled or split-K GEMV)
+    "19x97x389": (lambda: _gate_module(19, 389, 97, False)[0], None, True),
+    "13x97x389_gemv": (lambda: _gate_module(13, 389, 97, False)[0], None, False),
+    "nx97x389": (lambda: _gate_module(13, 389, 97, True)[0], 13, True),
+    "gru_two_gemms_n": (lambda: models.build("gru_cell", "small", dynamic=True).mod, 37, True),
+    "gru_two_gemms_gemv": (lambda: models.build("gru_cell", "small").mod, None, False),
+    "lstm_gemv": (lambda: models.build("lstm_cell", "small").mod, None, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_schedule_computes_the_same(case):
+    build, rows, tiled = CASES[case]
+    tgt = _target.cuda_target()
+    (func,) = _gate_kernels(build(), tgt)
+    sch = cuda.GateFusion().apply(func, tgt, False)
+    assert sch is not None
+    scheduled = sch.mod["main"]
+    scopes = {b.scope() for b in tir_util.allocated_buffers(scheduled)}
+    # tiled: staged in shared memory, pipelined; GEMV: partial sums in registers (rfactor)
+    assert scopes == ({"shared", "local"} if tiled else {"local"}), scopes
+    assert ("software_pipeline_stage" in scheduled.script()) == tiled
+    names = [b.name for b in tir_util.allocated_buffers(scheduled)]
+    assert any("rf" in name for name in names) == (not tiled), names
+    rng = np.random.default_rng(0)
+    args = []
+    for param in func.params:
+        shape = [int(d) if isinstance(d, tvm.tirx.IntImm) else rows for d in param.shape]
+        args.append((rng.standard_normal(shape) * 0.1).astype("float32"))  # exp stays small
+    ours = _run_kernel(_sequential(scheduled), args)
+    plain = _run_kernel(func, args)
+    for a, b in zip(ours, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_nvcc
+def test_odd_extents_build_for_sm90():
+    """19 x 97 x 389: padded tiles, ``x`` copied with scalar loads (rows of 389 floats are
+    not 16-byte aligned), the weight slab with ``cp.async``."""
+    mod, _ = _gate_module(19, 389, 97, False)
+    compiled = engine.compile_module(mod, _target.cuda_target(), "tvm_fusion")
+    (gate,) = [k for k in cuda_check.check(compiled) if k.name.startswith("fused_gates")]
+    assert gate.spill_stores == gate.spill_loads == 0 and gate.registers <= 128
+    assert gate.cp_async > 0 and gate.shared_loads > 0 and gate.barriers > 0
+
+
+BENCH = {  # workload: (tiled, gate kernels)
+    "gate_2890": True,
+    "swiglu": True,
+    "geglu": True,  # gelu's erf in the epilogue: registers
+    "lstm_cell": False,
+    "gru_cell": False,
+}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", list(BENCH))
+def test_gate_kernels_at_benchmark_size(name):
+    inst = models.build(name, "seed")
+    compiled = engine.compile_module(inst.mod, _target.cuda_target(), "tvm_fusion")
+    gate_funcs = {
+        gv.name_hint: f
+        for gv, f in compiled.lowered.functions_items()
+        if isinstance(f, tvm.tirx.PrimFunc)
+        and f.attrs.get("tvm_fusion.schedule_rule") == "GateFusion"
+    }
+    assert len(gate_funcs) == 1, list(gate_funcs)  # one kernel per gate group
+    (func,) = gate_funcs.values()
+    for buf in tir_util.allocated_buffers(func):  # no (rows, gates, D) buffer in global memory
+        assert buf.scope() in ("shared", "local"), buf
+    checks = {k.name: k for k in cuda_check.check(compiled)}
+    (gate,) = [k for n, k in checks.items() if n.startswith(next(iter(gate_funcs)))]
+    assert gate.spill_stores == gate.spill_loads == 0, gate.to_text()
+    assert gate.registers <= 128 and gate.smem <= 48 * 1024, gate.to_text()
+    assert gate.blocks >= SMS, gate.to_text()
+    if BENCH[name]:  # tiled: staged in shared memory by 16-byte cp.async, in steps of BK
+        assert gate.cp_async > 0, gate.to_text()
+        assert gate.shared_loads > 0 and gate.barriers > 0, gate.to_text()
+    else:  # batch 1: split-K GEMV, float4 weight loads, a cross-thread reduction
+        assert gate.vector_loads > 0, gate.to_text()
+        assert gate.shared_loads > 0 and gate.barriers > 0, gate.to_text()
+
+
+@needs_nvcc
+def test_explain_ptxas_prints_each_kernel(capsys):
+    from tvm_fusion.cli import main
+
+    assert main(["explain", "lstm_cell", "--target", "cuda", "--ptxas"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("fused_gates_41_kernel"))
+    assert re.search(r"\d+ blocks x \d+ threads, \d+ registers, 0 B spilled", line), line
+    assert main(["explain", "lstm_cell", "--ptxas"]) == 2  # llvm: refused in one line
+    assert "needs a CUDA --target" in capsys.readouterr().err
