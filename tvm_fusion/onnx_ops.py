@@ -463,7 +463,11 @@ def cast_shape_operands(model):
             cast = f"{name}__as_int64_{count}"
             nodes.append(
                 onnx.helper.make_node(
-                    "Cast", [name], [cast], name=f"{node.name}__cast_{pos}", to=onnx.TensorProto.INT64
+                    "Cast",
+                    [name],
+                    [cast],
+                    name=f"{node.name}__cast_{pos}",
+                    to=onnx.TensorProto.INT64,
                 )
             )
             node.input[pos] = cast
