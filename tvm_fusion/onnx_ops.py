@@ -29,6 +29,13 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
   constants count from its end, and a begin or constant end that may pass the axis is
   clamped with ``min`` (:func:`_inbound_bounds`); a symbolic end that cannot be proven within
   the axis keeps stock's promise, as do negative or run-time steps.
+- ``Tile`` with repeats computed from shapes (DeBERTa's ``repeat(batch, 1, 1)``): the importer
+  refuses a shape value there before any converter runs, so :func:`cast_shape_operands` (called
+  by ``load_onnx``) puts a no-op int64 ``Cast`` in front, and ``Tile`` becomes reshape /
+  broadcast_to / reshape with symbolic dims (stock's ``dyn_tile`` to fresh dims broke FuseTIR);
+  repeats that are data keep stock's converter.
+- ``Clip`` as Relax ``maximum`` / ``minimum`` (stock's import-time kernels keep the import's
+  dims, which FuseTIR rejects once PlaceShapeOnHost has bound them).
 
 Both leave a ``tensor_to_shape`` that :class:`~tvm_fusion.transform.PlaceShapeOnHost` then
 evaluates symbolically (no kernel, no copy) when the target is computed from shapes, and that
