@@ -420,6 +420,236 @@ MODELS = {
 }
 
 
+# --- issue #27, encoders and encoder-decoders (branch arch-enc) ---
+
+
+def _hidden_only(model, names, **extra):
+    """A transformers model as (names...) -> last hidden state (its first output). The
+    forward names its arguments (torch.export matches ``dynamic_shapes`` by name)."""
+    import torch
+
+    def first(self, *args):
+        kwargs = dict(zip(names, args, strict=True))
+        return self.m(**kwargs, **extra, return_dict=False)[0]
+
+    params = ", ".join(names)
+    scope = {"first": first}
+    exec(f"def forward(self, {params}):\n    return first(self, {params})\n", scope)  # noqa: S102
+    wrap = type("Wrap", (torch.nn.Module,), {"forward": scope["forward"]})()
+    wrap.m = model
+    return wrap
+
+
+def _padded_mask(b, s):
+    import torch
+
+    mask = torch.ones(b, s, dtype=torch.int64)
+    mask[0, -2:] = 0
+    return mask
+
+
+def deberta_v2():
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    cfg = DebertaV2Config(
+        vocab_size=S.vocab,
+        hidden_size=S.hidden,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        intermediate_size=S.inner,
+        max_position_embeddings=S.max_pos,
+        relative_attention=True,
+        position_buckets=16,
+        pos_att_type=["p2c", "c2p"],
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    names = ["input_ids", "attention_mask"]
+    model = _hidden_only(DebertaV2Model(cfg).eval(), names)
+
+    def inputs(b, s):
+        return {"input_ids": _tokens(b, s), "attention_mask": _padded_mask(b, s)}
+
+    dyn = {0: "batch", 1: "seq"}
+    axes = {"input_ids": dyn, "attention_mask": dyn, "hidden": dyn}
+    return model, inputs, ["hidden"], axes, ["relative positions (Tile / repeat of shapes)"]
+
+
+def clip_text():
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    cfg = CLIPTextConfig(
+        vocab_size=S.vocab,
+        hidden_size=S.hidden,
+        intermediate_size=S.inner,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        max_position_embeddings=77,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
+    names = ["input_ids", "attention_mask"]
+    model = _hidden_only(CLIPTextModel(cfg).eval(), names)
+
+    def inputs(b, s):
+        return {"input_ids": _tokens(b, s), "attention_mask": _padded_mask(b, s)}
+
+    dyn = {0: "batch", 1: "seq"}
+    axes = {"input_ids": dyn, "attention_mask": dyn, "hidden": dyn}
+    return model, inputs, ["hidden"], axes, ["position ids gather, causal mask (Concat of shapes)"]
+
+
+def t5():
+    """T5 encoder-decoder, one full decoder pass (no cache), gated GELU feed-forwards."""
+    import torch
+    from transformers import T5Config, T5Model
+
+    cfg = T5Config(
+        vocab_size=S.vocab,
+        d_model=S.hidden,
+        d_kv=S.hidden // S.heads,
+        d_ff=S.inner,
+        num_layers=1,  # one encoder and one decoder block: the biggest family otherwise
+        num_decoder_layers=1,
+        num_heads=S.heads,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    names = ["input_ids", "attention_mask", "decoder_input_ids"]
+    model = _hidden_only(T5Model(cfg).eval(), names, use_cache=False)
+
+    def inputs(b, s):
+        ids = _tokens(b, s)
+        return {
+            "input_ids": ids,
+            "attention_mask": _padded_mask(b, s),
+            "decoder_input_ids": torch.randint(0, S.vocab, (b, s - 2), dtype=torch.int64),
+        }
+
+    dyn = {0: "batch", 1: "seq"}
+    dec = {0: "batch", 1: "dec_seq"}
+    axes = {"input_ids": dyn, "attention_mask": dyn, "decoder_input_ids": dec, "hidden": dec}
+    return model, inputs, ["hidden"], axes, ["fuse_split_gates (gated gelu_new, wi_0 / wi_1)"]
+
+
+def vit():
+    import torch
+    from transformers import ViTConfig, ViTModel
+
+    cfg = ViTConfig(
+        hidden_size=S.hidden,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        intermediate_size=S.inner,
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
+    model = _hidden_only(ViTModel(cfg, add_pooling_layer=False).eval(), ["pixel_values"])
+
+    def inputs(b, _s):
+        return {"pixel_values": torch.randn(b, 3, 32, 32)}
+
+    axes = {"pixel_values": {0: "batch"}, "hidden": {0: "batch"}}
+    return model, inputs, ["hidden"], axes, ["patch embedding conv, encoder (batch only)"]
+
+
+def whisper_encoder():
+    import torch
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    cfg = WhisperConfig(
+        vocab_size=S.vocab,
+        d_model=S.hidden,
+        encoder_layers=S.layers,
+        encoder_attention_heads=S.heads,
+        encoder_ffn_dim=S.inner,
+        decoder_layers=1,
+        decoder_attention_heads=S.heads,
+        decoder_ffn_dim=S.inner,
+        num_mel_bins=8,
+        max_source_positions=16,
+        max_target_positions=16,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=0,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        attn_implementation="eager",
+    )
+    model = _hidden_only(WhisperEncoder(cfg).eval(), ["input_features"])
+
+    def inputs(b, _s):  # the encoder takes exactly 2 * max_source_positions frames
+        return {"input_features": torch.randn(b, 8, 32)}
+
+    axes = {"input_features": {0: "batch"}, "hidden": {0: "batch"}}
+    return model, inputs, ["hidden"], axes, ["conv front end, encoder (batch only)"]
+
+
+def distilbert_labels():
+    import torch
+    from transformers import DistilBertConfig, DistilBertForMaskedLM
+
+    cfg = DistilBertConfig(
+        vocab_size=S.vocab,
+        dim=S.hidden,
+        n_layers=S.layers,
+        n_heads=S.heads,
+        hidden_dim=S.inner,
+        max_position_embeddings=S.max_pos,
+        dropout=0.0,
+        attention_dropout=0.0,
+        attn_implementation="eager",
+    )
+    model = DistilBertForMaskedLM(cfg).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask, labels):
+            out = self.m(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_dict=False
+            )
+            return out[0], out[1]
+
+    def inputs(b, s):
+        labels = _tokens(b, s)
+        labels[:, ::3] = -100  # unmasked positions: ignore_index
+        return {"input_ids": _tokens(b, s), "attention_mask": _padded_mask(b, s), "labels": labels}
+
+    dyn = {0: "batch", 1: "seq"}
+    axes = {"input_ids": dyn, "attention_mask": dyn, "labels": dyn, "logits": dyn}
+    return Wrap(), inputs, ["loss", "logits"], axes, ["fuse_cross_entropy (MLM loss)"]
+
+
+MODELS.update(
+    {
+        "deberta_v2": deberta_v2,
+        "clip_text": clip_text,
+        "t5": t5,
+        "vit": vit,
+        "whisper_encoder": whisper_encoder,
+        "distilbert_labels": distilbert_labels,
+    }
+)
+
+
 # Bench scale only: models at their real vocabulary (awkward sizes, issue #24): GPT-2's 50257
 # and BERT's 30522 columns in the LM head, the log-softmax and the loss.
 REAL_VOCAB = {"gpt2_50257": ("gpt2", 50257), "bert_mlm_30522": ("bert_mlm", 30522)}
@@ -446,6 +676,13 @@ def _export(module, args, names, outputs, axes, path: Path, dynamo: bool) -> Non
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         torch.onnx.export(module, tuple(args), str(path), **kwargs)
+    if dynamo:  # drop the per-node stack traces (2/3 of a dynamo file); the graph is unchanged
+        import onnx
+
+        model = onnx.load(str(path))
+        for node in model.graph.node:
+            del node.metadata_props[:]
+        onnx.save(model, str(path))
 
 
 def export_one(name: str, exporter: str) -> dict:

@@ -256,12 +256,17 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
     """Validate an ONNX model and import it as a Relax IRModule (see module docstring)."""
     from tvm.relax.frontend.onnx import from_onnx
 
+    from . import onnx_ops
+
     model, where = _read_model(path_or_model)
     _check_model(model, where)
     shape_dict = _check_shapes(model, shapes, where)
     model, folded = fold_constants(model)
     if folded:
         logger.debug("%s: %d constant nodes folded before import", where, folded)
+    model, cast = onnx_ops.cast_shape_operands(model)
+    if cast:
+        logger.debug("%s: %d shape operands cast to int64 tensors", where, cast)
     with prepare_import(model) as unsupported:
         if unsupported:
             raise ModelError(

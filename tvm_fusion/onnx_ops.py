@@ -29,6 +29,13 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
   constants count from its end, and a begin or constant end that may pass the axis is
   clamped with ``min`` (:func:`_inbound_bounds`); a symbolic end that cannot be proven within
   the axis keeps stock's promise, as do negative or run-time steps.
+- ``Tile`` with repeats computed from shapes (DeBERTa's ``repeat(batch, 1, 1)``): the importer
+  refuses a shape value there before any converter runs, so :func:`cast_shape_operands` (called
+  by ``load_onnx``) puts a no-op int64 ``Cast`` in front, and ``Tile`` becomes reshape /
+  broadcast_to / reshape with symbolic dims (stock's ``dyn_tile`` to fresh dims broke FuseTIR);
+  repeats that are data keep stock's converter.
+- ``Clip`` as Relax ``maximum`` / ``minimum`` (stock's import-time kernels keep the import's
+  dims, which FuseTIR rejects once PlaceShapeOnHost has bound them).
 
 Both leave a ``tensor_to_shape`` that :class:`~tvm_fusion.transform.PlaceShapeOnHost` then
 evaluates symbolically (no kernel, no copy) when the target is computed from shapes, and that
@@ -245,6 +252,90 @@ class Expand(_frontend.Expand):
         return relax.op.broadcast_to(data, relax.ShapeExpr(out))
 
 
+def _shape_values(bb, expr) -> list | None:
+    """The numbers of a shape value that reaches an operand as an int tensor (through
+    ``astype`` / ``shape_to_tensor`` of a shape, as :func:`cast_shape_operands` makes it),
+    or None."""
+    for _ in range(8):
+        if isinstance(expr, relax.ShapeExpr):
+            return list(expr.values)
+        sinfo = getattr(expr, "ty", None)
+        if isinstance(sinfo, relax.ShapeType) and sinfo.values is not None:
+            return list(sinfo.values)
+        if isinstance(expr, relax.Call) and op_name(expr) in (
+            "relax.astype",
+            "relax.shape_to_tensor",
+        ):
+            expr = expr.args[0]
+        elif isinstance(expr, relax.Var) and bb.lookup_binding(expr) is not None:
+            expr = bb.lookup_binding(expr)
+        else:
+            return None
+    return None
+
+
+class Tile(_frontend.Tile):
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        """Repeats given as a shape value (:func:`cast_shape_operands` brings it as
+        ``shape_to_tensor(R.shape([...]))``): ``reshape`` to a 1 before each repeated dim,
+        ``broadcast_to`` the repeats, ``reshape`` to the products, all with symbolic dims.
+        Stock makes ``dyn_tile`` to fresh ``tile_dim`` vars, which loses the static dims
+        (DeBERTa's head size then reaches ``Sqrt`` as a PrimExpr) and breaks FuseTIR."""
+        data, values = inputs[0], _shape_values(bb, inputs[1])
+        sinfo = getattr(data, "ty", None)
+        if (
+            values is not None
+            and isinstance(sinfo, relax.TensorType)
+            and isinstance(sinfo.shape, relax.ShapeExpr)
+        ):
+            return cls._symbolic(data, list(sinfo.shape.values), values)
+        return super()._impl_v13(bb, inputs, attr, params)
+
+    @staticmethod
+    def _symbolic(data, dims: list, reps: list):
+        if len(reps) != len(dims):  # ONNX: one repeat per input dim
+            raise ValueError(f"Tile: {len(reps)} repeats for a rank-{len(dims)} input")
+        one = tirx.IntImm("int64", 1)
+        if all(isinstance(r, tirx.IntImm) and int(r.value) == 1 for r in reps):
+            return data
+        split, wide, out = [], [], []
+        for d, r in zip(dims, reps, strict=True):
+            split += [one, d]
+            wide += [_i64(r), d]
+            out.append(_i64(r) * _i64(d))
+        view = relax.op.reshape(data, relax.ShapeExpr(split))
+        return relax.op.reshape(relax.op.broadcast_to(view, relax.ShapeExpr(wide)), out)
+
+
+class Clip(_frontend.Clip):
+    """``maximum`` / ``minimum`` as Relax ops, not stock's ``emit_te`` kernels: a kernel made
+    at import keeps the import's dims (``range_len_0`` of a Range with a computed limit), and
+    once PlaceShapeOnHost has bound them (to ``seq``) FuseTIR refuses to fuse it with its
+    neighbours ("Inconsistent buffers"; DeBERTa's relative-position clamp)."""
+
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        x = inputs[0]
+        dtype = x.ty.dtype
+        lo, hi = float(attr.get("min", -np.inf)), float(attr.get("max", np.inf))
+        out = relax.op.maximum(x, relax.const(lo, dtype))
+        return relax.op.minimum(bb.normalize(out), relax.const(hi, dtype))
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        out = inputs[0]
+        if not isinstance(getattr(out, "ty", None), relax.TensorType):
+            return super()._impl_v13(bb, inputs, attr, params)
+        if inputs[1] is not None:
+            lo = cls._sanitize_nan_clip_bound(bb, inputs[1], for_min=True)
+            out = bb.normalize(relax.op.maximum(out, lo))
+        if inputs[2] is not None:
+            hi = cls._sanitize_nan_clip_bound(bb, inputs[2], for_min=False)
+            out = bb.normalize(relax.op.minimum(out, hi))
+        return out
+
+
 _TO_THE_END = (1 << 31) - 1  # an end at least this large means "to the end of the axis"
 
 
@@ -331,6 +422,8 @@ OVERRIDES = {
     "ConstantOfShape": ConstantOfShape,
     "Expand": Expand,
     "Slice": Slice,
+    "Tile": Tile,
+    "Clip": Clip,
 }
 
 CONVERTERS = {
@@ -338,6 +431,59 @@ CONVERTERS = {
     "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss,
     **_RNN_CONVERTERS,  # LSTM, GRU, RNN (onnx_rnn.py)
 }
+
+# Operands the importer refuses as a shape value ("Node ... cannot handle ShapeExpr inputs":
+# its loop lets only Reshape, Expand, Concat, Slice and a few others take one): op -> the input
+# positions that carry shape numbers.
+SHAPE_OPERANDS = {"Tile": (1,)}
+
+
+def cast_shape_operands(model):
+    """``model`` with a ``Cast(to=INT64)`` (a no-op on int64) in front of every
+    :data:`SHAPE_OPERANDS` input that is not a constant, and the number inserted. A shape
+    value reaching such an operand (DeBERTa's ``repeat(batch * heads // heads, 1, 1)``: a
+    Concat of a ``Shape`` with constants, which the importer keeps as a shape) then arrives as
+    the int64 tensor the converter takes (stock's Cast makes ``shape_to_tensor`` of it), and
+    PlaceShapeOnHost evaluates it symbolically again. The top graph only."""
+    import onnx
+
+    graph = model.graph
+    constants = {i.name for i in graph.initializer}
+    constants |= {n.output[0] for n in graph.node if n.op_type == "Constant" and n.output}
+    if not any(
+        n.op_type in SHAPE_OPERANDS
+        and any(
+            p < len(n.input) and n.input[p] and n.input[p] not in constants
+            for p in SHAPE_OPERANDS[n.op_type]
+        )
+        for n in graph.node
+    ):
+        return model, 0
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes, count = [], 0
+    for node in out.graph.node:
+        for pos in SHAPE_OPERANDS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ():
+            name = node.input[pos] if pos < len(node.input) else ""
+            if not name or name in constants:
+                continue
+            cast = f"{name}__as_int64_{count}"
+            nodes.append(
+                onnx.helper.make_node(
+                    "Cast",
+                    [name],
+                    [cast],
+                    name=f"{node.name}__cast_{pos}",
+                    to=onnx.TensorProto.INT64,
+                )
+            )
+            node.input[pos] = cast
+            count += 1
+        nodes.append(node)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out, count
+
 
 _INSTALLED = False
 _STOCK_MAP = None  # the importer's own _get_convert_map, once install() replaced it

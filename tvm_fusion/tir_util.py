@@ -71,6 +71,18 @@ def expr_size(expr, limit: int = 1 << 20) -> int:
     return count
 
 
+def count_selects(expr, limit: int = 1 << 20) -> int:
+    """How many ``Select`` nodes an expression tree holds (shared nodes counted each time)."""
+    count = seen = 0
+    stack = [expr]
+    while stack and seen < limit:
+        node = stack.pop()
+        seen += 1
+        count += isinstance(node, tirx.Select)
+        stack.extend(expr_children(node))
+    return count
+
+
 def count_loads(expr, buffer, limit: int = 1 << 20) -> int:
     """How many times ``expr`` loads from ``buffer``."""
     from tvm.ir.expr import TensorLoad

@@ -587,3 +587,34 @@ def test_wide_tile_refused_falls_back_to_the_standard_tile(monkeypatch):
         assert extents[-1] == 8 and extents[-3:-1] != [4, 3], extents
         out, _ = run(mod, [x], "tvm_fusion", target=avx2)
     np.testing.assert_allclose(out[0], x @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_nested_selects_not_inlined_past_the_cap(target):
+    """DeBERTa's relative-position buckets: where / sign over ``i - j``, each step reading the
+    previous several times. Inlined into one block, the Selects nest (~60 in the export) and
+    TIR's simplifier, which proves each branch under its condition, took 50 s to lower it; the
+    rule stops inlining at MAX_INLINED_SELECTS per block and the numbers stay the same."""
+    from tvm_fusion.schedule._common import MAX_INLINED_SELECTS
+
+    n = tvm.tirx.Var("n", "int64")
+
+    def build(bb, x):
+        y = x
+        for _ in range(4):
+            big = R.greater(R.multiply(y, y), relax.const(64, "int64"))
+            y = R.where(big, R.add(R.sign(y), R.floor_divide(y, relax.const(4, "int64"))), y)
+        return y
+
+    mod = _module(build, (n, n), dtype="int64")
+    for func in _prim_funcs(mod, target):
+        sch = cpu.Injective().apply(func, target, False)
+        assert sch is not None
+        for block in tir_util.blocks(sch.mod["main"]):
+            if isinstance(block.body, tvm.tirx.BufferStore):
+                assert tir_util.count_selects(block.body.value) <= MAX_INLINED_SELECTS
+    x = np.random.default_rng(6).integers(-100, 100, (5, 5)).astype("int64")
+    out, _ = run(mod, [x], "tvm_fusion")
+    ref = x.copy()
+    for _ in range(4):
+        ref = np.where(ref * ref > 64, np.sign(ref) + ref // 4, ref)
+    np.testing.assert_array_equal(out[0], ref)

@@ -56,6 +56,12 @@ def is_trivial_reduction(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) ->
 # grows exponentially (a tanh(tanh(sigmoid(x))) chain reached gigabytes of IR). Inlining stops
 # when the consumer would grow past this many expression nodes.
 MAX_INLINED_EXPR = 4000
+# TIR's simplifier proves each Select's branches under its condition, so its time grows
+# exponentially with the Selects nested in one expression, not with its size: DeBERTa's
+# relative-position buckets (where / abs / log / sign / isfinite over ``i - j``) inlined into
+# one block of ~60 Selects took 50 s to lower (HoistIfThenElse, RemoveNoOp, StmtSimplify).
+# Inlining stops when the consumer would hold more Selects than this.
+MAX_INLINED_SELECTS = 16
 
 
 def _store_value(sch: s_tir.Schedule, block):
@@ -65,12 +71,13 @@ def _store_value(sch: s_tir.Schedule, block):
 
 def inline_is_cheap(sch: s_tir.Schedule, producer, consumers) -> bool:
     """Inlining ``producer`` into ``consumers`` keeps every expression small."""
-    from ..tir_util import count_loads, expr_size
+    from ..tir_util import count_loads, count_selects, expr_size
 
     value = _store_value(sch, producer)
     if value is None:
         return False
     size = expr_size(value, MAX_INLINED_EXPR + 1)
+    selects = count_selects(value, MAX_INLINED_EXPR + 1)
     out = sch.get(producer).writes[0].source
     for consumer in consumers:
         cvalue = _store_value(sch, consumer)
@@ -79,6 +86,9 @@ def inline_is_cheap(sch: s_tir.Schedule, producer, consumers) -> bool:
         uses = count_loads(cvalue, out)
         grown = expr_size(cvalue, MAX_INLINED_EXPR + 1) + uses * size
         if grown > MAX_INLINED_EXPR:
+            return False
+        nested = count_selects(cvalue, MAX_INLINED_EXPR + 1) + uses * selects
+        if uses and nested > MAX_INLINED_SELECTS:
             return False
     return True
 

@@ -1,0 +1,121 @@
+"""Importer fixes found by the encoder exports of issue #27 (DeBERTa-v2), each against ONNX
+Runtime at several sizes of the dynamic dims:
+
+- ``Tile`` whose repeats are a shape value (``Concat(Shape(y)[:1], [1])``): the importer
+  refused it ("cannot handle ShapeExpr inputs"); ``cast_shape_operands`` hands it over as an
+  int64 tensor and our ``Tile`` converter tiles with symbolic dims (a graph input as repeats, a
+  must-not-fire case, keeps stock's dynamic tile);
+- ``Clip`` of a ``Range`` over a dynamic axis, next to elementwise ops: stock's ``emit_te``
+  kernels kept the import's ``range_len_0`` and FuseTIR refused them once PlaceShapeOnHost had
+  bound it ("Inconsistent buffers").
+"""
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from tvm_fusion import engine, host_target, load_onnx
+from tvm_fusion.models._build import onnx_input, onnx_model
+from tvm_fusion.onnx_ops import cast_shape_operands
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def _check(model, feeds_list):
+    compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for feeds in feeds_list:
+        want = session.run(None, feeds)
+        got = engine.TvmRunner(compiled, list(feeds.values())).outputs()
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    return compiled
+
+
+def _tile_model(reps_from_shape: bool):
+    """``Tile(x, [len(y), 1])`` with x (n, 4): repeats from ``Shape(y)`` or a graph input."""
+    nodes = [helper.make_node("Tile", ["x", "reps"], ["t"]), helper.make_node("Relu", ["t"], ["z"])]
+    inputs = [onnx_input("x", "float32", ["n", 4])]
+    inits = {}
+    if reps_from_shape:
+        nodes[:0] = [
+            helper.make_node("Shape", ["y"], ["shp"]),
+            helper.make_node("Slice", ["shp", "zero", "one"], ["b"]),
+            helper.make_node("Concat", ["b", "one"], ["reps"], axis=0),
+        ]
+        inputs.append(onnx_input("y", "float32", ["b", 2]))
+        inits = {"zero": np.array([0], "int64"), "one": np.array([1], "int64")}
+    else:
+        inputs.append(onnx_input("reps", "int64", [2]))
+    return onnx_model(nodes, inputs, [onnx_input("z", "float32", ["m", 4])], inits, opset=17)
+
+
+def test_tile_repeats_from_a_shape_match_onnxruntime():
+    model = _tile_model(reps_from_shape=True)
+    assert cast_shape_operands(model)[1] == 1
+    rng = np.random.default_rng(0)
+    feeds = [
+        {"x": rng.standard_normal((n, 4)).astype("float32"), "y": np.zeros((b, 2), "float32")}
+        for n, b in [(2, 3), (5, 1), (1, 4)]
+    ]
+    compiled = _check(model, feeds)
+    # tiled as reshape / broadcast_to / reshape with symbolic dims: no dyn_tile kernel
+    assert "dyn_tile" not in compiled.lowered.script()
+
+
+def test_tile_repeats_from_a_graph_input_left_to_stock():
+    """Repeats that are data (a graph input): no Cast inserted, stock's dynamic tile."""
+    model = _tile_model(reps_from_shape=False)
+    assert cast_shape_operands(model)[1] == 1  # a graph input is not a constant: cast (no-op)
+    mod = load_onnx(model)
+    assert "tile" in mod.script()
+
+
+def test_constant_tile_repeats_get_no_cast():
+    model = _tile_model(reps_from_shape=False)
+    model.graph.ClearField("input")
+    model.graph.input.append(onnx_input("x", "float32", ["n", 4]))
+    from onnx import numpy_helper
+
+    model.graph.initializer.append(numpy_helper.from_array(np.array([2, 1], "int64"), "reps"))
+    assert cast_shape_operands(model) == (model, 0)
+
+
+def test_clip_of_a_dynamic_range_fuses_and_matches_onnxruntime():
+    """DeBERTa's relative positions: ``clip(i - j + 1, 0, 5)``, i over ``Range(0, Shape(x)[0])``
+    and j over ``Range(0, int64(squeeze(Shape(x)[1:2])))`` (a ``range_len_0`` at import), then
+    cast and multiplied into x (n, n)."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shp"]),
+        helper.make_node("Slice", ["shp", "one", "two"], ["n1"]),
+        helper.make_node("Squeeze", ["n1", "zero"], ["n0"]),
+        helper.make_node("Cast", ["n0"], ["n"], to=7),
+        helper.make_node("Range", ["zero_s", "n", "one_s"], ["r"]),
+        helper.make_node("Gather", ["shp", "zero_s"], ["m"], axis=0),
+        helper.make_node("Range", ["zero_s", "m", "one_s"], ["q"]),
+        helper.make_node("Unsqueeze", ["r", "zero"], ["row"]),
+        helper.make_node("Unsqueeze", ["q", "one"], ["col"]),
+        helper.make_node("Sub", ["col", "row"], ["d"]),
+        helper.make_node("Add", ["d", "one_s"], ["d1"]),
+        helper.make_node("Clip", ["d1", "zero_s", "five"], ["c"]),
+        helper.make_node("Cast", ["c"], ["cf"], to=1),
+        helper.make_node("Mul", ["x", "cf"], ["y"]),
+    ]
+    inits = {
+        "zero_s": np.array(0, "int64"),
+        "one_s": np.array(1, "int64"),
+        "five": np.array(5, "int64"),
+        "zero": np.array([0], "int64"),
+        "one": np.array([1], "int64"),
+        "two": np.array([2], "int64"),
+    }
+    model = onnx_model(
+        nodes,
+        [onnx_input("x", "float32", ["n", "n"])],
+        [onnx_input("y", "float32", ["n", "n"])],
+        inits,
+        opset=17,
+    )
+    rng = np.random.default_rng(1)
+    _check(model, [{"x": rng.standard_normal((n, n)).astype("float32")} for n in (7, 3, 1)])
