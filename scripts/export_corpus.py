@@ -6,7 +6,8 @@ files). Every model is built from a small config in code with random weights (no
 downloads), exported with the TorchScript exporter (``dynamo=False``) and, where it works, the
 dynamo exporter, with dynamic batch/sequence axes. For each export this writes
 
-    tests/corpus/NAME.onnx    the model (weights inside)
+    tests/corpus/NAME.onnx    the model (weights inside; the exporters' per-node metadata,
+                              stack traces with local paths, dropped)
     tests/corpus/NAME.npz     inputs ("in:NAME") at shapes other than the export's, and ONNX
                               Runtime's outputs ("out:NAME") on them
 and tests/corpus/manifest.json: per model its exporter, inputs, dynamic axes, and what the
