@@ -6,7 +6,8 @@ files). Every model is built from a small config in code with random weights (no
 downloads), exported with the TorchScript exporter (``dynamo=False``) and, where it works, the
 dynamo exporter, with dynamic batch/sequence axes. For each export this writes
 
-    tests/corpus/NAME.onnx    the model (weights inside)
+    tests/corpus/NAME.onnx    the model (weights inside; the exporters' per-node metadata,
+                              stack traces with local paths, dropped)
     tests/corpus/NAME.npz     inputs ("in:NAME") at shapes other than the export's, and ONNX
                               Runtime's outputs ("out:NAME") on them
 and tests/corpus/manifest.json: per model its exporter, inputs, dynamic axes, and what the
@@ -284,6 +285,99 @@ def llama():
     return _causal_lm(LlamaForCausalLM(cfg).eval(), left_pad=False)
 
 
+# Decoder-only LMs (issue #27): tiny configs as (input_ids, attention_mask) -> logits.
+def _lm_config(cls, **kw):
+    kw.setdefault("vocab_size", S.vocab)
+    kw.setdefault("max_position_embeddings", S.max_pos)
+    return cls(use_cache=False, attn_implementation="eager", **kw)
+
+
+def opt():
+    """OPT: learned positions from a cumsum of the attention mask (left padding exercised)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = _lm_config(
+        OPTConfig,
+        hidden_size=S.hidden,
+        word_embed_proj_dim=S.hidden,
+        ffn_dim=S.inner,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        dropout=0.0,
+        attention_dropout=0.0,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+    )
+    return _causal_lm(OPTForCausalLM(cfg).eval(), left_pad=True)
+
+
+def _rope_lm(config_cls, model_cls, **kw):
+    cfg = _lm_config(
+        config_cls,
+        hidden_size=S.hidden,
+        intermediate_size=S.inner,
+        num_hidden_layers=S.layers,
+        num_attention_heads=2 * S.kv_heads,
+        num_key_value_heads=S.kv_heads,
+        **kw,
+    )
+    return _causal_lm(model_cls(cfg).eval(), left_pad=False)
+
+
+def qwen2():
+    """Qwen2: Llama-like (RMSNorm, RoPE, GQA, SwiGLU) with biases on q/k/v."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _rope_lm(Qwen2Config, Qwen2ForCausalLM)
+
+
+def phi3():
+    """Phi-3: fused qkv_proj and gate_up_proj (SwiGLU of one GEMM's two halves)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return _rope_lm(Phi3Config, Phi3ForCausalLM, pad_token_id=0)
+
+
+def mistral():
+    """Mistral: Llama-like with sliding-window attention (window past the sequence)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _rope_lm(MistralConfig, MistralForCausalLM, sliding_window=S.max_pos)
+
+
+def gpt_neox():
+    """GPT-NeoX: fused qkv, partial rotary, parallel residual, GELU MLP."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = _lm_config(
+        GPTNeoXConfig,
+        hidden_size=S.hidden,
+        intermediate_size=S.inner,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return _causal_lm(GPTNeoXForCausalLM(cfg).eval(), left_pad=True)
+
+
+def falcon():
+    """Falcon (7B layout): multi-query attention, rotary, parallel attention + MLP."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = _lm_config(
+        FalconConfig,
+        hidden_size=S.hidden,
+        ffn_hidden_size=S.inner,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return _causal_lm(FalconForCausalLM(cfg).eval(), left_pad=True)
+
+
 def lstm_cell():
     import torch
 
@@ -418,6 +512,10 @@ MODELS = {
     "lstm": lstm,
     "gru": gru,
 }
+MODELS.update(
+    {"opt": opt, "qwen2": qwen2, "phi3": phi3, "mistral": mistral}
+    | {"gpt_neox": gpt_neox, "falcon": falcon}
+)
 
 
 # --- issue #27, encoders and encoder-decoders (branch arch-enc) ---
@@ -710,6 +808,12 @@ def _export_one(name: str, builder: str, exporter: str) -> dict:
     path = S.out / f"{stem}.onnx"
     _export(module, example.values(), names, outputs, axes, path, exporter == "dynamo")
     model = onnx.load(str(path))
+    if any(n.metadata_props or n.doc_string for n in model.graph.node):
+        # the exporters' per-node stack traces and source paths: over half of a dynamo file
+        for node in model.graph.node:
+            del node.metadata_props[:]
+            node.doc_string = ""
+        onnx.save(model, str(path))
     onnx.checker.check_model(model)
     check = make_inputs(*S.check_shape)
     feeds = {k: v.numpy() for k, v in check.items()}
