@@ -774,13 +774,6 @@ def _export(module, args, names, outputs, axes, path: Path, dynamo: bool) -> Non
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         torch.onnx.export(module, tuple(args), str(path), **kwargs)
-    if dynamo:  # drop the per-node stack traces (2/3 of a dynamo file); the graph is unchanged
-        import onnx
-
-        model = onnx.load(str(path))
-        for node in model.graph.node:
-            del node.metadata_props[:]
-        onnx.save(model, str(path))
 
 
 def export_one(name: str, exporter: str) -> dict:
