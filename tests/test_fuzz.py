@@ -115,19 +115,23 @@ def test_worker_crash_and_hang_cost_one_case(tmp_path):
         worker.close()
 
 
-def test_minimise_keeps_the_failure_and_drops_nodes():
-    """A failure that needs only the GEMM: the activations and the epilogue go."""
-    case = fuzz.generate("gates", 9)
+def test_minimise_keeps_the_failure_drops_nodes_and_cuts_dims():
+    """A failure that needs only the GEMM and 2+ rows: the activations and the epilogue go,
+    the dynamic rows of both feeds come down to 2."""
+    case = fuzz.generate("gates", 9)  # rows dynamic, fed at 31 and 3
 
-    def run(model, _feeds):  # fails while a MatMul is left
+    def run(model, feeds):  # fails while a MatMul is left and a feed has 2+ rows
         has = any(n.op_type == "MatMul" for n in model.graph.node)
-        return ("failure", "matmul") if has else ("ok", "")
+        rows = max(f["x"].shape[0] for f in feeds)
+        return ("failure", "matmul") if has and rows >= 2 else ("ok", "")
 
+    assert min(f["x"].shape[0] for f in case.feeds) > 2
     small, feeds, reason = fuzz.minimise(case.model, case.feeds, "failure", run, budget_s=30)
     assert reason == "matmul"
     assert len(small.graph.node) < len(case.model.graph.node)
     assert any(n.op_type == "MatMul" for n in small.graph.node)
     assert feeds[0].keys() == {i.name for i in small.graph.input}
+    assert sorted(f["x"].shape[0] for f in feeds) == [1, 2]
 
 
 @pytest.mark.parametrize("family", ["nope"])

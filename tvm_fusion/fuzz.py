@@ -31,7 +31,8 @@ pipeline fail too); ``failure`` (wrong numbers or shapes, another exception, a r
 stock runs), ``crash`` (the worker died) and ``hang`` (past the per-case timeout). Cases run
 in a worker subprocess that handles many of them (TVM is imported once); when it dies or
 hangs the case is recorded and a new worker starts. :func:`minimise` shrinks a failing case
-(dims first, then nodes bypassed or outputs dropped) while it keeps failing the same way.
+(outputs dropped, nodes bypassed, then the feeds' dynamic dims cut) while it keeps failing
+the same way.
 
 ``python scripts/fuzz.py --minutes N`` runs it and writes ``bench/fuzz.md`` / ``.json``.
 """
@@ -1015,11 +1016,32 @@ def _valid(model, feeds) -> bool:
     return True
 
 
+def _smaller_feeds(model, feeds):
+    """Feeds with one dynamic dim of one feed cut down (to 1, 2 or half), every input that
+    names the dim sliced alike."""
+    axes: dict[str, list[tuple[str, int]]] = {}
+    for v in model.graph.input:
+        for ax, d in enumerate(v.type.tensor_type.shape.dim):
+            if d.dim_param:
+                axes.setdefault(d.dim_param, []).append((v.name, ax))
+    for where in axes.values():
+        for i, feed in enumerate(feeds):
+            size = feed[where[0][0]].shape[where[0][1]]
+            for new in sorted({1, 2, size // 2} - {0}):
+                if new >= size:
+                    continue
+                cut = dict(feed)
+                for name, ax in where:
+                    cut[name] = np.take(feed[name], np.arange(new), axis=ax)
+                yield feeds[:i] + [cut] + feeds[i + 1 :]
+
+
 def minimise(
     model, feeds, outcome: str, run: Callable, budget_s: float = 120.0
 ) -> tuple[object, list[dict], str]:
-    """Greedily drop outputs and nodes while ``run(model, feeds)`` keeps giving ``outcome``
-    (within ``budget_s``); returns the smallest (model, feeds, reason) found."""
+    """Greedily drop outputs and nodes, then shrink the dynamic dims of the feeds, while
+    ``run(model, feeds)`` keeps giving ``outcome`` (within ``budget_s``); returns the smallest
+    (model, feeds, reason) found."""
     deadline = time.monotonic() + budget_s
     best, reason = model, ""
     improved = True
@@ -1039,6 +1061,18 @@ def minimise(
             got, why = run(cand, cfeeds)
             if got == outcome:
                 best, feeds, reason, improved = cand, cfeeds, why, True
+                break
+    improved = True
+    while improved and time.monotonic() < deadline:
+        improved = False
+        for cfeeds in _smaller_feeds(best, feeds):
+            if time.monotonic() > deadline:
+                break
+            if not _valid(best, cfeeds):
+                continue
+            got, why = run(best, cfeeds)
+            if got == outcome:
+                feeds, reason, improved = cfeeds, why, True
                 break
     return best, feeds, reason
 
