@@ -105,7 +105,9 @@ class _Graph:
         from onnx import helper
 
         outs = [self.name(op.lower()) for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op, list(inputs), outs, **attrs))
+        # named as exporters do: the importer's errors name the node
+        node = helper.make_node(op, list(inputs), outs, name=f"{op}_{outs[0]}", **attrs)
+        self.nodes.append(node)
         return outs[0] if n_out == 1 else outs
 
     def const(self, array, base: str = "c") -> str:
