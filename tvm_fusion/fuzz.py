@@ -745,6 +745,8 @@ def run_case(model, feeds, engine_fn: Callable | None = None) -> tuple[str, str]
     (load_onnx + the tvm_fusion pipeline) in tests of the checker."""
     from .errors import TvmFusionError, first_line
 
+    order = [i.name for i in model.graph.input]  # the imported function's parameters
+    feeds = [{name: f[name] for name in order} for f in feeds]
     try:
         refs = [ort_outputs(model, f) for f in feeds]
     except Exception as err:
