@@ -100,69 +100,9 @@ class ApplyRules:
 
 
 def prepare_passes() -> list[tvm.transform.Pass]:
-    """Before scheduling: mark the GEMM weights bound to constants as layout-free
-    (:class:`AttachLayoutFreeWeights`)."""
-    return [AttachLayoutFreeWeights()]
-
-
-_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
-
-
-def _layout_free_calls(mod: tvm.IRModule) -> dict | None:
-    """{PrimFunc GlobalVar: the argument positions bound to constants (or to parameters past
-    ``num_input``) that are GEMM weights}, the same for every call of it; None when two calls
-    of one PrimFunc differ."""
-    from tvm.ir.expr import GenericConst  # relax.Constant's 0.27 spelling
-
-    found: dict = {}
-    consistent = [True]
-    for _gv, func in mod.functions_items():
-        if not isinstance(func, relax.Function):
-            continue
-        num_input = func.attrs.get("num_input", None) if func.attrs else None
-        free = set(func.params[int(num_input) :]) if num_input is not None else set()
-
-        def visit(expr, free=free):
-            if not (isinstance(expr, relax.Call) and expr.op.same_as(_CALL_TIR)):
-                return
-            gv, args = expr.args[0], expr.args[1].fields
-            marked = [i for i, a in enumerate(args) if isinstance(a, GenericConst) or a in free]
-            prim = mod[gv]
-            weights = set(_weight_params(prim)) if marked else set()
-            keep = tuple(i for i in marked if i in weights)
-            if found.setdefault(gv, keep) != keep:
-                consistent[0] = False
-
-        relax.analysis.post_order_visit(func, visit)
-    return found if consistent[0] else None
-
-
-@tvm.transform.module_pass(opt_level=0, name="AttachLayoutFreeWeights")
-class AttachLayoutFreeWeights:
-    """``layout_free_buffers`` on the GEMM weights bound to constants, in place.
-
-    Stock ``AttachAttrLayoutFreeBuffers`` copies every called PrimFunc through ``RenewDefs``,
-    which in apache-tvm 0.27 gives a buffer's explicit layout fresh variables that nothing
-    defines: the library cumsum of a symbolic (b, s) tensor then failed in MakePackedAPI with
-    "variables (b, s) are used, but are not passed in as API arguments" (ONNX ``CumSum`` of
-    ``ConstantOfShape(Shape(x))``, OPT's positions; found by scripts/fuzz.py). Here only the
-    PrimFuncs with a constant weight get the mark, in place; when two calls of one PrimFunc
-    would need different marks, the stock pass and :class:`KeepLayoutFreeWeights` run instead.
-    """
-
-    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        found = _layout_free_calls(mod)
-        if found is None:
-            return tvm.transform.Sequential(
-                [relax.transform.AttachAttrLayoutFreeBuffers(), KeepLayoutFreeWeights()]
-            )(mod)
-        marked = {gv: keep for gv, keep in found.items() if keep}
-        if not marked:
-            return mod
-        mod = tvm.IRModule(mod.functions, mod.attrs)
-        for gv, keep in marked.items():
-            mod[gv] = mod[gv].with_attr("layout_free_buffers", list(keep))
-        return mod
+    """Before scheduling: mark PrimFunc parameters bound to constants as layout-free, then keep
+    that mark on GEMM weights only (:class:`KeepLayoutFreeWeights`)."""
+    return [relax.transform.AttachAttrLayoutFreeBuffers(), KeepLayoutFreeWeights()]
 
 
 def _weight_params(func) -> list[int]:
