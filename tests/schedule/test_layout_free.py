@@ -1,14 +1,19 @@
 """KeepLayoutFreeWeights: the layout-free mark stays on GEMM weights only (a bias marked
 layout-free got a non-bijective layout from MetaSchedule's RewriteLayout and tuned to wrong
-numbers)."""
+numbers). AttachLayoutFreeBuffers: a PrimFunc with nothing to mark is not copied (the stock
+pass's copy of a symbolic cumsum did not build)."""
 
+import numpy as np
 import tvm
+from helpers import run
+from tvm import relax
 from tvm.script import ir as I
+from tvm.script import relax as R
 from tvm.script import tirx as T
 
 import tvm_fusion
-from tvm_fusion import models, tuning
-from tvm_fusion.schedule import KeepLayoutFreeWeights
+from tvm_fusion import models, pipeline, tuning
+from tvm_fusion.schedule import AttachLayoutFreeBuffers, KeepLayoutFreeWeights
 
 
 def _gemm_bias(layout_free):
@@ -89,3 +94,51 @@ def test_gate_group_marks_its_weight_not_its_bias():
     ]
     names = [p.name for p in gate.params]
     assert [names[int(i)] for i in gate.attrs["layout_free_buffers"]] == ["B"], names
+
+
+@I.ir_module
+class _CumsumOfMask:
+    @R.function
+    def main(m: R.Tensor(("b", "s"), "int64"), w: R.Tensor((8, 4), "float32")):
+        with R.dataflow():
+            pos = R.multiply(R.cumsum(m, axis=1), m)
+            y = R.matmul(w, R.const(np.ones((4, 2), "float32")))
+            R.output(pos, y)
+        return pos, y
+
+
+def _legalized():
+    target = tvm_fusion.host_target()
+    with target:
+        seq = tvm.transform.Sequential(
+            [
+                *pipeline._backend(target).library_dispatch_passes(target),
+                relax.transform.LegalizeOps(),
+            ]
+        )
+        return seq(_CumsumOfMask)
+
+
+def test_attach_keeps_unmarked_prim_funcs_as_they_were():
+    """OPT's positions: the stock pass's ``renew_defs`` left the vars of the symbolic cumsum's
+    output layout undefined (MakePackedAPI: "variables (b, s) are used, but are not passed in
+    as API arguments"); a PrimFunc with nothing to mark is kept, the constant weight marked."""
+    before = _legalized()
+    after = AttachLayoutFreeBuffers()(before)
+    funcs = {
+        gv.name_hint: f for gv, f in after.functions_items() if isinstance(f, tvm.tirx.PrimFunc)
+    }
+    (cumsum,) = [f for name, f in funcs.items() if name.startswith("cumsum")]
+    assert cumsum.body.same_as(before["cumsum"].body)
+    assert list(cumsum.attrs["layout_free_buffers"]) == []
+    (matmul,) = [f for name, f in funcs.items() if name.startswith("matmul")]
+    assert [int(i) for i in matmul.attrs["layout_free_buffers"]] == [1]
+
+
+def test_symbolic_cumsum_compiles_and_matches():
+    mask = np.ones((3, 7), "int64")
+    mask[-1, :2] = 0
+    w = np.random.default_rng(0).standard_normal((8, 4)).astype("float32")
+    (pos, y), _ = run(_CumsumOfMask, [mask, w])
+    np.testing.assert_array_equal(pos, np.cumsum(mask, axis=1) * mask)
+    np.testing.assert_allclose(y, w @ np.ones((4, 2), "float32"), rtol=1e-6)

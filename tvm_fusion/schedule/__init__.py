@@ -102,7 +102,54 @@ class ApplyRules:
 def prepare_passes() -> list[tvm.transform.Pass]:
     """Before scheduling: mark PrimFunc parameters bound to constants as layout-free, then keep
     that mark on GEMM weights only (:class:`KeepLayoutFreeWeights`)."""
-    return [relax.transform.AttachAttrLayoutFreeBuffers(), KeepLayoutFreeWeights()]
+    return [AttachLayoutFreeBuffers(), KeepLayoutFreeWeights()]
+
+
+def _call_tir_callees(func: relax.Function) -> list:
+    """The PrimFuncs ``func`` calls through ``call_tir``, in post order (repeats included)."""
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    found = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(call_tir):
+            found.append(expr.args[0])
+
+    relax.analysis.post_order_visit(func, visit)
+    return found
+
+
+@tvm.transform.module_pass(opt_level=0, name="AttachLayoutFreeBuffers")
+class AttachLayoutFreeBuffers:
+    """Stock ``AttachAttrLayoutFreeBuffers``, except that a PrimFunc of which it marks no
+    parameter is kept as it was (with an empty mark).
+
+    The stock pass copies every called PrimFunc through ``s_tir.renew_defs``, which gives the
+    buffer shapes fresh vars but leaves those of an explicit buffer layout (the output of
+    topi's scans, a ``decl_buffer``) undefined: a symbolic ``cumsum`` (OPT's positions, a
+    cumsum of the attention mask) then fails ``MakePackedAPI`` with "variables (batch, seq)
+    are used, but are not passed in as API arguments". Upstream fix: remap the layout's vars
+    in ``RenewDefs``. Both modules' ``call_tir`` callees are walked in the same order (the
+    stock pass only replaces each call's callee) to find the original of each copy.
+    """
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        out = relax.transform.AttachAttrLayoutFreeBuffers()(mod)
+        restore = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function) or gv.name_hint not in out:
+                continue
+            old = _call_tir_callees(func)
+            new = _call_tir_callees(out[gv.name_hint])
+            if len(old) != len(new):
+                logger.debug("%s: call_tir callees changed, left as the stock pass made it", gv)
+                continue
+            for old_gv, new_gv in zip(old, new, strict=True):
+                copy = out[new_gv]
+                if not list(copy.attrs.get("layout_free_buffers", None) or []):
+                    restore[new_gv] = mod[old_gv].with_attr("layout_free_buffers", [])
+        for new_gv, func in restore.items():
+            out[new_gv] = func
+        return out
 
 
 def _weight_params(func) -> list[int]:
