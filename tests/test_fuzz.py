@@ -105,12 +105,10 @@ def test_worker_crash_and_hang_cost_one_case(tmp_path):
     (tmp_path / "fuzz_probe.py").write_text(textwrap.dedent(_PROBE))
     worker = fuzz.Worker(timeout_s=5, runner="fuzz_probe:run", env={"PYTHONPATH": str(tmp_path)})
     try:
-        assert worker.run(*_one_op("Sigmoid")) == ("ok", "")
         outcome, reason = worker.run(*_one_op("Relu"))
         assert outcome == "crash" and "died" in reason
         assert worker.run(*_one_op("Sigmoid")) == ("ok", "")  # a new worker
-        assert worker.run(*_one_op("Tanh"))[0] == "hang"
-        assert worker.run(*_one_op("Sigmoid")) == ("ok", "")
+        assert worker.run(*_one_op("Tanh")) == ("hang", "no result in 5 s")
     finally:
         worker.close()
 
