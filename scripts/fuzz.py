@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -79,8 +80,9 @@ def _markdown(result: dict) -> str:
     if result["refusals"]:
         lines += ["", "## Refusals (stock TVM fails too), by message", ""]
         by: dict[str, list[str]] = {}
-        for r in result["refusals"]:
-            by.setdefault(r["reason"], []).append(r["case"])
+        for r in result["refusals"]:  # by message, the node's name reduced to its op
+            reason = re.sub(r"Node (\w+?)_\w+ ", r"Node \1 ", r["reason"])
+            by.setdefault(reason, []).append(r["case"])
         for reason, cases in sorted(by.items(), key=lambda kv: -len(kv[1])):
             lines.append(f"- {len(cases)}x {reason} (e.g. `{cases[0]}`)")
     return "\n".join(lines) + "\n"
