@@ -1127,3 +1127,29 @@ def test_bias_adding_leading_axes_left_alone(target):
         ref = xv @ w + b
         expected = 1 / (1 + np.exp(-ref[..., :8])) * ref[..., 8:]
         compare_pipelines(mod, [xv, *inputs], rtol=1e-5, atol=1e-5, reference=[expected])
+
+
+def test_scalar_bias_fuses(target):
+    """``x @ W + b`` with a 0-d constant ``b`` (ONNX Add of a scalar) is a GEMM bias too: the
+    matcher indexed its last dim and raised IndexError (found by scripts/fuzz.py)."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((4, 16)).astype("float32")
+    b = np.array(0.25, dtype="float32")
+    x = relax.Var("x", relax.TensorType((3, 4), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), relax.const(b)))
+            parts = bb.emit(relax.op.split(y, 2, axis=-1))
+            i, g = (bb.emit(relax.TupleGetItem(parts, k)) for k in range(2))
+            out = bb.emit_output(relax.op.multiply(bb.emit(relax.op.sigmoid(i)), g))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    with collect_rewrites() as counts:
+        with target:
+            FuseSplitGates()(mod)
+    assert counts.get("FuseSplitGates", 0) == 1
+    xv = rng.standard_normal((3, 4)).astype("float32")
+    ref = xv @ w + b
+    expected = 1 / (1 + np.exp(-ref[..., :8])) * ref[..., 8:]
+    compare_pipelines(mod, [xv], rtol=1e-5, atol=1e-5, reference=[expected])

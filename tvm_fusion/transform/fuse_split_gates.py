@@ -774,7 +774,7 @@ def _gemm_of(blk: _Block, y, pieces, chain, width, aliases) -> _Gemm | None:
         if (
             bias_shape is None
             or any(_int(d) != 1 for d in bias_shape[:-1])
-            or _int(bias_shape[-1]) not in (1, total)
+            or (bias_shape and _int(bias_shape[-1]) not in (1, total))
         ):
             return skip(logger, what, "bias does not broadcast along the features only") or None
         chain.insert(0, mm)
@@ -1050,6 +1050,8 @@ def _gemm_stage(x, w, layout: str, block: int, width: int, gates: int, n_rows: i
 
 
 def _bias_stage(y, bias, width: int, n_rows: int, name: str):
+    if not bias.shape:  # a scalar bias (ONNX Add of a 0-d constant)
+        return te.compute(y.shape, lambda *idx: y(*idx) + bias(), name=name)
     per_feature = _int(bias.shape[-1]) != 1
     lead = [0] * (len(bias.shape) - 1)
     blocked = len(y.shape) == n_rows + 3

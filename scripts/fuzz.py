@@ -1,0 +1,148 @@
+"""Differential fuzzer: random ONNX graphs of the patterns our passes rewrite, ours vs ORT.
+
+    python scripts/fuzz.py --minutes 60 --seed 0 --out fuzz_failures
+
+Cases run round-robin over the families (``tvm_fusion.fuzz.FAMILIES``) in one worker
+subprocess (a segfault or a hang costs one case); each failure is minimised and saved under
+``--out`` as ``FAMILY-SEED/model.onnx``, ``inputs.npz`` and ``reason.txt``. Totals per family
+go to ``bench/fuzz.json`` and ``bench/fuzz.md`` (``--output ''`` to skip). The exit status is 1
+when a case failed, crashed or hung.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _parse_args(argv=None):
+    from tvm_fusion.fuzz import FAMILIES
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=None, help="stop after this long")
+    p.add_argument("--cases", type=int, default=None, help="... or after this many per family")
+    p.add_argument("--seed", type=int, default=0, help="first seed (cases use seed, seed+1, ...)")
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated")
+    p.add_argument("--out", default="fuzz_failures", help="minimised failures go here")
+    p.add_argument("--output", default=str(ROOT / "bench" / "fuzz"), help="totals (.json/.md)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
+    p.add_argument("--minimise", type=float, default=120.0, help="seconds per failure")
+    args = p.parse_args(argv)
+    args.families = tuple(f for f in args.families.split(",") if f)
+    unknown = set(args.families) - set(FAMILIES)
+    if unknown:
+        p.error(f"unknown families {sorted(unknown)}; known: {', '.join(FAMILIES)}")
+    if args.minutes is None and args.cases is None:
+        p.error("give --minutes or --cases")
+    return args
+
+
+def _markdown(result: dict) -> str:
+    from tvm_fusion.fuzz import OUTCOMES
+
+    lines = [
+        "# Differential fuzzer: random ONNX graphs, tvm_fusion vs ONNX Runtime",
+        "",
+        f"`{result['command']}`",
+        "",
+        f"{result['date']}, {result['machine']}, load average before/after "
+        f"{result['load_before']} / {result['load_after']}, {result['seconds']:.0f} s.",
+        "",
+        "| family | graphs run | " + " | ".join(OUTCOMES) + " |",
+        "|---|---:|" + "---:|" * len(OUTCOMES),
+    ]
+    total = dict.fromkeys(OUTCOMES, 0)
+    for family, row in result["counts"].items():
+        run = sum(row[o] for o in OUTCOMES if o != "discarded")
+        lines.append(f"| {family} | {run} | " + " | ".join(str(row[o]) for o in OUTCOMES) + " |")
+        for o in OUTCOMES:
+            total[o] += row[o]
+    run = sum(total[o] for o in OUTCOMES if o != "discarded")
+    lines.append(f"| **all** | **{run}** | " + " | ".join(str(total[o]) for o in OUTCOMES) + " |")
+    lines += [
+        "",
+        "Graphs run: every case but the discarded ones (ONNX Runtime itself failed). "
+        "`refused`: a one-line ModelError from us where stock TVM (its importer and pipeline) "
+        "fails too; a refusal of what stock runs counts as a failure.",
+    ]
+    if result["failures"]:
+        lines += ["", "## Failures", ""]
+        for f in result["failures"]:
+            lines.append(f"- {f['outcome']} `{f['case']}` ({f['note']}): {f['reason']}")
+    if result["refusals"]:
+        lines += ["", "## Refusals (stock TVM fails too), by message", ""]
+        by: dict[str, list[str]] = {}
+        for r in result["refusals"]:  # by message, the node's name reduced to its op
+            reason = re.sub(r"Node (\w+?)_\w+ ", r"Node \1 ", r["reason"])
+            by.setdefault(reason, []).append(r["case"])
+        for reason, cases in sorted(by.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"- {len(cases)}x {reason} (e.g. `{cases[0]}`)")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TVM_NUM_THREADS", "1")
+    args = _parse_args(argv)
+    from tvm_fusion.fuzz import fuzz
+
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    start = time.time()
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    command = "python scripts/fuzz.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    last = [0.0]
+
+    def result_of(totals) -> dict:
+        return {
+            "command": command,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')}",
+            "load_before": load_before,
+            "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "seconds": time.time() - start,
+            "counts": totals.counts,
+            "failures": totals.failures,
+            "refusals": totals.refusals,
+        }
+
+    def write(result) -> str:
+        text = _markdown(result)
+        if args.output:
+            out = Path(args.output)
+            out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+            out.with_suffix(".md").write_text(text)
+        return text
+
+    def progress(totals) -> None:  # totals so far, once a minute: a killed run leaves them
+        if time.time() - last[0] > 60:
+            last[0] = time.time()
+            write(result_of(totals))
+
+    totals = fuzz(
+        args.families,
+        seed=args.seed,
+        minutes=args.minutes,
+        cases=args.cases,
+        out_dir=Path(args.out) if args.out else None,
+        timeout_s=args.timeout,
+        minimise_s=args.minimise,
+        log=log,
+        progress=progress,
+    )
+    print(write(result_of(totals)))
+    return 1 if totals.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

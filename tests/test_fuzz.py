@@ -1,0 +1,138 @@
+"""The differential fuzzer (tvm_fusion.fuzz): a fixed-seed slice of every family runs with
+no failure, and the checker does catch what it must (wrong numbers from a broken pass, a
+wrong shape, a crashing or hanging worker, a refusal of what stock TVM runs)."""
+
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+
+from tvm_fusion import fuzz
+from tvm_fusion.errors import ModelError
+from tvm_fusion.transform import fuse_split_gates
+
+
+def test_fixed_seed_slice_has_no_failure(tmp_path):
+    """A minute of the fuzzer in CI: 7 graphs of each family, each run by ORT and by us on two
+    feeds of different dynamic sizes, in one worker subprocess."""
+    totals = fuzz.fuzz(fuzz.FAMILIES, seed=0, cases=7, out_dir=tmp_path, minimise_s=20)
+    assert not totals.failures, totals.failures
+    assert set(totals.counts) == set(fuzz.FAMILIES)
+    ran = sum(row["ok"] + row["refused"] for row in totals.counts.values())
+    assert ran == 7 * len(fuzz.FAMILIES)
+    assert sum(row["ok"] for row in totals.counts.values()) >= 0.8 * ran
+
+
+def test_generator_builds_valid_graphs_with_two_different_feeds():
+    for family in fuzz.FAMILIES:
+        for seed in range(5):
+            case = fuzz.generate(family, seed)
+            onnx.checker.check_model(case.model, full_check=True)
+            first, second = case.feeds
+            assert first.keys() == second.keys() == {i.name for i in case.model.graph.input}
+            for feed in case.feeds:
+                fuzz.ort_outputs(case.model, feed)
+    # dynamic dims are fed at two sizes
+    case = fuzz.generate("range_gather", 3)
+    shapes = [tuple(f["x"].shape) for f in case.feeds]
+    assert shapes[0] != shapes[1]
+    assert fuzz.generate("views", 11).model == fuzz.generate("views", 11).model
+
+
+def test_wrong_numbers_of_a_broken_pass_are_a_failure(monkeypatch):
+    """FuseSplitGates made to drop the GEMM bias: the checker reports wrong numbers."""
+    case = fuzz.generate("gates", 2)  # MatMul + bias (N,) -> split -> gates: fused
+    assert fuzz.run_case(case.model, case.feeds) == ("ok", "")
+    monkeypatch.setattr(fuse_split_gates, "_bias_stage", lambda y, *_a, **_k: y)
+    outcome, reason = fuzz.run_case(case.model, case.feeds)
+    assert outcome == "failure" and "wrong result" in reason and "max abs error" in reason
+
+
+def test_checker_catches_wrong_values_shapes_and_dtypes():
+    case = fuzz.generate("cross_entropy", 1)
+    refs = [fuzz.ort_outputs(case.model, f) for f in case.feeds]
+    assert fuzz.run_case(case.model, case.feeds, lambda m, f: refs) == ("ok", "")
+    bumped = [[r + np.float32(1e-2) * max(1, np.abs(r).max()) for r in rs] for rs in refs]
+    assert fuzz.run_case(case.model, case.feeds, lambda m, f: bumped)[0] == "failure"
+    shaped = [[r[None] for r in rs] for rs in refs]
+    assert "shape" in fuzz.run_case(case.model, case.feeds, lambda m, f: shaped)[1]
+    ints = [np.arange(4), np.arange(4)]
+    assert fuzz.compare([ints[0] + 1], [ints[1]]).startswith("output 0: 4 of 4 integers")
+    assert "dtype" in fuzz.compare([ints[0].astype("int32")], [ints[1]])
+
+
+def test_refusal_counts_only_where_stock_fails_too():
+    case = fuzz.generate("gemms", 0)
+
+    def refuse(_m, _f):
+        raise ModelError("cannot do it")
+
+    outcome, reason = fuzz.run_case(case.model, case.feeds, refuse)
+    assert outcome == "failure" and reason.startswith("refused, but stock TVM runs it")
+
+
+_PROBE = """
+import os, time
+from tvm_fusion import fuzz
+
+def run(model, feeds):
+    op = model.graph.node[0].op_type
+    if op == "Relu":
+        os.abort()
+    if op == "Tanh":
+        time.sleep(60)
+    return fuzz.run_case(model, feeds, lambda m, f: [fuzz.ort_outputs(m, x) for x in f])
+"""
+
+
+def _one_op(op):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    feeds = [{"x": np.ones(3, "float32")}, {"x": np.ones(5, "float32")}]
+    return model, feeds
+
+
+def test_worker_crash_and_hang_cost_one_case(tmp_path):
+    (tmp_path / "fuzz_probe.py").write_text(textwrap.dedent(_PROBE))
+    worker = fuzz.Worker(timeout_s=5, runner="fuzz_probe:run", env={"PYTHONPATH": str(tmp_path)})
+    try:
+        outcome, reason = worker.run(*_one_op("Relu"))
+        assert outcome == "crash" and "died" in reason
+        assert worker.run(*_one_op("Sigmoid")) == ("ok", "")  # a new worker
+        assert worker.run(*_one_op("Tanh")) == ("hang", "no result in 5 s")
+    finally:
+        worker.close()
+
+
+def test_minimise_keeps_the_failure_drops_nodes_and_cuts_dims():
+    """A failure that needs only the GEMM and 2+ rows: the activations and the epilogue go,
+    the dynamic rows of both feeds come down to 2."""
+    case = fuzz.generate("gates", 9)  # rows dynamic, fed at 31 and 3
+
+    def run(model, feeds):  # fails while a MatMul is left and a feed has 2+ rows
+        has = any(n.op_type == "MatMul" for n in model.graph.node)
+        rows = max(f["x"].shape[0] for f in feeds)
+        return ("failure", "matmul") if has and rows >= 2 else ("ok", "")
+
+    assert min(f["x"].shape[0] for f in case.feeds) > 2
+    small, feeds, reason = fuzz.minimise(case.model, case.feeds, "failure", run, budget_s=30)
+    assert reason == "matmul"
+    assert len(small.graph.node) < len(case.model.graph.node)
+    assert any(n.op_type == "MatMul" for n in small.graph.node)
+    assert feeds[0].keys() == {i.name for i in small.graph.input}
+    assert sorted(f["x"].shape[0] for f in feeds) == [1, 2]
+
+
+@pytest.mark.parametrize("family", ["nope"])
+def test_unknown_family(family):
+    with pytest.raises(ValueError, match="unknown family"):
+        fuzz.generate(family, 0)
