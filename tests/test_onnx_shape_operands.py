@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from tvm_fusion import engine, host_target, load_onnx
+from tvm_fusion import analysis, engine, host_target, load_onnx
 from tvm_fusion.models._build import onnx_input, onnx_model
-from tvm_fusion.onnx_ops import cast_shape_operands
+from tvm_fusion.onnx_ops import cast_operands_of, cast_shape_operands
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -119,3 +119,32 @@ def test_clip_of_a_dynamic_range_fuses_and_matches_onnxruntime():
     )
     rng = np.random.default_rng(1)
     _check(model, [{"x": rng.standard_normal((n, n)).astype("float32")} for n in (7, 3, 1)])
+
+
+def _scaled_reshape_model():
+    """``Reshape(x, [Shape(x)[0] * 2, 2])`` with x (n, 4): the product of a shape number is
+    a ``Mul`` of a shape value, which the importer refused ("Node twice cannot handle ShapeExpr
+    inputs"; stock TVM fails the same way)."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shp"], name="shape"),
+        helper.make_node("Gather", ["shp", "zero"], ["n"], name="rows", axis=0),
+        helper.make_node("Mul", ["n", "two"], ["n2"], name="twice"),
+        helper.make_node("Concat", ["n2", "two"], ["target"], name="target", axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["r"], name="reshape"),
+        helper.make_node("Relu", ["r"], ["z"], name="relu"),
+    ]
+    inits = {"zero": np.array([0], "int64"), "two": np.array([2], "int64")}
+    inputs = [onnx_input("x", "float32", ["n", 4])]
+    return onnx_model(nodes, inputs, [onnx_input("z", "float32", ["m", 2])], inits, opset=17)
+
+
+def test_arithmetic_on_a_shape_value_is_imported_and_matches_onnxruntime():
+    """load_onnx casts the refused node's shape operands to int64 tensors and imports again;
+    PlaceShapeOnHost folds the product back into a symbolic reshape (no shape kernel)."""
+    model = _scaled_reshape_model()
+    assert cast_operands_of(model, "twice")[1] == 1
+    assert cast_operands_of(model, "relu") == (model, 0)  # no shape operand: unchanged
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((n, 4)).astype("float32")} for n in (3, 1, 8)]
+    compiled = _check(model, feeds)
+    assert analysis.shape_work(compiled.lowered, host_target()).kernels == []

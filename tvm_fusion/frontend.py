@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -252,6 +253,12 @@ def fold_constants(model, max_elements: int = FOLD_MAX_ELEMENTS):
     return out, len(graph.node) - len(keep)
 
 
+# the importer's refusal of a shape value where a tensor is expected; load_onnx casts that
+# node's shape operands to int64 tensors and imports again, at most this many times
+_SHAPE_REFUSED = re.compile(r"Node (.+) cannot handle ShapeExpr inputs\.")
+_MAX_SHAPE_RETRIES = 16
+
+
 def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
     """Validate an ONNX model and import it as a Relax IRModule (see module docstring)."""
     from tvm.relax.frontend.onnx import from_onnx
@@ -272,15 +279,22 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
             raise ModelError(
                 f"{where} uses ONNX operators that cannot be imported: {', '.join(unsupported)}"
             )
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                mod = from_onnx(model, shape_dict=shape_dict, keep_params_in_input=False)
-        except tvm.error.OpNotImplemented as err:
-            raise ModelError(f"{where}: {first_line(err)}") from None
-        except Exception as err:
-            raise ModelError(f"cannot import {where}: {first_line(err)}") from None
-    return mod
+        for _ in range(_MAX_SHAPE_RETRIES + 1):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    return from_onnx(model, shape_dict=shape_dict, keep_params_in_input=False)
+            except tvm.error.OpNotImplemented as err:
+                raise ModelError(f"{where}: {first_line(err)}") from None
+            except Exception as err:
+                refused = _SHAPE_REFUSED.match(first_line(err))
+                if refused:
+                    model, cast = onnx_ops.cast_operands_of(model, refused.group(1))
+                    if cast:
+                        logger.debug("%s: %s's shape operands cast", where, refused.group(1))
+                        continue
+                raise ModelError(f"cannot import {where}: {first_line(err)}") from None
+        raise ModelError(f"cannot import {where}: shape values reach too many operands")
 
 
 def load_exported_program(path, shapes: Shapes | None = None) -> tvm.IRModule:

@@ -438,6 +438,87 @@ CONVERTERS = {
 SHAPE_OPERANDS = {"Tile": (1,)}
 
 
+# ops whose int64 output carries the numbers of a shape when an input does (ONNX gives these
+# ops one element type for their data inputs, so a value derived from ``Shape`` through them
+# is int64 and a ``Cast(to=INT64)`` of it changes nothing)
+_SHAPE_CARRIERS = {
+    "Gather": (0,),
+    "Slice": (0,),
+    "Squeeze": (0,),
+    "Unsqueeze": (0,),
+    "Reshape": (0,),
+    "Expand": (0,),
+    "Concat": None,  # any input
+    "Add": None,
+    "Sub": None,
+    "Mul": None,
+    "Div": None,
+    "Mod": None,
+    "Neg": None,
+    "Abs": None,
+    "Min": None,
+    "Max": None,
+}
+
+
+def shape_derived(graph) -> set[str]:
+    """Names of the values of ``graph`` computed from a ``Shape`` through
+    :data:`_SHAPE_CARRIERS` (int64 by the ops' typing rules)."""
+    derived: set[str] = set()
+    for node in graph.node:  # ONNX graphs are topologically sorted
+        if node.op_type == "Shape":
+            derived.update(o for o in node.output if o)
+            continue
+        positions = _SHAPE_CARRIERS.get(node.op_type, ())
+        inputs = node.input if positions is None else [node.input[p] for p in positions]
+        if node.domain in ("", "ai.onnx") and any(i in derived for i in inputs if i):
+            derived.update(o for o in node.output if o)
+    return derived
+
+
+def cast_operands_of(model, node_name: str):
+    """``model`` with a ``Cast(to=INT64)`` in front of every input of the node named
+    ``node_name`` that is computed from a ``Shape`` (:func:`shape_derived`), and the number
+    inserted. ``load_onnx`` calls it when the importer refused that node ("Node X cannot handle
+    ShapeExpr inputs": only Reshape, Expand, Concat, Slice and a few others take a shape
+    value): the value then arrives as the int64 tensor every converter takes, and
+    PlaceShapeOnHost evaluates it symbolically again. Models the importer takes as they are
+    are never changed. The top graph only."""
+    import onnx
+
+    graph = model.graph
+    targets = [n for n in graph.node if n.name == node_name]
+    if len(targets) != 1 or not node_name:
+        return model, 0
+    derived = shape_derived(graph)
+    if not any(i in derived for i in targets[0].input):
+        return model, 0
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes, count = [], 0
+    for node in out.graph.node:
+        if node.name == node_name:
+            for pos, name in enumerate(node.input):
+                if name not in derived:
+                    continue
+                cast = f"{name}__as_int64_{node_name}_{pos}"
+                nodes.append(
+                    onnx.helper.make_node(
+                        "Cast",
+                        [name],
+                        [cast],
+                        name=f"{node_name}__cast_{pos}",
+                        to=onnx.TensorProto.INT64,
+                    )  # fmt: skip
+                )
+                node.input[pos] = cast
+                count += 1
+        nodes.append(node)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out, count
+
+
 def cast_shape_operands(model):
     """``model`` with a ``Cast(to=INT64)`` (a no-op on int64) in front of every
     :data:`SHAPE_OPERANDS` input that is not a constant, and the number inserted. A shape
