@@ -138,6 +138,37 @@ def test_rnn_unrolled_steps(hidden, width, cell):
         compare_pipelines(mod, [x], rtol=1e-4, atol=1e-4, reference=[ref])
 
 
+class _DeepRNN(torch.nn.Module):
+    def __init__(self, cell):
+        super().__init__()
+        self.rnn = cell(12, 7, num_layers=2, bidirectional=True)  # sequence first
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_rnn_two_layers_bidirectional_sequence_first(cell):
+    """``nn.LSTM`` / ``nn.GRU`` with 2 layers, both directions, ``batch_first=False`` via
+    torch.export: one gate kernel per step of each layer and direction (2 x 2 x 3)."""
+    from tvm.relax.frontend.torch import from_exported_program
+
+    torch.manual_seed(0)
+    module, steps = _DeepRNN(getattr(torch.nn, cell)).eval(), 3
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(module, (torch.randn(steps, 2, 12),), dynamic_shapes=({1: batch},))
+    mod = from_exported_program(ep, keep_params_as_input=False)
+    target = tvm_fusion.host_target()
+    with tvm.target.Target(target), collect_rewrites() as counts:
+        tvm.transform.Sequential(tvm_fusion.fusion_passes(target))(mod)
+    assert counts["FuseSplitGates"] == 2 * 2 * steps
+    for b in (1, 3):
+        x = np.random.default_rng(b).standard_normal((steps, b, 12)).astype("float32")
+        with torch.no_grad():
+            ref = module(torch.from_numpy(x)).numpy()
+        compare_pipelines(mod, [x], rtol=1e-4, atol=1e-4, reference=[ref])
+
+
 class GatesBase(Base):
     transform = FuseSplitGates(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
 
