@@ -86,6 +86,11 @@ from ._gate_views import fold_row_views
 logger = get_logger(__name__)
 NAME = "FuseSplitGates"
 GATE_ATTR = "tvm_fusion.gate_fusion"
+# Data types a gate GEMM may have (inputs, weight, bias and result alike); half-precision groups
+# accumulate and run their gate math in ``_ACC`` and round once, where each result is written.
+_HALF = ("float16", "bfloat16")
+_DTYPES = ("float32", *_HALF)
+_ACC = "float32"
 
 
 def _unary(fast, stock):
@@ -145,11 +150,19 @@ _ELEMENTWISE = {
 }
 
 
-def _emit_op(call: relax.Call, args: list, fast_math: bool):
-    """The TE of one gate-math op on the tensors ``args``."""
+def _emit_op(call: relax.Call, args: list, fast_math: bool, wide: bool = False):
+    """The TE of one gate-math op on the tensors ``args``. ``wide``: floating-point tensors are
+    held in float32 (a half-precision group), so a cast to a half type rounds to it and widens
+    back, and a cast to float32 is the tensor itself."""
     name = _op(call)
     if name == "relax.astype":
-        return topi.cast(args[0], str(call.attrs.dtype))
+        dtype = str(call.attrs.dtype)
+        if not wide:
+            return topi.cast(args[0], dtype)
+        if dtype == _ACC and args[0].dtype == _ACC:
+            return args[0]
+        out = topi.cast(args[0], dtype)
+        return topi.cast(out, _ACC) if dtype in _DTYPES else out
     if name == "relax.power":
         n = _integral_scalar(call.args[1])
         if n is not None and 1 <= n <= 4:
@@ -220,7 +233,8 @@ def _const_array(expr) -> np.ndarray | None:
 
 def _const_linear(blk: _Block, var):
     """(x, W as (N, K), bias array or None) of ``var = x @ W^T (+ b)`` or ``x @ W (+ b)``
-    with a constant 2-D float32 weight (and bias), else None."""
+    with a constant 2-D weight (and bias) of ``x``'s data type (float32, float16, bfloat16),
+    else None."""
     value, bias = blk.value.get(var), None
     if _op(value) == "relax.add":
         lhs, rhs = value.args
@@ -247,7 +261,10 @@ def _const_linear(blk: _Block, var):
         weight = weight.T if weight.ndim == 2 else None  # (K, N) -> (N, K)
     if weight is None or _shape(x) is None or len(_shape(x)) < 2:
         return None
-    if str(x.ty.dtype) != "float32" or weight.dtype != np.float32:
+    dtype = str(x.ty.dtype)
+    if dtype not in _DTYPES or str(weight.dtype) != dtype:
+        return None
+    if bias is not None and str(bias.dtype) != dtype:
         return None
     if bias is not None and not _feature_bias(bias.shape, weight.shape[0], len(_shape(x))):
         return None
@@ -327,10 +344,11 @@ class _MergeSummedGemms(PyExprMutator):
             if w1.shape[0] != w2.shape[0] or str(_shape(x1)[0]) != str(_shape(x2)[0]):
                 continue
             bias = None
-            for part in (b1, b2):
+            for part in (b1, b2):  # summed in float32, rounded once to the weights' dtype
                 if part is not None:
-                    part = np.broadcast_to(part.reshape(-1), (w1.shape[0],))
+                    part = np.broadcast_to(part.reshape(-1).astype(np.float32), (w1.shape[0],))
                     bias = part if bias is None else bias + part
+            bias = None if bias is None else bias.astype(w1.dtype)
             self.plan[b.var] = (x1, x2, np.concatenate([w1, w2], axis=1), bias)
         return super().visit_dataflow_block_(block)
 
@@ -341,10 +359,11 @@ class _MergeSummedGemms(PyExprMutator):
         x1, x2, weight, bias = found
         bb = self.builder_
         xc = bb.emit(relax.op.concat([self.visit_expr(x1), self.visit_expr(x2)], axis=-1))
-        wt = bb.emit(relax.op.permute_dims(relax.const(weight), axes=[1, 0]))
+        dtype = str(weight.dtype)
+        wt = bb.emit(relax.op.permute_dims(relax.const(weight, dtype), axes=[1, 0]))
         out = relax.op.matmul(xc, wt)
         if bias is not None:
-            out = relax.op.add(bb.emit(out), relax.const(bias.astype(np.float32)))
+            out = relax.op.add(bb.emit(out), relax.const(bias, dtype))
         new = bb.emit(out, name_hint=binding.var.name)
         self.set_var_remap(binding.var, new)
         return None
@@ -452,7 +471,9 @@ class _MergeSiblingGemms(PyExprMutator):
                 n = linears[0][1].shape[0]
                 bias = np.concatenate(
                     [
-                        np.zeros(n, np.float32) if b is None else np.broadcast_to(b.reshape(-1), n)
+                        np.zeros(n, weight.dtype)
+                        if b is None
+                        else np.broadcast_to(b.reshape(-1), n)
                         for _, _, b in linears
                     ]
                 )
@@ -465,10 +486,11 @@ class _MergeSiblingGemms(PyExprMutator):
             return super().visit_var_binding_(binding)
         members, x, weight, bias = found
         bb = self.builder_
-        wt = bb.emit(relax.op.permute_dims(relax.const(weight), axes=[1, 0]))
+        dtype = str(weight.dtype)
+        wt = bb.emit(relax.op.permute_dims(relax.const(weight, dtype), axes=[1, 0]))
         out = relax.op.matmul(self.visit_expr(x), wt)
         if bias is not None:
-            out = relax.op.add(bb.emit(out), relax.const(bias.astype(np.float32)))
+            out = relax.op.add(bb.emit(out), relax.const(bias, dtype))
         joined = bb.emit(out, name_hint=binding.var.name + "_siblings")
         parts = bb.emit(relax.op.split(joined, len(members), axis=-1))
         for i, member in enumerate(members):
@@ -808,9 +830,12 @@ def _gemm_of(blk: _Block, y, pieces, chain, width, aliases) -> _Gemm | None:
     n_feat = _int(w_shape[0] if transposed else w_shape[1])
     if n_feat != width * len(pieces):
         return skip(logger, what, "weight rows do not match the split") or None
-    for t in (x, w, *([bias] if bias is not None else []), *addends):
-        if t.ty.dtype != "float32":
-            return skip(logger, what, f"dtype {t.ty.dtype} (float32 only)") or None
+    dtypes = [str(t.ty.dtype) for t in (x, w, *([bias] if bias is not None else []), *addends)]
+    dtypes += [str(value.ty.dtype), str(y.ty.dtype)]  # the matmul's out_dtype, the split input
+    if dtypes[0] not in _DTYPES:
+        return skip(logger, what, f"dtype {dtypes[0]} (float32, float16, bfloat16 only)") or None
+    if len(set(dtypes)) != 1:  # e.g. a float16 GEMM plus a float32 bias
+        return skip(logger, what, f"mixed dtypes {sorted(set(dtypes))}") or None
     return _Gemm(x, w, transposed, bias, pieces, chain, width, aliases, addends)
 
 
@@ -928,6 +953,8 @@ def _check_group(blk: _Block, gemms: list[_Gemm], ops: list) -> _Group | None:
     rows = [_shape(g.pieces[0])[:-1] for g in gemms]
     if len(widths) != 1 or len({tuple(str(d) for d in r) for r in rows}) != 1:
         return skip(logger, what, "GEMMs with different row or piece shapes") or None
+    if len({str(g.x.ty.dtype) for g in gemms}) != 1:
+        return skip(logger, what, "GEMMs of different dtypes") or None
     width, rows = widths.pop(), rows[0]
     out_shape = [*rows, tirx.IntImm("int64", width)]
     region = {b.var for b in ops} | {p for g in gemms for p in [*g.pieces, *g.aliases]}
@@ -967,7 +994,7 @@ def _broadcastable(arg, out_shape) -> bool:
     if isinstance(sinfo, tvm.ir.PrimType):
         return True
     shape = _shape(arg)
-    if shape is None or len(shape) > len(out_shape) or str(sinfo.dtype) not in ("float32", "bool"):
+    if shape is None or len(shape) > len(out_shape) or str(sinfo.dtype) not in (*_DTYPES, "bool"):
         return False
     for a, b in zip(reversed(shape), reversed(out_shape), strict=False):
         if _int(a) == 1:
@@ -1026,13 +1053,20 @@ def _gemm_stage(x, w, layout: str, block: int, width: int, gates: int, n_rows: i
     """``Y[rows, gate, d] = sum_k x[rows, k] * W(gate, d, k)`` for one weight layout. With the
     blocked weight, ``Y`` is blocked like it, ``Y[rows, gate, d // V, d % V]``: every index is
     then a plain iterator (an einsum, which ``pad_einsum`` can pad) and one ``V`` block of
-    units is one contiguous vector of each gate."""
+    units is one contiguous vector of each gate. Half-precision ``x`` and ``w`` are widened:
+    the sum accumulates in float32."""
     kk = te.reduce_axis((0, x.shape[-1]), name="k")
+
+    def mul(a, b):
+        if a.dtype == _ACC:
+            return a * b
+        return a.astype(_ACC) * b.astype(_ACC)
+
     if layout == "blocked":  # (D/V, K, gates, V)
 
         def blocked(*idx):
             rows, gate, do, di = idx[:n_rows], idx[n_rows], idx[n_rows + 1], idx[n_rows + 2]
-            return te.sum(x[(*rows, kk)] * w[do, kk, gate, di], axis=kk)
+            return te.sum(mul(x[(*rows, kk)], w[do, kk, gate, di]), axis=kk)
 
         blocks = -(-width // block)  # the last block padded (zero weight columns)
         return te.compute((*x.shape[:-1], gates, blocks, block), blocked, name=name)
@@ -1044,14 +1078,14 @@ def _gemm_stage(x, w, layout: str, block: int, width: int, gates: int, n_rows: i
 
     def body(*idx):
         rows, gate, d = idx[:n_rows], idx[n_rows], idx[n_rows + 1]
-        return te.sum(x[(*rows, kk)] * weight(gate, d), axis=kk)
+        return te.sum(mul(x[(*rows, kk)], weight(gate, d)), axis=kk)
 
     return te.compute((*x.shape[:-1], gates, width), body, name=name)
 
 
 def _bias_stage(y, bias, width: int, n_rows: int, name: str):
     if not bias.shape:  # a scalar bias (ONNX Add of a 0-d constant)
-        return te.compute(y.shape, lambda *idx: y(*idx) + bias(), name=name)
+        return te.compute(y.shape, lambda *idx: y(*idx) + _widen(bias(), y.dtype), name=name)
     per_feature = _int(bias.shape[-1]) != 1
     lead = [0] * (len(bias.shape) - 1)
     blocked = len(y.shape) == n_rows + 3
@@ -1062,7 +1096,7 @@ def _bias_stage(y, bias, width: int, n_rows: int, name: str):
         d = idx[n_rows + 1] * block + idx[n_rows + 2] if blocked else idx[n_rows + 1]
         if blocked and _int(block) * _int(y.shape[-2]) != width:  # padded units: any bias
             d = tirx.min(d, width - 1)
-        return y(*idx) + bias[(*lead, gate * width + d if per_feature else 0)]
+        return y(*idx) + _widen(bias[(*lead, gate * width + d if per_feature else 0)], y.dtype)
 
     return te.compute(y.shape, body, name=name)
 
@@ -1081,9 +1115,14 @@ def _addend_stage(y, addend, width: int, n_rows: int, name: str):
             d = tirx.min(d, width - 1)
         rows = idx[n_rows - lead : n_rows]
         at = [0 if _int(e) == 1 else r for r, e in zip(rows, addend.shape[:-1], strict=True)]
-        return y(*idx) + addend[(*at, gate * width + d)]
+        return y(*idx) + _widen(addend[(*at, gate * width + d)], y.dtype)
 
     return te.compute(y.shape, body, name=name)
+
+
+def _widen(value, dtype: str):
+    """``value`` as ``dtype`` (a half-precision bias or addend read into the float32 tile)."""
+    return value if value.dtype == dtype else value.astype(dtype)
 
 
 def _piece_stage(y, gate: int, width: int, n_rows: int, name: str):
@@ -1102,6 +1141,9 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
     """The TE function for the group: (inputs...) -> outputs."""
     n_rows = len(group.rows)
     width = group.width
+    # float16 / bfloat16: the gate math runs on float32 tensors (half-precision inputs widened
+    # where read), each result is rounded to its dtype once, where it is written
+    wide = str(group.gemms[0].x.ty.dtype) in _HALF
 
     def fn(*tensors):
         pos = 0
@@ -1121,6 +1163,8 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
             for dup, piece in g.aliases.items():
                 env[dup] = env[piece]
         externals = list(tensors[pos : pos + len(group.externals)])
+        if wide:
+            externals = [topi.cast(t, _ACC) if t.dtype in _HALF else t for t in externals]
 
         def external(expr):
             for i, ext in enumerate(group.externals):
@@ -1138,8 +1182,10 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
                 else external(a)
                 for a in value.args
             ]
-            env[var] = _emit_op(value, args, fast_math)
+            env[var] = _emit_op(value, args, fast_math, wide)
         outs = [env[o] for o in group.outputs]
+        if wide:
+            outs = [_round_to(t, str(o.ty.dtype)) for t, o in zip(outs, group.outputs, strict=True)]
         if len(outs) == 1:
             return outs
         # Several results (the LSTM's h and c): one block writes them all, so that the
@@ -1149,6 +1195,10 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
         return list(te.compute(outs[0].shape, lambda *i: [o(*i) for o in outs], name="gates"))
 
     return fn
+
+
+def _round_to(t: te.Tensor, dtype: str) -> te.Tensor:
+    return t if t.dtype == dtype else topi.cast(t, dtype)
 
 
 def _plan_block(group: _Group, target) -> int | None:
@@ -1262,7 +1312,7 @@ class _Rewriter(PyExprMutator):
                 args.append(
                     relax.const(
                         _blocked_weight(w, gemm.transposed, gemm.gates, gemm.width, group.block),
-                        "float32",
+                        str(gemm.weight.ty.dtype),
                     )
                 )
                 layouts.append("blocked")
