@@ -45,6 +45,13 @@ that no ``V`` divides is padded to whole blocks with zero columns that nothing r
 that is a runtime input is read in place (fused without reordering); reordering it every call
 would cost a full pass over it, as much as a batch-1 GEMV itself.
 
+Data types: float32, float16 and bfloat16. In a half-precision group every GEMM input, weight,
+bias and addend has the model's dtype; the kernel widens them where it reads them, accumulates the
+GEMM in float32, runs the gate math on the float32 tile (an ``astype`` to a half type inside it
+rounds there) and rounds each result to its dtype once, where it is written: at least as accurate
+as stock TVM, whose unfused kernels round the GEMM and each op's result (float16 also accumulates
+in float16).
+
 Where it must run: before LegalizeOps (Phase 1); the kernel is marked opaque so that FuseOps
 keeps it whole, and ``schedule/cpu/gate_fusion.py`` (llvm) or ``schedule/cuda/gate_fusion.py``
 schedule it.
@@ -53,7 +60,8 @@ Left alone, with the reason logged at debug level: a piece also used outside the
 output (or its bias sum) used by anything but the split, a split on another axis or into
 unequal pieces, a bias that does not broadcast along the features only (or adds leading axes
 to the GEMM result), ops not in the elementwise table, tensors that do not broadcast to the
-pieces' shape, non-float32 data, a split piece no op reads (an ONNX LSTM with
+pieces' shape, data other than float32 / float16 / bfloat16, mixed dtypes (a float16 GEMM
+with a float32 result or bias, an ``astype`` between GEMM and split), a split piece no op reads (an ONNX LSTM with
 ``input_forget``), and groups whose external inputs depend on the group's own results (a GRU
 with ``linear_before_reset = 0``: its second GEMM reads the reset gate).
 """
