@@ -61,9 +61,9 @@ output (or its bias sum) used by anything but the split, a split on another axis
 unequal pieces, a bias that does not broadcast along the features only (or adds leading axes
 to the GEMM result), ops not in the elementwise table, tensors that do not broadcast to the
 pieces' shape, data other than float32 / float16 / bfloat16, mixed dtypes (a float16 GEMM
-with a float32 result or bias, an ``astype`` between GEMM and split), a split piece no op reads (an ONNX LSTM with
-``input_forget``), and groups whose external inputs depend on the group's own results (a GRU
-with ``linear_before_reset = 0``: its second GEMM reads the reset gate).
+with a float32 result or bias, an ``astype`` between GEMM and split), a split piece no op reads
+(an ONNX LSTM with ``input_forget``), and groups whose external inputs depend on the group's
+own results (a GRU with ``linear_before_reset = 0``: its second GEMM reads the reset gate).
 """
 
 from __future__ import annotations
@@ -1093,7 +1093,7 @@ def _gemm_stage(x, w, layout: str, block: int, width: int, gates: int, n_rows: i
 
 def _bias_stage(y, bias, width: int, n_rows: int, name: str):
     if not bias.shape:  # a scalar bias (ONNX Add of a 0-d constant)
-        return te.compute(y.shape, lambda *idx: y(*idx) + _widen(bias(), y.dtype), name=name)
+        return te.compute(y.shape, lambda *idx: y(*idx) + _widen(bias, bias(), y.dtype), name=name)
     per_feature = _int(bias.shape[-1]) != 1
     lead = [0] * (len(bias.shape) - 1)
     blocked = len(y.shape) == n_rows + 3
@@ -1104,7 +1104,9 @@ def _bias_stage(y, bias, width: int, n_rows: int, name: str):
         d = idx[n_rows + 1] * block + idx[n_rows + 2] if blocked else idx[n_rows + 1]
         if blocked and _int(block) * _int(y.shape[-2]) != width:  # padded units: any bias
             d = tirx.min(d, width - 1)
-        return y(*idx) + _widen(bias[(*lead, gate * width + d if per_feature else 0)], y.dtype)
+        return y(*idx) + _widen(
+            bias, bias[(*lead, gate * width + d if per_feature else 0)], y.dtype
+        )
 
     return te.compute(y.shape, body, name=name)
 
@@ -1123,14 +1125,15 @@ def _addend_stage(y, addend, width: int, n_rows: int, name: str):
             d = tirx.min(d, width - 1)
         rows = idx[n_rows - lead : n_rows]
         at = [0 if _int(e) == 1 else r for r, e in zip(rows, addend.shape[:-1], strict=True)]
-        return y(*idx) + _widen(addend[(*at, gate * width + d)], y.dtype)
+        return y(*idx) + _widen(addend, addend[(*at, gate * width + d)], y.dtype)
 
     return te.compute(y.shape, body, name=name)
 
 
-def _widen(value, dtype: str):
-    """``value`` as ``dtype`` (a half-precision bias or addend read into the float32 tile)."""
-    return value if value.dtype == dtype else value.astype(dtype)
+def _widen(tensor: te.Tensor, value, dtype: str):
+    """``value``, read from ``tensor``, as ``dtype`` (a half-precision bias or addend read into
+    the float32 tile)."""
+    return value if tensor.dtype == dtype else tirx.Cast(dtype, value)
 
 
 def _piece_stage(y, gate: int, width: int, n_rows: int, name: str):
