@@ -618,3 +618,83 @@ def test_nested_selects_not_inlined_past_the_cap(target):
     for _ in range(4):
         ref = np.where(ref * ref > 64, np.sign(ref) + ref // 4, ref)
     np.testing.assert_array_equal(out[0], ref)
+
+
+def _matmul_rules(compiled) -> dict:
+    """Kernel name -> the rule that scheduled it, for the kernels that hold a matmul."""
+    return {i.name: i.rule for i in analysis.schedule_info(compiled.lowered) if "matmul" in i.name}
+
+
+def test_gemm_with_computed_epilogue_inputs_scheduled_by_matmul(target):
+    """DeBERTa-v2's attention scores (TorchScript export): ``q @ k + (c2p / s + p2c / s)``, the
+    divides and adds of the position terms fused into the GEMM's kernel ahead of it. They feed
+    the epilogue only, so they are inlined there; the rule used to refuse any computed block
+    before the GEMM, leaving the kernel to RowReduction (and T5's ``q @ k + bias + where(mask)``
+    kernels to the fallback rule). Odd sizes: 7 x 19 @ 19 x 13, and symbolic ``seq``."""
+    seq = tvm.tirx.Var("seq", "int64")
+    s1, s2 = relax.const(np.float32(1.7)), relax.const(np.float32(3.1))
+
+    def scores(bb, q, k, c2p, p2c):
+        bias = bb.emit(R.add(R.divide(c2p, s1), R.divide(p2c, s2)))  # ahead of the GEMM
+        return R.add(R.matmul(q, k), bias)
+
+    rng = np.random.default_rng(12)
+    for rows, cols in [(7, 13), (seq, seq)]:
+        mod = _module(scores, (3, rows, 19), (3, 19, cols), (3, rows, cols), (3, rows, cols))
+        funcs = [f for f in _prim_funcs(mod, target) if "matmul" in f.script()]
+        assert len(funcs) == 1 and "T_divide" in funcs[0].script()
+        assert cpu.Matmul().apply(funcs[0], target, False) is not None
+        compiled = engine.compile_module(mod, target, "tvm_fusion")
+        assert set(_matmul_rules(compiled).values()) == {"Matmul"}, _matmul_rules(compiled)
+        vm = compiled.vm()
+        for n, m in [(7, 13)] if rows == 7 else [(1, 1), (5, 5), (11, 11)]:
+            q = rng.standard_normal((3, n, 19)).astype("float32")
+            k = rng.standard_normal((3, 19, m)).astype("float32")
+            c2p, p2c = (rng.standard_normal((3, n, m)).astype("float32") for _ in range(2))
+            out = vm["main"](*(tvm.runtime.tensor(a) for a in (q, k, c2p, p2c))).numpy()
+            expected = q @ k + (c2p / np.float32(1.7) + p2c / np.float32(3.1))
+            np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_with_computed_prologue_on_a_scheduled_by_matmul(target):
+    """``(x / s + y) @ W + b``: a computed A operand in the GEMM's PrimFunc is materialised in
+    one pass before the GEMM (inlined into A's read it would be recomputed for every column
+    panel), and the GEMM gets the Matmul rule's tiles, not the fallback. Odd sizes: 11 x 37 @
+    37 x 29."""
+    rng = np.random.default_rng(13)
+    w = rng.standard_normal((37, 29)).astype("float32")
+    b = rng.standard_normal(29).astype("float32")
+
+    def build(bb, x, y):
+        a = R.add(R.divide(x, relax.const(np.float32(2.5))), y)
+        return R.add(R.matmul(a, relax.const(w)), relax.const(b))
+
+    mod = _module(build, (11, 37), (11, 37))
+    # the prologue in the GEMM's PrimFunc (the pipeline keeps it a kernel of its own)
+    prim = tvm.te.create_prim_func(_te_prologue_gemm(11, 37, 29))
+    sch = cpu.Matmul().apply(prim, target, False)
+    assert sch is not None
+    acc = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
+    assert len(acc) == 1 and tir_util.num_elements(acc[0]) < 11 * 29, acc
+    x, y = (rng.standard_normal((11, 37)).astype("float32") for _ in range(2))
+    a = x / np.float32(2.5) + y
+    built = tvm.compile(sch.mod, target=target)
+    out = tvm.runtime.tensor(np.zeros((11, 29), "float32"))
+    built["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(y), tvm.runtime.tensor(w), out)
+    np.testing.assert_allclose(out.numpy(), a @ w, rtol=1e-5, atol=1e-5)
+    # and end to end through the pipeline
+    vm = engine.compile_module(mod, target, "tvm_fusion").vm()
+    out = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(y)).numpy()
+    np.testing.assert_allclose(out, a @ w + b, rtol=1e-5, atol=1e-5)
+
+
+def _te_prologue_gemm(m, k, n):
+    from tvm import te
+
+    x = te.placeholder((m, k), name="x")
+    y = te.placeholder((m, k), name="y")
+    w = te.placeholder((k, n), name="w")
+    a = te.compute((m, k), lambda i, j: x[i, j] / 2.5 + y[i, j], name="a")
+    r = te.reduce_axis((0, k), name="r")
+    out = te.compute((m, n), lambda i, j: te.sum(a[i, r] * w[r, j], axis=r), name="matmul")
+    return [x, y, w, out]

@@ -2,7 +2,10 @@
 
 Matches a PrimFunc with exactly one reduction block of the form
 ``Y[...] += A[...] * B[...]`` (casts allowed) whose reduction iterates one axis ``k`` read by both
-operands, plus injective blocks before it (inlined) and after it (the epilogue).
+operands, plus injective blocks before it and after it (the epilogue). Blocks before it that
+feed only the epilogue (DeBERTa-v2's ``c2p / s + p2c / s`` added to the scores, T5's mask) are
+inlined into the epilogue; data movement into an operand is inlined into its read; a computed
+operand (``x / s + y``) is materialised first in one parallel, vectorised pass.
 
 Block iterators are sorted into roles by the operand that reads them: ``rows`` (A only),
 ``cols`` (B only), ``batch`` (both). The schedule is the classic CPU one:
@@ -96,6 +99,15 @@ def _is_mac(store) -> tuple | None:
     return None
 
 
+def _is_cheap(store) -> bool:
+    """Data movement (a load, with casts) or a small expression (``x * scale`` on two indices),
+    which an operand's read may recompute."""
+    value = store.value
+    while isinstance(value, tirx.Cast):
+        value = value.value
+    return isinstance(value, TensorLoad) or expr_size(store.value, 16) <= 8
+
+
 class _WideRefused(Exception):
     """A step of the wide tile's schedule failed: schedule the function again without it."""
 
@@ -151,19 +163,30 @@ class Matmul(CPURule):
         if dtype not in ("float32", "float64", "float16"):
             return None
 
-        # Inline injective producers into the reduction and chain the epilogue blocks.
+        # Injective producers: those that only feed the epilogue are inlined into it (computed
+        # once per output); data movement into an operand (transpose, reshape, cast) is inlined
+        # into the operand's read; a computed operand (a divide/add before the GEMM) is
+        # materialised first, in one pass, its producers inlined into it: inlined into the
+        # operand's read it would be recomputed for every column panel.
         red_index = infos.index(red)
         prologue = infos[:red_index]
+        materialised = []
         for info in reversed(prologue):
-            # Only data movement (transpose, reshape, cast) is inlined: anything computed would
-            # be recomputed for every step of the reduction.
-            value = sch.get(info.block_rv).body
-            if not isinstance(value, tirx.BufferStore) or expr_size(value.value, 16) > 8:
+            block_rv = info.block_rv
+            value = sch.get(block_rv).body
+            if not isinstance(value, tirx.BufferStore):
                 return None
+            feeds_gemm = any(
+                sch.get(c).same_as(sch.get(red.block_rv)) for c in sch.get_consumers(block_rv)
+            )
+            if feeds_gemm and not _is_cheap(value):
+                materialised.append(sch.get(block_rv).name_hint)
+                continue
             try:
-                sch.compute_inline(info.block_rv)
-            except Exception:  # noqa: BLE001 - a producer that cannot be inlined stays
-                return None
+                sch.compute_inline(block_rv)
+            except Exception as err:  # noqa: BLE001 - a producer that cannot be inlined stays
+                logger.debug("matmul: prologue block kept: %s", err)
+                materialised.append(sch.get(block_rv).name_hint)
         epilogue = try_inline_safe(sch, list(infos[red_index + 1 :]))
         block = red.block_rv
 
@@ -376,6 +399,14 @@ class Matmul(CPURule):
             schedule_copy(sch, pb, lanes, cores)
         for pad in a_pads:
             schedule_copy(sch, pad, lanes, cores)
+        pad_names = {sch.get(p).name_hint for p in a_pads}
+        for name in materialised:
+            if name in pad_names:
+                continue  # pad_einsum made it the operand's padded copy, scheduled above
+            try:
+                schedule_copy(sch, sch.get_sblock(name), lanes, cores)
+            except Exception as err:  # noqa: BLE001 - it runs as a plain loop nest
+                logger.debug("matmul: prologue block %s not scheduled: %s", name, err)
         parallel = parallelize_outer(sch, outer, cores, min_extent_per_core=8, work=work)
         if per_panel:
             self._pack_per_panel(sch, pb, parallel if parallel is not None else jo, lanes, cores)
