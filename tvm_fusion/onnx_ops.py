@@ -484,7 +484,6 @@ def cast_operands_of(model, node_name: str):
     value): the value then arrives as the int64 tensor every converter takes, and
     PlaceShapeOnHost evaluates it symbolically again. Models the importer takes as they are
     are never changed. The top graph only."""
-    import onnx
 
     graph = model.graph
     targets = [n for n in graph.node if n.name == node_name]
@@ -493,26 +492,37 @@ def cast_operands_of(model, node_name: str):
     derived = shape_derived(graph)
     if not any(i in derived for i in targets[0].input):
         return model, 0
+    return _with_casts(
+        model,
+        lambda n: [p for p, i in enumerate(n.input) if i in derived] if n.name == node_name else (),
+    )
+
+
+def _with_casts(model, positions):
+    """A copy of ``model`` with a ``Cast(to=INT64)`` in front of the inputs ``positions(node)``
+    names for each node of its top graph, and the number inserted; each cast's output gets a
+    name no value of the graph has."""
+    import onnx
+
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    used = {i.name for i in out.graph.input} | {i.name for i in out.graph.initializer}
+    used |= {o for n in out.graph.node for o in n.output}
     nodes, count = [], 0
     for node in out.graph.node:
-        if node.name == node_name:
-            for pos, name in enumerate(node.input):
-                if name not in derived:
-                    continue
-                cast = f"{name}__as_int64_{node_name}_{pos}"
-                nodes.append(
-                    onnx.helper.make_node(
-                        "Cast",
-                        [name],
-                        [cast],
-                        name=f"{node_name}__cast_{pos}",
-                        to=onnx.TensorProto.INT64,
-                    )  # fmt: skip
+        for pos in positions(node) if node.domain in ("", "ai.onnx") else ():
+            name = node.input[pos]
+            cast = f"{name}__as_int64"
+            while cast in used:
+                cast = f"{name}__as_int64_{count}_{len(used)}"
+            used.add(cast)
+            nodes.append(
+                onnx.helper.make_node(
+                    "Cast", [name], [cast], name=f"{cast}__cast", to=onnx.TensorProto.INT64
                 )
-                node.input[pos] = cast
-                count += 1
+            )
+            node.input[pos] = cast
+            count += 1
         nodes.append(node)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
@@ -526,7 +536,6 @@ def cast_shape_operands(model):
     Concat of a ``Shape`` with constants, which the importer keeps as a shape) then arrives as
     the int64 tensor the converter takes (stock's Cast makes ``shape_to_tensor`` of it), and
     PlaceShapeOnHost evaluates it symbolically again. The top graph only."""
-    import onnx
 
     graph = model.graph
     constants = {i.name for i in graph.initializer}
@@ -540,30 +549,12 @@ def cast_shape_operands(model):
         for n in graph.node
     ):
         return model, 0
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    nodes, count = [], 0
-    for node in out.graph.node:
-        for pos in SHAPE_OPERANDS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ():
-            name = node.input[pos] if pos < len(node.input) else ""
-            if not name or name in constants:
-                continue
-            cast = f"{name}__as_int64_{count}"
-            nodes.append(
-                onnx.helper.make_node(
-                    "Cast",
-                    [name],
-                    [cast],
-                    name=f"{node.name}__cast_{pos}",
-                    to=onnx.TensorProto.INT64,
-                )
-            )
-            node.input[pos] = cast
-            count += 1
-        nodes.append(node)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out, count
+
+    def positions(node):
+        wanted = SHAPE_OPERANDS.get(node.op_type, ())
+        return [p for p in wanted if p < len(node.input) and node.input[p] not in constants | {""}]
+
+    return _with_casts(model, positions)
 
 
 _INSTALLED = False
