@@ -9,6 +9,7 @@ from tvm import relax
 from tvm.relax import op as R
 
 from tvm_fusion import analysis
+from tvm_fusion.cuda_check import cuda_source
 from tvm_fusion.legalize import fast_math_legalize_map
 
 # (op, reference, input range, bound) -- the bounds documented in tvm_fusion/legalize.py:
@@ -94,18 +95,8 @@ def test_integer_power_is_multiplication(exponent):
         from tvm_fusion import engine
 
         source = engine.compile_module(mod, cuda, "tvm_fusion").executable.mod
-        text = _cuda_text(source)
+        text = cuda_source(source)
         assert text and "powf(" not in text and "__powf" not in text
-
-
-def _cuda_text(mod) -> str:
-    if mod.kind == "cuda":
-        return mod.inspect_source("")
-    for imported in mod.imports:
-        found = _cuda_text(imported)
-        if found:
-            return found
-    return ""
 
 
 def _legalized_blocks(mod):

@@ -7,6 +7,7 @@ import pytest
 from helpers import run
 
 from tvm_fusion import models
+from tvm_fusion.cuda_check import cuda_source
 from tvm_fusion.errors import UsageError
 
 ALL = models.names()
@@ -136,17 +137,7 @@ def test_cuda_compiles(name, dynamic):
     if expected:
         assert counts[expected] >= 1, dict(counts)
     if shutil.which("nvcc"):
-        source = _cuda_source(compiled.executable.mod)
+        source = cuda_source(compiled.executable.mod)
         with cuda:
             ptx = bytes(nvcc.compile_cuda(source, "ptx", "sm_90", compiler="nvcc")).decode()
         assert ptx.count(".entry") >= len(kernels)  # a PrimFunc may launch several kernels
-
-
-def _cuda_source(mod) -> str:
-    if mod.kind == "cuda":
-        return mod.inspect_source("")
-    for imported in mod.imports:
-        found = _cuda_source(imported)
-        if found:
-            return found
-    return ""
