@@ -158,15 +158,26 @@ def prepare_import(model) -> Iterator[list[str]]:
     from . import onnx_ops
 
     unsupported = _unsupported_ops(model)
-    onnx_ops._SHAPES.clear()
-    onnx_ops._DIM_VARS.clear()
     if not unsupported:
-        onnx_ops._SHAPES.update(onnx_ops.onnx_input_shapes(model))
+        _fresh_import_state(model)
     try:
         yield unsupported
     finally:
         onnx_ops._SHAPES.clear()
         onnx_ops._DIM_VARS.clear()
+
+
+def _fresh_import_state(model) -> None:
+    """The converters' shapes of ``model`` and no symbolic dims learned yet: set before each
+    import. A retry (``load_onnx`` casts shape operands and imports again) builds new graph
+    inputs with new dims; dims kept from the attempt before would be other variables of the
+    same names (``s``), left undefined in the function (PlaceShapeOnHost failed: "TIR
+    variables (s,) were undefined")."""
+    from . import onnx_ops
+
+    onnx_ops._SHAPES.clear()
+    onnx_ops._DIM_VARS.clear()
+    onnx_ops._SHAPES.update(onnx_ops.onnx_input_shapes(model))
 
 
 # Operators that fold_constants evaluates when every input is a constant: the index and shape
@@ -279,7 +290,9 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
             raise ModelError(
                 f"{where} uses ONNX operators that cannot be imported: {', '.join(unsupported)}"
             )
-        for _ in range(_MAX_SHAPE_RETRIES + 1):
+        for attempt in range(_MAX_SHAPE_RETRIES + 1):
+            if attempt:
+                _fresh_import_state(model)
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")

@@ -375,7 +375,7 @@ def _inbound_bounds(call: relax.Call) -> tuple[list, list] | None:
     it is: declaring it ``min(seq, 512)`` would leave every shape after it unknown."""
     from tvm import sym
 
-    from .transform._common import at_most
+    from .transform._common import at_most, floor_divisions
 
     data = call.args[0]
     sinfo = getattr(data, "ty", None)
@@ -404,7 +404,8 @@ def _inbound_bounds(call: relax.Call) -> tuple[list, list] | None:
             end = dim
         elif constant_end and int(end.value) < 0:
             end = dim + end
-        begin, end = analyzer.simplify(begin), analyzer.simplify(end)
+        begin = analyzer.simplify(floor_divisions(analyzer, begin))
+        end = analyzer.simplify(floor_divisions(analyzer, end))
         if not (analyzer.can_prove(begin >= 0) and analyzer.can_prove(end >= 0)):
             return None
         if constant_end and not at_most(analyzer, end, dim):

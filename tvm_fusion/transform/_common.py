@@ -160,6 +160,32 @@ def at_most(analyzer, expr: tirx.Expr, bound: tirx.Expr) -> bool:
     return False
 
 
+_BINARY_EXPRS = (
+    tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max
+)
+
+
+def floor_divisions(analyzer, expr: tirx.Expr) -> tirx.Expr:
+    """``expr`` with every ``truncdiv(x, c)`` / ``truncmod(x, c)`` of a provably non-negative
+    ``x`` by a constant ``c >= 1`` written as ``x // c`` / ``x % c`` (the same values). ONNX
+    ``Div`` of shape numbers is truncating (``T.Div(s, 2)``) while shape inference writes
+    ``floor(s/2)``; the analyzer does not prove the two equal, so a binary op of two such
+    halves had no known shape and did not build."""
+    if not isinstance(expr, _BINARY_EXPRS):
+        return expr
+    a, b = floor_divisions(analyzer, expr.a), floor_divisions(analyzer, expr.b)
+    if (
+        isinstance(expr, tirx.Div | tirx.Mod)
+        and isinstance(b, tirx.IntImm)
+        and b.value >= 1
+        and analyzer.can_prove(a >= 0)
+    ):
+        return tirx.floordiv(a, b) if isinstance(expr, tirx.Div) else tirx.floormod(a, b)
+    if a.same_as(expr.a) and b.same_as(expr.b):
+        return expr
+    return type(expr)(a, b)
+
+
 def normalize_axis(axis: int, ndim: int) -> int | None:
     if ndim < 0 or not -ndim <= axis < ndim:
         return None
