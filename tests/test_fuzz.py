@@ -24,6 +24,24 @@ def test_fixed_seed_slice_has_no_failure(tmp_path):
     assert sum(row["ok"] for row in totals.counts.values()) >= 0.8 * ran
 
 
+@pytest.mark.parametrize("seed", [20012, 20023])
+def test_shape_chains_with_an_import_retry_run(seed):
+    """Range, halves of an axis (``Div(Shape(x)[1], 2)`` as Slice bounds) and a Sub of the
+    halves: the importer refuses a shape value, load_onnx casts it and imports again. The
+    retry kept the first attempt's dims, so the second import's match_casts named another
+    ``s`` (refused in PlaceShapeOnHost, "TIR variables (s,) were undefined", or VMShapeLower,
+    "s // 2 is not computed"); and the halves' shapes, ``T.Div(s, 2)`` and ``s // 2``, were
+    not proven equal (no shape for the Sub: code generation failed)."""
+    from tvm import relax
+
+    from tvm_fusion.frontend import load_onnx
+
+    case = fuzz.generate("shape_chains", seed)
+    mod = load_onnx(case.model)
+    assert not relax.analysis.free_symbolic_vars(mod["main"])
+    assert fuzz.run_case(case.model, case.feeds) == ("ok", "")
+
+
 def test_generator_builds_valid_graphs_with_two_different_feeds():
     for family in fuzz.FAMILIES:
         for seed in range(5):

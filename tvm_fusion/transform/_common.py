@@ -161,7 +161,15 @@ def at_most(analyzer, expr: tirx.Expr, bound: tirx.Expr) -> bool:
 
 
 _BINARY_EXPRS = (
-    tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod, tirx.Min, tirx.Max
+    tirx.Add,
+    tirx.Sub,
+    tirx.Mul,
+    tirx.Div,
+    tirx.Mod,
+    tirx.FloorDiv,
+    tirx.FloorMod,
+    tirx.Min,
+    tirx.Max,
 )
 
 
