@@ -193,6 +193,70 @@ def test_slice_to_end_numerics():
     np.testing.assert_array_equal(got, data[:, 1:].reshape(5, 3))
 
 
+class TestSliceClampedBegin(ShapeBase):
+    """``x[:, 1:2 * n]`` with the begin clamped by the importer to the symbolic end
+    (``min(1, 2 * n)``, XLNet's rel_shift through onnx_ops.Slice) has the extent
+    ``max(2 * n - 1, 0)``; it is matched to ``2 * n - 1`` like a slice to the end."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("n", "n * 2"), "float32")):
+            n = T.int64()
+            with R.dataflow():
+                y = R.strided_slice(x, [1], [T.min(1, n * 2)], [n * 2], [1], assume_inbound=True)
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor(("n", "n * 2"), "float32")):
+            n = T.int64()
+            with R.dataflow():
+                lv = R.strided_slice(x, [1], [T.min(1, n * 2)], [n * 2], [1], assume_inbound=True)
+                lv1 = R.match_cast(lv, R.Tensor((n, n * 2 - 1), "float32"))
+                y: R.Tensor((n, n * 2 - 1), "float32") = lv1
+                R.output(y)
+            return y
+
+
+class TestSliceClampedBeginNotFired(ShapeBase):
+    """The begin clamped to another value than the end, or an end not within the axis: the
+    extent stays as inferred."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("n", "n * 2"), "float32"), y: R.Tensor(("m",), "float32")):
+            n, m = T.int64(), T.int64()
+            with R.dataflow():
+                a = R.strided_slice(x, [1], [T.min(1, m)], [n * 2], [1], assume_inbound=True)
+                b = R.strided_slice(x, [1], [T.min(1, m)], [m], [1], assume_inbound=True)
+                R.output(a, b)
+            return (a, b)
+
+    Expected = Before
+
+
+def test_slice_clamped_begin_numerics():
+    """The matched slice and the reshape after it (now a view) compute the same numbers."""
+    n = tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n, n * 2], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            begin, end = tirx.min(tirx.IntImm("int64", 1), n * 2), n * 2
+            y = bb.emit(relax.op.strided_slice(x, [1], [begin], [end], [1], assume_inbound=True))
+            out = bb.emit_output(relax.op.reshape(y, relax.ShapeExpr([n * 2 - 1, n])))
+        bb.emit_func_output(out)
+    compiled = engine.compile_module(bb.get(), host_target(), "tvm_fusion")
+    assert analysis.kernel_count(compiled.lowered) == 1  # the slice; the reshape is a view
+    data = np.arange(3 * 6, dtype="float32").reshape(3, 6)
+    got = compiled.vm()["main"](tvm.runtime.tensor(data)).numpy()
+    np.testing.assert_array_equal(got, data[:, 1:].reshape(5, 3))
+
+
 class TestDataOfRunTimeLength(ShapeBase):
     """An int tensor computed from data whose length is symbolic (one argmax per row of a
     dynamic batch) is data, not a shape: left alone."""

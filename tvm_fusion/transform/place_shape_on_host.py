@@ -224,6 +224,15 @@ def _int_value(value) -> int | None:
     return int(value.value) if isinstance(value, tirx.IntImm) else None
 
 
+def _cut_begin(begin) -> int | None:
+    """A slice's begin that is a positive constant ``c`` or ``min(c, end)``, else None."""
+    value = begin
+    if isinstance(value, tirx.Min):
+        value = value.a
+    c = _int_value(value) if isinstance(value, tirx.Expr) else None
+    return c if c is not None and c > 0 else None
+
+
 def _is_zero(value) -> bool:
     return isinstance(value, tirx.IntImm) and int(value.value) == 0
 
@@ -884,17 +893,20 @@ class _Rewriter(PyExprMutator):
             return None
         if len(call.args) < 5 or not all(hasattr(a, "fields") for a in call.args[1:5]):
             return None
-        axes, begin, end, strides = ([_int_value(v) for v in a.fields] for a in call.args[1:5])
-        if any(v is None for v in (*axes, *begin, *end, *strides)):
+        axes, strides = ([_int_value(v) for v in a.fields] for a in (call.args[1], call.args[4]))
+        if any(v is None for v in (*axes, *strides)):
             return None
         dims = list(sinfo.shape.values)
         shape = list(out.shape.values)
         changed = False
-        for axis, b, e, st in zip(axes, begin, end, strides, strict=True):
+        for axis, b, e, st in zip(
+            axes, call.args[2].fields, call.args[3].fields, strides, strict=True
+        ):
             n = dims[axis % len(dims)]
-            if isinstance(n, tirx.IntImm) or st != 1 or b <= 0 or e < (1 << 31) - 1:
+            stop = self._cut_end(b, e, n)
+            if isinstance(n, tirx.IntImm) or st != 1 or stop is None:
                 continue
-            extent = self.analyzer.simplify(n - _i64(b))
+            extent = self.analyzer.simplify(stop - _i64(_cut_begin(b)))
             if self.analyzer.can_prove_equal(shape[axis % len(dims)], extent):
                 continue
             shape[axis % len(dims)] = extent
@@ -904,6 +916,25 @@ class _Rewriter(PyExprMutator):
         sliced = self.builder_.emit(super().visit_call_(call))
         target = relax.TensorType(relax.ShapeExpr(shape), out.dtype, out.vdevice)
         return self.builder_.match_cast(sliced, target)
+
+    def _cut_end(self, begin, end, n):
+        """The end of a slice ``[c, end)`` of an axis of length ``n`` that ``_slice_to_end``
+        declares ``end - c`` long, or None: ``c`` is a positive constant, given as it is or as
+        the importer clamps it to a symbolic end (``min(1, seq * 2)``, XLNet's rel_shift:
+        inferred ``max(seq * 2 - 1, 0)`` long, so the reshape after it was a copy kernel, a
+        quarter of the model's time at (8, 64)), and the end is ``INT64_MAX`` or within the
+        axis."""
+        if _cut_begin(begin) is None:
+            return None
+        value = end
+        if not isinstance(value, tirx.Expr):
+            return None
+        stop = _int_value(value)
+        if stop is not None:
+            return n if stop >= (1 << 31) - 1 else None
+        if isinstance(begin, tirx.Min) and not self.analyzer.can_prove_equal(begin.b, value):
+            return None
+        return value if at_most(self.analyzer, value, _i64(n)) else None
 
     def _evaluate(self, expr, what: str) -> _Value | None:
         self.eval.why = ""
