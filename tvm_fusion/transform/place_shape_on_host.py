@@ -43,6 +43,12 @@ copy. Larger inputs (the mask itself) are data and stay on the device. The modul
 global info lists the device first and the host after it, so the VM is created with
 ``[gpu, cpu]``. Anything the evaluator does not understand is left as it was, with the reason at
 debug level.
+
+A ``strided_slice`` from a positive constant begin (as written, or clamped by the importer to a
+symbolic end: ``min(1, 2 * seq)``) to the end of a symbolic axis or to a symbolic end within it
+is inferred ``max(end - begin, 0)`` long; it is matched to ``end - begin`` (a run-time check
+that fails only where the slice would be empty), so a reshape after it (XLNet's rel_shift) is a
+view, not a copy kernel.
 """
 
 from __future__ import annotations
