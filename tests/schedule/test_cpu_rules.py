@@ -381,6 +381,11 @@ def test_gate_tile_rows_fill_the_registers_left_by_the_weight_vectors():
     assert tile_rows(None, 2, 8, 8, 16) == 6
     assert tile_rows(1, 4, 16, 8, 16) == 1
     assert tile_rows(64, 3, 16, 16, 32) == 8  # AVX-512: 9 fit, 8 divides
+    # AVX-512, padded tiles (symbolic rows, a prime): 4 rows, each read through its own pointer
+    assert tile_rows(None, 2, 16, 16, 32) == tile_rows(None, 3, 16, 16, 32) == 4
+    assert tile_rows(19, 2, 16, 16, 32) == 4  # 14 fit: padded to 20 rows, not 28
+    assert tile_rows(256, 2, 16, 16, 32) == 8  # a divisor: contiguous rows, no padding
+    assert tile_rows(None, 6, 16, 16, 32) == 4
     assert tile_rows(19, 3, 8, 8, 16) == 4  # a prime: padded to tiles of 4, not 1 row each
     assert tile_rows(21, 3, 8, 8, 16) == 3  # 3 divides and is at least half of 4
     assert tile_rows(3, 3, 8, 8, 16) == 3

@@ -38,6 +38,8 @@ from .._common import (
 )
 
 GATE_ATTR = "tvm_fusion.gate_fusion"
+# Rows of a padded tile with 32 vector registers (see tile_rows)
+PADDED_ROWS_MAX = 4
 logger = logging.getLogger(__name__)
 
 
@@ -49,15 +51,24 @@ def tile_rows(rows, gates: int, block: int, lanes: int, regs: int) -> int:
     accumulators; 5 loads per 6 FMAs, load-bound: gate_2890 3.5 -> 2.9 ms). Symbolic rows
     (None) get the tile of many rows, and so do static rows that no divisor at least half as
     tall divides (19, a prime: tiles of one row took 2x ONNX Runtime's time); the rule pads
-    them to a multiple of it."""
+    them to a multiple of it.
+
+    A padded tile reads each of its rows through a pointer of its own (the row index clamped,
+    see inline_padding), and 16 general registers do not hold 14 of them beside the loop's
+    own: with 32 vector registers (AVX-512) such a tile gets at most ``PADDED_ROWS_MAX`` rows.
+    SwiGLU's 2 gates over symbolic rows on Zen 4 (bench/frontend_forms.md): 14 rows per tile
+    (3 row pointers reloaded from the stack every k, rows 2 KiB apart sharing L1 sets, up to 13
+    rows padded) 3.53 ms at 256 rows, 4 rows 3.31; at 8 rows 0.35 -> 0.21 ms, at 512 rows
+    7.04 -> 6.55, faster than 6 rows at each of them."""
     per_row = gates * max(block // lanes, 1)
     mr = max(1, (regs - 1 - per_row) // per_row)
     if is_static(rows):
         if rows <= mr:
             return rows
         divisor = next(d for d in range(mr, 0, -1) if rows % d == 0)
-        return divisor if 2 * divisor >= mr else mr
-    return mr
+        if 2 * divisor >= mr:
+            return divisor
+    return min(mr, PADDED_ROWS_MAX) if regs >= 32 else mr
 
 
 def _pad_rows(sch: s_tir.Schedule, gemm, n_rows: int, mr: int) -> list | None:
