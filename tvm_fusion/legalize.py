@@ -11,7 +11,8 @@ Only float32 is rewritten; other dtypes keep the stock legalisation. ``softmax``
 ``log_softmax`` over a symbolic last axis (attention scores over a dynamic sequence) write their
 row max and sum as ``lanes`` partials over the whole vectors, their fold and a scalar tail
 (:func:`_row_reduce`), the split that ``rfactor`` cannot make for a symbolic extent; the CPU row
-rule vectorises the partials.
+rule vectorises the partials. Their ``exp(x - max)`` is :func:`exp_below_max`: topi's
+polynomial in fewer operations, for arguments that are never positive.
 
 Row reductions (CPU, with fast math): ``layer_norm`` and ``rms_norm`` over the last axis, and
 ``sum`` / ``mean`` / ``max`` over the last axis alone, take :func:`_row_reduce` too, so that
