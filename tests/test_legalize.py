@@ -49,6 +49,32 @@ def test_accuracy(name, op, ref, bounds, kind):
         assert diff.max() <= 1e-6, name
 
 
+def test_exp_below_max_accuracy(target):
+    """softmax's ``exp(x - max)`` (``legalize.exp_below_max``, fewer operations than topi's
+    fast_exp): relative error <= 4e-7 where exp > 1e-3 (arguments in [-87, 0]), the row
+    maximum's exp exactly 1, and arguments below -87 give at most exp(-87) (not garbage from
+    the exponent bits), all on the host target."""
+    from tvm import te
+
+    from tvm_fusion.legalize import exp_below_max
+
+    x = te.placeholder((1, 40001), "float32", name="x")
+    m = te.placeholder((1, 1), "float32", name="m")
+    built = tvm.compile(te.create_prim_func([x, m, exp_below_max(x, m, 1)]), target=target)
+    shifted = np.concatenate([np.linspace(-87, 0, 40000), [-1000.0]]).astype("float32")
+    peak = np.float32(3.5)
+    values = (shifted + peak).reshape(1, -1)
+    out = tvm.runtime.tensor(np.zeros_like(values))
+    built(tvm.runtime.tensor(values), tvm.runtime.tensor(np.full((1, 1), peak)), out)
+    out = out.numpy()[0]
+    expect = np.exp((values[0] - peak).astype("float64"))
+    big = expect > 1e-3
+    assert (np.abs(out[big] - expect[big]) / expect[big]).max() <= 4e-7
+    assert out[-2] == 1.0
+    assert 0 <= out[-1] <= np.exp(-86.9)
+    assert np.all(out[:-1] > 0)
+
+
 @pytest.mark.parametrize("axis", [-1, 0])
 @pytest.mark.parametrize("op", [R.nn.softmax, R.nn.log_softmax])
 def test_softmax_family(op, axis):

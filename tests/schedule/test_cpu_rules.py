@@ -703,3 +703,50 @@ def _te_prologue_gemm(m, k, n):
     r = te.reduce_axis((0, k), name="r")
     out = te.compute((m, n), lambda i, j: te.sum(a[i, r] * w[r, j], axis=r), name="matmul")
     return [x, y, w, out]
+
+
+def test_awkward_tiles_pad_few_rows_and_columns():
+    """Static extents that no tile divides get the tile that pads least: 77 columns one vector
+    wide (80, not 96 in tiles of 2 vectors), 97 rows (a prime) in tiles of 14 (98, not 112),
+    while 129 rows keep the full height (136: tiles of 5 would save too few rows to pay)."""
+    tile = cpu.Matmul._tile
+    assert tile(77, 77, 16, 32, 1) == (16, 11)
+    assert tile(97, 97, 16, 32, 1) == (16, 14)
+    assert tile(129, 127, 16, 32, 1) == (32, 8)
+    assert tile(128, 1024, 16, 32, 1) == (32, 8)  # friendly sizes unchanged
+    assert tile(77, 77, 8, 16, 1) == (16, 4)  # AVX2: 2 vectors pad no more than 1
+
+
+@pytest.mark.parametrize("op,n", [("log_softmax", 4002), ("softmax", 77)])
+def test_row_outputs_vectorised_at_full_width_with_a_vector_tail(target, op, n):
+    """A static row that the vector width does not divide: the output is written in whole
+    vectors and one short vector (4002 = 250 x 16 + 2), not in vectors of the largest power
+    of two dividing the row (2 lanes for 4002: log_softmax 64 x 30522 ran at 2 lanes)."""
+    from tvm_fusion.target import vector_lanes
+
+    lanes = vector_lanes(target, "float32")
+    mod = _module(lambda bb, x: getattr(R.nn, op)(x), (3, n))
+    funcs = _prim_funcs(mod, target)
+    sch = cpu.RowReduction().apply(funcs[0], target, False)
+    assert sch is not None
+    func = sch.mod["main"]
+    out = func.params[-1]  # in 0.27 a buffer parameter is the buffer itself
+    widths = set()
+    for loop in tir_util.loops(func):
+        if loop.kind == tvm.tirx.ForKind.VECTORIZED:
+            for stmt in tir_util.iter_stmts(loop.body):
+                if isinstance(stmt, tvm.s_tir.SBlock) and any(
+                    w.source.same_as(out) for w in stmt.writes
+                ):
+                    widths.add(int(loop.extent))
+    assert widths == {lanes, n % lanes}, widths
+    x = np.random.default_rng(5).standard_normal((3, n)).astype("float32") * 3
+    result, _ = run(mod, [x], "tvm_fusion")
+    shifted = x - x.max(-1, keepdims=True)
+    e = np.exp(shifted)
+    expected = (
+        shifted - np.log(e.sum(-1, keepdims=True))
+        if op == "log_softmax"
+        else e / e.sum(-1, keepdims=True)
+    )
+    np.testing.assert_allclose(result[0], expected, rtol=1e-5, atol=1e-6)

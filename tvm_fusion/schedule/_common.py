@@ -214,7 +214,9 @@ def vectorize_innermost(
 def vectorize_with_tail(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int) -> bool:
     """A static innermost loop that :func:`vectorize_innermost` left scalar because ``lanes``
     does not divide it (a softmax row of 77, 999): partitioned into the whole vectors,
-    vectorised, and a scalar tail of fewer than ``lanes`` iterations. The last step of a
+    vectorised, and a tail of fewer than ``lanes`` iterations, vectorised too: LLVM computes a
+    13-lane vector in one register (its loads and stores in pieces of 8, 4, 1), where a scalar
+    tail evaluated softmax's polynomial exp 13 times per row of 77. The last step of a
     schedule: the block is replaced by the two parts (``block`` is no longer valid). Returns
     whether it did so."""
     loops = sch.get_loops(block)
@@ -224,11 +226,13 @@ def vectorize_with_tail(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lan
     if not is_static(ext) or ext < 2 * lanes or ext % lanes == 0:
         return False
     try:
-        head, _tail = sch.loop_partition(loops[-1], [ext - ext % lanes, None])
+        head, tail = sch.loop_partition(loops[-1], [ext - ext % lanes, None])
         _, vec = sch.split(head, [None, lanes])
         sch.vectorize(vec)
     except Exception:  # noqa: BLE001 - the loop stays whole, for LLVM's vectoriser
         return False
+    if ext % lanes > 1:
+        sch.vectorize(tail)
     return True
 
 

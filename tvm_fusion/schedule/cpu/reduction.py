@@ -67,6 +67,19 @@ def _vectorize_rf(sch, rf) -> None:
     sch.decompose_reduction(rf, rf_loops[-2])
 
 
+def _vectorize_row(sch, block, lanes: int) -> None:
+    """``vectorize_innermost``, except for a static row at least two vectors long that the
+    vector width does not divide: that one is left to ``vectorize_with_tail`` (whole vectors,
+    then one short vector). ``vectorize_innermost`` would take the largest power of two
+    dividing it, 2 lanes for a row of 30522 or 4002 (log_softmax 64 x 30522 ran at 2 lanes)."""
+    loops = sch.get_loops(block)
+    if loops:
+        ext = extent(sch, loops[-1])
+        if is_static(ext) and ext >= 2 * lanes and ext % lanes:
+            return
+    vectorize_innermost(sch, block, lanes)
+
+
 def _leading_s(kinds: str) -> int:
     return len(kinds) - len(kinds.lstrip("S"))
 
@@ -127,7 +140,7 @@ class RowReduction(CPURule):
         if work >= MIN_PARALLEL_WORK and cores > 1:
             sch.parallel(row_loop)
         if len(loops) > rows:  # else the innermost loop is the row loop (mean with keepdims)
-            vectorize_innermost(sch, last, lanes)
+            _vectorize_row(sch, last, lanes)
 
         for info in reversed(infos[:-1]):
             block = info.block_rv
@@ -138,7 +151,7 @@ class RowReduction(CPURule):
         for info in infos[:-1]:
             block = info.block_rv
             if info.is_injective():
-                vectorize_innermost(sch, block, lanes)
+                _vectorize_row(sch, block, lanes)
             elif block in rf_blocks:
                 rf = rf_blocks[block]
                 _vectorize_rf(sch, rf)
@@ -238,7 +251,7 @@ class RowReduction(CPURule):
         for info in infos[:-1]:
             block = info.block_rv
             if info.is_injective() and not is_reduction(sch, block):
-                vectorize_innermost(sch, block, lanes)
+                _vectorize_row(sch, block, lanes)
             elif (
                 not self._is_partials(sch, block, lanes)
                 and (rf := self._rfactor(sch, block, lanes)) is not None
@@ -248,7 +261,7 @@ class RowReduction(CPURule):
                 vectorize_innermost(sch, block, lanes)  # a masked tail vector
             else:
                 self._schedule_plain_reduction(sch, block, lanes)
-        vectorize_innermost(sch, last, lanes)
+        _vectorize_row(sch, last, lanes)
         for info in infos[:-1]:
             if info.is_injective() and not is_reduction(sch, info.block_rv):
                 vectorize_with_tail(sch, info.block_rv, lanes)
