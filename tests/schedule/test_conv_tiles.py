@@ -20,6 +20,7 @@ RNG = np.random.default_rng(27)
 W2 = RNG.standard_normal((32, 3, 4, 4)).astype("float32") / 8  # patch 4, 32 channels
 W1 = RNG.standard_normal((32, 5, 3)).astype("float32") / 4  # kernel 3, 32 channels
 BIAS = RNG.standard_normal(32).astype("float32")
+W20 = RNG.standard_normal((20, 5, 3)).astype("float32") / 4  # 20 channels: padded to the tile
 
 
 def _patch_embedding(bb, x):
@@ -32,11 +33,17 @@ def _conv_gelu(bb, x):
     return R.nn.gelu(R.add(y, relax.const(BIAS.reshape(1, 32, 1))))
 
 
+def _conv_20_channels(bb, x):
+    return R.nn.conv1d(x, relax.const(W20), padding=[1, 1])
+
+
 CASES = {
     # (b, 3, 12, 20) -> (b, 32, 3, 5): w = 5 is no multiple of anything
     "patch_embedding": (_patch_embedding, (3, 12, 20)),
     # (b, 5, 14) -> (b, 32, 7)
     "conv1d_gelu": (_conv_gelu, (5, 14)),
+    # (b, 5, 9) -> (b, 20, 9): channels that no vector tile divides
+    "conv1d_20_channels": (_conv_20_channels, (5, 9)),
 }
 
 
@@ -75,9 +82,15 @@ def test_conv_accumulators_channels_last(name, batch, target):
     assert sch is not None
     lanes = _target.vector_lanes(target, "float32")
     (acc,) = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
-    # a register tile: a few rows of whole channel vectors, the channels innermost
+    # a register tile: rows of channel vectors, the channels innermost (whole vectors, or, for
+    # 20 channels, which pad_einsum cannot pad in a convolution, a tile width dividing them)
     assert tir_util.num_elements(acc) is not None, acc.shape
-    assert int(acc.shape[-1]) % lanes == 0, acc.shape
+    channels, last = int(func.params[-1].shape[1]), int(acc.shape[-1])
+    if channels % lanes == 0:
+        assert last % lanes == 0, acc.shape
+    else:
+        assert last == max(w for w in range(1, lanes + 1) if channels % w == 0), acc.shape
+    assert tir_util.num_elements(acc) > last, acc.shape  # more than one row
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -110,6 +110,11 @@ def _is_cheap(store) -> bool:
     return isinstance(value, TensorLoad) or expr_size(store.value, 16) <= 8
 
 
+def _dividing_width(extent: int, most: int) -> int:
+    """The widest tile, at most ``most``, that divides ``extent`` (20 columns, 16 lanes: 10)."""
+    return next(w for w in range(min(most, extent), 0, -1) if extent % w == 0)
+
+
 class _WideRefused(Exception):
     """A step of the wide tile's schedule failed: schedule the function again without it."""
 
@@ -245,6 +250,18 @@ class Matmul(CPURule):
             if pad_cols:
                 factors[j_var] = nr
             padded = self._pad(sch, block, iters, factors, epilogue)
+            if padded is None and pad_cols and static_cols and wide is None:
+                # pad_einsum refuses reads that are not an einsum's (a convolution's
+                # x[.., w + k % 3]): static columns then take a tile width that divides them
+                nr = _dividing_width(j_ext, lanes)
+                pad_cols = False
+                logger.debug("matmul: columns not padded, tiles of %s of them", nr)
+                if pad_rows and is_static(m_ext):
+                    mr, pad_rows = _dividing_width(m_ext, mr), False  # nor rows (9 -> 3)
+                if pad_rows:
+                    padded = self._pad(sch, block, iters, {i_var: mr}, epilogue)
+                else:
+                    padded = ([], epilogue)
             if padded is False or (padded is None and pad_cols):
                 if wide is not None:
                     raise _WideRefused("columns not padded")
