@@ -29,7 +29,9 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
 - symbolic rows (``batch * seq``) and a symbolic vector axis (attention's ``seq`` columns) are
   padded to a multiple of the tile (``pad_einsum``: operands copied into padded buffers, the
   result cut back where it is written), so the tile loops carry no tail predicate, which would
-  make TVM keep the accumulator in memory at full size.
+  make TVM keep the accumulator in memory at full size. ``pad_einsum`` takes einsum reads
+  only: a convolution's static columns (channels) that no tile divides get a tile width that
+  divides them instead (20 channels: 10), and its static rows likewise.
 """
 
 from __future__ import annotations
