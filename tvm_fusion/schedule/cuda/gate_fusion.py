@@ -19,9 +19,12 @@ misaligned) in a 2-stage software pipeline (the next step's copy overlaps this s
 then every thread runs ``BK`` steps of ``TM x gates x TU`` FMAs from shared memory (the weights
 as ``float4`` shared loads). The tile sizes are chosen to give at least ``SMS`` thread blocks
 (132, an H100's SMs) where the problem has that many tiles of at least one warp; a smaller
-problem gets the tile with the most blocks (no in-block split-K yet). Rows and ``K`` that the
-tiles do not divide are padded (``pad_einsum``; the padding read in place, zeros past the end),
-units are guarded; no extent is refused. At most ``ACC_BUDGET`` accumulators per thread and
+problem gets the tile with the most blocks (no in-block split-K yet). With ``tunable=True``
+the tile is a ``sample_categorical`` decision among :func:`tunable_tiles` (the default first),
+and the split-K GEMV's split of ``K`` among ``GEMV_SPLITS``: MetaSchedule's space for these
+kernels (``tuning.gate_space``). Rows and ``K`` that the tiles do not divide are padded
+(``pad_einsum``; the padding read in place, zeros past the end), units are guarded; no extent
+is refused. At most ``ACC_BUDGET`` accumulators per thread and
 ``SMEM_BUDGET`` bytes of static shared memory per block (both stages).
 
 **Split-K GEMV** (static rows < ``MIN_TILED_ROWS``: batch-1 decode, LSTM/GRU cells): the
