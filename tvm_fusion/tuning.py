@@ -398,6 +398,7 @@ def tune_contexts(tasks, target, work_dir, strategy, num_threads, seed=None):
     from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
     from tvm.s_tir.meta_schedule.utils import fork_seed
 
+    _drop_unnamed_handlers()
     contexts, weights = [], []
     names = [t.task_name for t in tasks]
     for task, log, rand in zip(
