@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import tvm
 
@@ -28,6 +30,25 @@ def compare_pipelines(mod, inputs, rtol=1e-5, atol=1e-5, reference=None, **optio
         for r, o in zip(reference, ours_out, strict=True):
             np.testing.assert_allclose(o, r, rtol=rtol, atol=atol)
     return ours, stock
+
+
+def sequential(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """``func`` with its thread loops serial and its buffers global: the scheduled program's
+    meaning, runnable on llvm (the software pipeline's annotations dropped: its async copies
+    exist on CUDA only)."""
+    text = func.script()
+    text = re.sub(r'T\.thread_binding\((.+?), thread="[^"]+"\)', r"T.serial(\1)", text)
+    text = re.sub(r'"software_pipeline_\w+": \[[^\]]*\](, )?', "", text)
+    text = text.replace('scope="shared"', 'scope="global"').replace('scope="local"', "")
+    parsed = tvm.script.from_source(text)
+    return parsed if isinstance(parsed, tvm.tirx.PrimFunc) else parsed["main"]
+
+
+def run_kernel(func: tvm.tirx.PrimFunc, args: list[np.ndarray]) -> list[np.ndarray]:
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), "llvm")
+    tensors = [tvm.runtime.tensor(a) for a in args]
+    lib["main"](*tensors)
+    return [t.numpy() for t in tensors]
 
 
 class Base:

@@ -26,7 +26,7 @@ import tempfile
 import tvm
 from tvm import tirx
 
-from .tir_util import loops
+from .tir_util import iter_stmts
 
 _PTXAS_FUNC = re.compile(r"Function properties for (\S+)")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -104,7 +104,7 @@ def check(compiled, arch: str = "sm_90") -> list[KernelCheck]:
     launches = launch_shapes(compiled.lowered)
     for kc in checks.values():
         base = kc.name[: -len("_kernel")] if kc.name.endswith("_kernel") else kc.name
-        shape = launches.get(base) or launches.get(kc.name)
+        shape = launches.get(kc.name) or launches.get(base)
         if shape:
             kc.blocks, kc.threads = shape
     return list(checks.values())
@@ -139,26 +139,62 @@ def _ptx_bodies(ptx: str) -> dict[str, str]:
 
 
 def launch_shapes(mod: tvm.IRModule) -> dict[str, tuple[int | None, int | None]]:
-    """``{kernel: (blocks, threads)}`` from the thread bindings of each scheduled PrimFunc
-    (a PrimFunc that launches several kernels reports its largest grid)."""
+    """``{kernel: (blocks, threads)}`` from the thread bindings of each scheduled PrimFunc.
+    A PrimFunc whose top-level thread loop nests are several kernels (a split-K GEMM and the
+    sum of its partials) has one entry per kernel, named as TVM names them (``F_kernel``,
+    ``F_kernel_1``, ...), and the PrimFunc's own name reports its largest grid."""
     shapes = {}
     for gv, func in mod.functions_items():
         if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_host_func", False):
             continue
-        extents: dict[str, int | None] = {}
-        for loop in loops(func):
-            if loop.thread_binding is None:
-                continue
-            tag = str(loop.thread_binding.thread_tag)
-            value = int(loop.extent.value) if isinstance(loop.extent, tirx.IntImm) else None
-            old = extents.get(tag, 0)
-            extents[tag] = None if value is None or old is None else max(old, value)
-        grid = _product(extents, "blockIdx")
-        block = _product(extents, "threadIdx")
         name = str(func.attrs.get("global_symbol", gv.name_hint))
-        shapes[name] = (grid, block)
-        shapes.setdefault(gv.name_hint, (grid, block))
+        kernels = [_launch(root) for root in _kernel_roots(func)]
+        if not kernels:
+            continue
+        for i, shape in enumerate(kernels):
+            shapes[f"{name}_kernel" + (f"_{i}" if i else "")] = shape
+        largest = max(kernels, key=lambda shape: -1 if shape[0] is None else shape[0])
+        shapes[name] = largest
+        shapes.setdefault(gv.name_hint, largest)
     return shapes
+
+
+def _kernel_roots(func: tirx.PrimFunc) -> list:
+    """The outermost thread-bound loops of ``func``, in program order: one kernel each."""
+    roots: list = []
+    stack = [func.body]
+    while stack:  # pre-order, not descending into a thread-bound loop
+        node = stack.pop()
+        if isinstance(node, tirx.For) and node.thread_binding is not None:
+            roots.append(node)
+            continue
+        stack.extend(reversed(_children(node)))
+    return roots
+
+
+def _children(node) -> list:
+    if isinstance(node, tirx.SeqStmt):
+        return list(node.seq)
+    if isinstance(node, tvm.s_tir.SBlockRealize):
+        return [node.block]
+    if isinstance(node, tvm.s_tir.SBlock):
+        return [c for c in (node.init, node.body) if c is not None]
+    if isinstance(node, tirx.IfThenElse):
+        return [c for c in (node.then_case, node.else_case) if c is not None]
+    body = getattr(node, "body", None)
+    return [body] if isinstance(body, tirx.Stmt) else []
+
+
+def _launch(root) -> tuple[int | None, int | None]:
+    extents: dict[str, int | None] = {}
+    for loop in [root, *(s for s in iter_stmts(root.body) if isinstance(s, tirx.For))]:
+        if loop.thread_binding is None:
+            continue
+        tag = str(loop.thread_binding.thread_tag)
+        value = int(loop.extent.value) if isinstance(loop.extent, tirx.IntImm) else None
+        old = extents.get(tag, 0)
+        extents[tag] = None if value is None or old is None else max(old, value)
+    return _product(extents, "blockIdx"), _product(extents, "threadIdx")
 
 
 def _product(extents: dict, prefix: str) -> int | None:

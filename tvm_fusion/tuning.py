@@ -292,21 +292,37 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
 
 
 def build_candidate(mod: tvm.IRModule, target, _params=None):
-    """MetaSchedule's ``default_build`` minus ``import tvm.s_tir.tensor_intrin`` on CPUs.
+    """MetaSchedule's ``default_build`` minus ``import tvm.s_tir.tensor_intrin``.
 
     The stock build function imports every tensor intrinsic (CUDA, ROCm, ...) first: 32 s on
     this 2-core machine, paid again by each builder process of each batch, so with the default
-    30 s build timeout the first candidates of every batch time out. llvm schedules here use
-    no tensor intrinsics; GPU targets still import them.
+    30 s build timeout the first candidates of every batch time out. A candidate arrives
+    scheduled, its tensorized blocks already replaced by the intrinsics' bodies, so the build
+    needs none of them registered (on GPUs either).
+
+    On GPUs: every PrimFunc gets a global symbol (TVM 0.27's CUDA codegen fails on a kernel of
+    one without: "Type tirx.BufferType does not have a corresponding C Type"), and the build
+    runs as the pipeline's does (``engine.compile_module``: ``cp.async`` on sm_80+).
     """
     from tvm.driver import build as tvm_build
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
-    if not is_cpu(target):
-        import tvm.s_tir.tensor_intrin  # noqa: F401 - registers tensor intrinsics
+    from .engine import async_copy
 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    return tvm_build(mod, target=target)
+    if is_cpu(target):
+        return tvm_build(mod, target=target)
+    mod = tvm.IRModule(
+        {
+            gv: f.with_attr("global_symbol", gv.name_hint)
+            if isinstance(f, tvm.tirx.PrimFunc) and "global_symbol" not in (f.attrs or {})
+            else f
+            for gv, f in mod.functions_items()
+        }
+    )
+    config = {"tirx.use_async_copy": True} if async_copy(target) else {}
+    with tvm.transform.PassContext(opt_level=3, config=config), target:
+        return tvm_build(mod, target=target)
 
 
 PACKS_WEIGHTS = "it packs weights"
@@ -338,6 +354,88 @@ def _default_schedule(workload: tvm.IRModule, target) -> tuple[tvm.s_tir.Schedul
         # which MetaScheduleApplyDatabase does not replay the same way (runtime failure)
         return replayed, PACKS_WEIGHTS
     return replayed, ""
+
+
+def gate_space(target) -> ms.space_generator.ScheduleFn:
+    """The design space of a CUDA gate kernel: our gate rule applied with ``tunable=True``, so
+    that its tile (rows x units per thread, threads, reduction step) or its split-K GEMV's
+    split is a ``sample_categorical`` decision over choices within the shared-memory,
+    register and thread budgets, our default among them (``gate_fusion.tunable_tiles``).
+    Every sample keeps the GEMMs and the gate math in one kernel; MetaSchedule's own rules
+    (multi-level tiling) would tile the GEMM apart from the gates and overflow shared memory.
+    VerifyGPUCode checks each sample against the target's limits once more."""
+    from .schedule.cuda import GateFusion
+
+    rule = GateFusion()
+
+    def schedule(sch):
+        tuned = rule.apply(sch.mod["main"], target, True)
+        return tuned if tuned is not None else sch
+
+    return ms.space_generator.ScheduleFn(
+        schedule, sch_rules=[], postprocs=[ms.postproc.VerifyGPUCode()], mutator_probs={}
+    )
+
+
+def _ours_tunes(func, target) -> bool:
+    """A CUDA gate kernel that our gate rule schedules (so :func:`gate_space` applies)."""
+    from .schedule.cuda import GateFusion
+    from .schedule.cuda.gate_fusion import GATE_ATTR
+
+    if is_cpu(target) or GATE_ATTR not in (func.attrs or {}):
+        return False
+    try:
+        return GateFusion().apply(func, target, False) is not None
+    except Exception:  # noqa: BLE001 - a rule that raises declines (ApplyRules does the same)
+        return False
+
+
+def tune_contexts(tasks, target, work_dir, strategy, num_threads, seed=None):
+    """MetaSchedule's tune contexts of ``tasks``: on CUDA, gate kernels that our rule
+    schedules search :func:`gate_space`, each trial a new sample of it (``ReplayFunc``: the
+    rule runs again per candidate, so the decision picks the tile); the other tasks
+    MetaSchedule's default space with ``strategy``. Returns (contexts, task weights)."""
+    from tvm.s_tir.meta_schedule.logging import get_loggers_from_work_dir
+    from tvm.s_tir.meta_schedule.utils import fork_seed
+
+    _drop_unnamed_handlers()
+    contexts, weights = [], []
+    names = [t.task_name for t in tasks]
+    for task, log, rand in zip(
+        tasks,
+        get_loggers_from_work_dir(str(work_dir), names),
+        fork_seed(seed, n=len(tasks)),
+        strict=True,
+    ):
+        ours = _ours_tunes(task.dispatched[0]["main"], target)
+        contexts.append(
+            ms.TuneContext(
+                mod=task.dispatched[0],
+                target=task.target,
+                space_generator=gate_space(target) if ours else "post-order-apply",
+                search_strategy=ms.search_strategy.ReplayFunc() if ours else strategy,
+                task_name=task.task_name,
+                logger=log,
+                rand_state=rand,
+                num_threads=num_threads,
+            ).clone()
+        )
+        weights.append(task.weight)
+    return contexts, weights
+
+
+def sample_candidates(contexts, per_task: int) -> dict[str, list[tvm.s_tir.Schedule]]:
+    """The first ``per_task`` measure candidates of each context, as the search generates
+    them (design space, sampled decisions, postprocessors; nothing built or measured):
+    ``{task name: [schedule]}``."""
+    found = {}
+    for ctx in contexts:
+        ctx.pre_tuning(max_trials=per_task, num_trials_per_iter=per_task)
+        try:
+            found[ctx.task_name] = [c.sch for c in ctx.generate_measure_candidates() or []]
+        finally:
+            ctx.post_tuning()
+    return found
 
 
 def seed_default_schedules(tasks, target, database, builder, runner, say) -> int:
@@ -591,6 +689,41 @@ def _drop_unnamed_handlers() -> None:
             ms_logger.removeHandler(handler)
 
 
+def dry_run(mod, target, per_task, build_timeout, seed, say, pipeline="tvm_fusion", **flags):
+    """Tuning up to the builder, for a target with no device here: the first ``per_task``
+    candidates of every task generated as :func:`tune` would, and built. Returns a summary
+    ("N of M candidates of T task(s) built")."""
+    import shutil
+    import tempfile
+
+    fused = fused_module(mod, target, pipeline, **flags)
+    tasks = ms.relax_integration.extract_tasks(fused, target)
+    if not tasks:
+        raise UsageError("nothing to tune: the module has no kernels")
+    _drop_unnamed_handlers()
+    with tempfile.TemporaryDirectory() as work:
+        strategy = ms.search_strategy.EvolutionarySearch(population_size=32)
+        contexts, _ = tune_contexts(tasks, target, work, strategy, num_cores(target), seed)
+        candidates = sample_candidates(contexts, per_task)
+    inputs = [
+        ms.builder.BuilderInput(sch.mod, target) for schs in candidates.values() for sch in schs
+    ]
+    builder = ms.builder.LocalBuilder(timeout_sec=build_timeout, f_build=build_candidate)
+    results = builder.build(inputs) if inputs else []
+    for result in results:
+        if result.artifact_path:
+            shutil.rmtree(Path(result.artifact_path).parent, ignore_errors=True)
+    failed = [r.error_msg for r in results if r.error_msg]
+    for task, schs in candidates.items():
+        say(f"{task}: {len(schs)} candidate(s) generated")
+    for error in failed[:3]:
+        say(f"build failed: {first_line(error)}")
+    return (
+        f"{len(results) - len(failed)} of {len(results)} candidates of {len(tasks)} task(s) "
+        "generated and built, none measured"
+    )
+
+
 def tune(
     mod: tvm.IRModule,
     target,
@@ -620,11 +753,16 @@ def tune(
     if tracker and not rpc_key:
         raise UsageError("--rpc-tracker needs --rpc-key")
     tgt = parse_target(target)
+    say = progress or (lambda line: logger.info("%s", line))
     if not tracker and not is_cpu(tgt) and not tvm.device(tgt.kind.name, 0).exist:
-        # MetaSchedule's local runner would wait on every build and record nothing
+        # MetaSchedule's local runner would wait on every build and record nothing: generate
+        # and build the first batch of candidates, then stop before measuring
+        built = dry_run(
+            mod, tgt, min(trials, trials_per_iter), build_timeout, seed, say, pipeline, **flags
+        )
         raise UsageError(
-            f"no {tgt.kind.name} device on this machine to measure on: tune over RPC "
-            "(--rpc-tracker HOST:PORT --rpc-key KEY) from a machine with one"
+            f"no {tgt.kind.name} device on this machine to measure on ({built}); tune over "
+            "RPC (--rpc-tracker HOST:PORT --rpc-key KEY) from a machine with one"
         )
     work_dir = Path(work_dir)
     if work_dir.exists() and not work_dir.is_dir():
@@ -644,7 +782,6 @@ def tune(
     before = trials_spent(work_dir)
     start = time.perf_counter()
     remaining = trials - before
-    say = progress or (lambda line: logger.info("%s", line))
     runner = ms.runner.LocalRunner()
     if tracker:
         host, port = tracker
@@ -666,8 +803,8 @@ def tune(
         strategy = ms.search_strategy.EvolutionarySearch(
             population_size=population, init_min_unmeasured=min(50, population // 2)
         )
-        contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-            tasks, str(work_dir), strategy=strategy, num_threads=num_cores(tgt), seed=seed
+        contexts, weights = tune_contexts(
+            tasks, tgt, work_dir, strategy, num_threads=num_cores(tgt), seed=seed
         )
         if before == 0 and pipeline == "tvm_fusion":  # stock's groups get no rules of ours
             seed_default_schedules(tasks, tgt, database, builder, runner, say)

@@ -35,6 +35,7 @@ def default_rules(target: Target) -> list[dl.ScheduleRule]:
     if _target.is_gpu(target):
         return [
             cuda.GateFusion(),
+            cuda.SkinnyMatmul(),  # before dlight's Matmul: where that leaves SMs idle
             dl.gpu.Matmul(),
             dl.gpu.GEMV(),
             dl.gpu.Reduction(),

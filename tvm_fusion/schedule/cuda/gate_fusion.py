@@ -19,9 +19,12 @@ misaligned) in a 2-stage software pipeline (the next step's copy overlaps this s
 then every thread runs ``BK`` steps of ``TM x gates x TU`` FMAs from shared memory (the weights
 as ``float4`` shared loads). The tile sizes are chosen to give at least ``SMS`` thread blocks
 (132, an H100's SMs) where the problem has that many tiles of at least one warp; a smaller
-problem gets the tile with the most blocks (no in-block split-K yet). Rows and ``K`` that the
-tiles do not divide are padded (``pad_einsum``; the padding read in place, zeros past the end),
-units are guarded; no extent is refused. At most ``ACC_BUDGET`` accumulators per thread and
+problem gets the tile with the most blocks (no in-block split-K yet). With ``tunable=True``
+the tile is a ``sample_categorical`` decision among :func:`tunable_tiles` (the default first),
+and the split-K GEMV's split of ``K`` among ``GEMV_SPLITS``: MetaSchedule's space for these
+kernels (``tuning.gate_space``). Rows and ``K`` that the tiles do not divide are padded
+(``pad_einsum``; the padding read in place, zeros past the end), units are guarded; no extent
+is refused. At most ``ACC_BUDGET`` accumulators per thread and
 ``SMEM_BUDGET`` bytes of static shared memory per block (both stages).
 
 **Split-K GEMV** (static rows < ``MIN_TILED_ROWS``: batch-1 decode, LSTM/GRU cells): the
@@ -67,6 +70,8 @@ VEC = 4  # floats per 128-bit load
 PIPELINE = True  # 2-stage software pipeline over the reduction steps
 STAGES = 2 if PIPELINE else 1
 KI_UNROLL = 16  # reduction steps unrolled per shared-memory slab
+TUNABLE_TILES = 8  # tiles MetaSchedule chooses among (tunable_tiles)
+GEMV_SPLITS = (32, 64, 128)  # threads splitting K in the split-K GEMV, when tuned
 
 
 @dataclass(frozen=True)
@@ -110,15 +115,11 @@ def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int 
     return 32 if width >= 32 else TU
 
 
-def choose_tile(rows, units: int, block: int, gemm_gates: list[int], k_max: int) -> Tile:
-    """The tile with the largest register tile, then the widest unit block, then the most
-    threads, that still gives ``SMS`` blocks; of tiles that all give fewer, the one with the
-    most blocks.
-
-    ``rows`` may be symbolic (then the largest tile of 8 thread rows); ``units`` is the padded
-    width (a multiple of ``block``); ``gemm_gates`` the gates of each GEMM (their accumulators
-    are all live at the gate math); ``k_max`` the longest reduction. A static ``rows`` takes no
-    tile twice as tall or taller (mostly padding)."""
+def tile_candidates(rows, block: int, gemm_gates: list[int], k_max: int) -> list[Tile]:
+    """Every tile within the budgets (``ACC_BUDGET`` accumulators per thread, 32 to 256
+    threads, ``SMEM_BUDGET`` of shared memory with the largest reduction step that fits), in
+    order of preference: the largest register tile, then the widest unit block, then the most
+    threads. A static ``rows`` takes no tile twice as tall or taller (mostly padding)."""
     total_gates = sum(gemm_gates)
     tms = [tm for tm in (8, 4, 2, 1) if total_gates * tm * TU <= ACC_BUDGET] or [1]
     txs = [tx for tx in (8, 4, 2, 1) if tx * TU <= block]
@@ -133,14 +134,55 @@ def choose_tile(rows, units: int, block: int, gemm_gates: list[int], k_max: int)
                 tile = _fit_smem(Tile(tm, ty, tx, 32 if k_max >= 32 else 16), gemm_gates)
                 if tile is not None:
                     candidates.append(tile)
+    return candidates
+
+
+def choose_tile(rows, units: int, block: int, gemm_gates: list[int], k_max: int) -> Tile:
+    """The first of :func:`tile_candidates` that still gives ``SMS`` blocks; of tiles that all
+    give fewer, the one with the most blocks.
+
+    ``rows`` may be symbolic (then the largest tile of 8 thread rows); ``units`` is the padded
+    width (a multiple of ``block``); ``gemm_gates`` the gates of each GEMM (their accumulators
+    are all live at the gate math); ``k_max`` the longest reduction."""
+    candidates = tile_candidates(rows, block, gemm_gates, k_max)
     if not candidates:  # nothing fits the budgets: the smallest tile
-        return Tile(1, 32 // txs[-1], txs[-1], 8)
+        tx = min(tx for tx in (8, 4, 2, 1) if tx * TU <= block)
+        return Tile(1, 32 // tx, tx, 8)
     if not is_static(rows):
         return next((t for t in candidates if t.ty == 8), candidates[0])
     for tile in candidates:
         if blocks(tile, rows, units) >= SMS:
             return tile
     return max(candidates, key=lambda t: (blocks(t, rows, units), t.tm, t.bn))
+
+
+def tunable_tiles(rows, units: int, block: int, gemm_gates: list[int], k_max: int) -> list[Tile]:
+    """The tiles MetaSchedule chooses among (``apply(..., tunable=True)``): :func:`choose_tile`'s
+    first, then up to ``TUNABLE_TILES - 1`` others of :func:`tile_candidates` and their variants
+    with half the reduction step, in that order of preference; for static rows only those
+    that give as many blocks as the default or ``SMS``. All are within the budgets."""
+    default = choose_tile(rows, units, block, gemm_gates, k_max)
+    wanted = min(SMS, blocks(default, rows, units)) if is_static(rows) else 0
+    options = [default]
+    for tile in tile_candidates(rows, block, gemm_gates, k_max):
+        for variant in (tile, Tile(tile.tm, tile.ty, tile.tx, tile.bk // 2)):
+            if len(options) == TUNABLE_TILES:
+                return options
+            if variant in options or variant.bk < 8:
+                continue
+            if is_static(rows) and blocks(variant, rows, units) < wanted:
+                continue
+            options.append(variant)
+    return options
+
+
+def sample(sch: s_tir.Schedule, options: list):
+    """One of ``options``, chosen by a ``sample_categorical`` decision of ``sch`` (uniform): a
+    decision MetaSchedule samples anew for each candidate and records in its trace."""
+    if len(options) == 1:
+        return options[0]
+    pick = sch.sample_categorical(list(range(len(options))), [1 / len(options)] * len(options))
+    return options[int(sch.get(pick))]
 
 
 def _fit_smem(tile: Tile, gemm_gates: list[int]) -> Tile | None:
@@ -195,7 +237,7 @@ class GateFusion(ScheduleRule):
                 ext = extent(sch, loop)
                 rows = ext if not is_static(rows) or not is_static(ext) else rows * ext
             if not is_static(rows) or rows >= MIN_TILED_ROWS:
-                tiled = self._tiled(func, block, reductions, finals, inner, sch, rows)
+                tiled = self._tiled(func, block, reductions, finals, inner, sch, rows, tunable)
                 if tiled is not None:
                     return tiled
                 # not the expected form: the few-rows schedule, from the unscheduled function
@@ -209,17 +251,20 @@ class GateFusion(ScheduleRule):
                 ]
                 inner = [b for b in remaining if b not in finals]
         if (not row_loops or is_static(rows)) and block % TU == 0:
-            gemv = _gemv_or_none(func, params)
+            gemv = _gemv_or_none(func, params, tunable)
             if gemv is not None:
                 return gemv
         return _few_rows(sch, block, reductions, finals, inner)
 
-    def _tiled(self, func, block, reductions, finals, inner, sch, rows):
+    def _tiled(self, func, block, reductions, finals, inner, sch, rows, tunable=False):
         gemm_gates, k_max, units = _gemm_shapes(sch, reductions, block)
         if gemm_gates is None:
             logger.debug("gate fusion (cuda): GEMMs not of the blocked form, few-rows schedule")
             return None
-        tile = choose_tile(rows, units, block, gemm_gates, k_max)
+        if tunable:
+            tile = sample(sch, tunable_tiles(rows, units, block, gemm_gates, k_max))
+        else:
+            tile = choose_tile(rows, units, block, gemm_gates, k_max)
         try:
             return _schedule_tiled(sch, tile, reductions, finals, inner)
         except Exception as err:  # noqa: BLE001 - not the expected form: the few-rows schedule
@@ -354,7 +399,7 @@ def _cooperative_copy(sch: s_tir.Schedule, copy, depth: int, threads: int, buf) 
     sch.bind(tx, "threadIdx.x")
 
 
-def _gemv_or_none(func, params):
+def _gemv_or_none(func, params, tunable=False):
     """The split-K GEMV schedule of ``func`` from scratch, None when it does not apply."""
     sch = s_tir.Schedule(func)
     infos = normalize_prim_func(sch)
@@ -364,13 +409,13 @@ def _gemv_or_none(func, params):
     finals = [b for b in remaining if any(w.source in params for w in sch.get(b).writes)]
     inner = [b for b in remaining if b not in finals]
     try:
-        return _schedule_gemv(sch, reductions, finals, inner)
+        return _schedule_gemv(sch, reductions, finals, inner, tunable)
     except Exception as err:  # noqa: BLE001 - not the expected form: the few-rows schedule
         logger.debug("gate fusion (cuda): split-K GEMV failed: %s", str(err)[:300])
         return None
 
 
-def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner):
+def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner, tunable=False):
     """Few static rows: a thread block per ``TU`` units (and per ``RT`` rows); its ``KS``
     threads split ``K`` (thread ``t`` takes ``k = t, t + KS, ...``: a warp reads one contiguous
     run of the blocked weight, each thread ``gates`` float4 per step), each keeping ``RT x gates
@@ -387,6 +432,8 @@ def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner):
             k_max, *(int(iv.dom.extent) for iv in stmt.iter_vars if iv.iter_type == iv.CommReduce)
         )
     ks = 64 if k_max >= 64 * 8 else 32
+    if tunable:  # MetaSchedule chooses the split (the default first)
+        ks = sample(sch, [ks, *(v for v in GEMV_SPLITS if v != ks and v <= max(k_max, 32))])
     # split K over the threads first: rfactor wants the reduction first in its loop nest; a K
     # that the threads do not divide is padded with zeros (no predicate in the partial sums)
     factored, pads = [], []
