@@ -23,7 +23,8 @@ D`` buffer exists outside the block. A ``K`` that ``BK`` does not divide is padd
 
 The tile: of the ``WR x WU`` (at most ``MAX_WARPS`` warps) whose shared memory (both stages and
 the result tile) fits ``SMEM_BUDGET``, the one with the most warps that still gives ``SMS``
-thread blocks; when none does, the one with the most blocks (gate_2890, 64 x 3 x 1024: 3 warps per block, 256 blocks).
+thread blocks; when none does, the one with the most blocks (gate_2890, 64 x 3 x 1024: 3 warps
+per block, 256 blocks).
 
 Skipped (None, the CUDA-core schedules of ``gate_fusion`` then run): float32 kernels (their
 schedule is unchanged), mixed operand dtypes, several GEMMs in one kernel (GRU), rows on
