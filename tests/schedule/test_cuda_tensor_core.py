@@ -10,7 +10,8 @@
   ``tensorize`` itself checks that each block it replaces is the intrinsic's description, and
   the tensorized schedule of the same kernel must exist. 64 rows x 48 units x K = 128 (SwiGLU),
   float16 and bfloat16 (padded K and other gate functions: not covered yet);
-- float32 kernels, sm_75, 19 rows and symbolic rows are left to the CUDA-core schedules;
+- float32 kernels, sm_75, 19 rows, symbolic rows and K = 389 are left to the CUDA-core
+  schedules;
 - at the benchmark sizes of gate_2890 (64 x 3 x 1024 x 1024) and SwiGLU's gate+up (64 x 2 x
   5632 x 2048) in float16 and bfloat16, built for sm_90 with nvcc
   (skipped without it): one gate kernel, ``mma.sync.m16n8k16`` with float32 accumulators in its
@@ -158,7 +159,7 @@ def test_schedule_computes_the_same(case):
 
 def test_left_to_the_cuda_core_schedules():
     """float32 (its schedule unchanged), an architecture before sm_80, rows that 16 does not
-    divide and symbolic rows (not done yet)."""
+    divide, symbolic rows and a K that 16 does not divide (not done yet)."""
     tgt = _target.cuda_target()
     fp32 = _gate_kernel(_gate_module(64, 128, 48, "float32", "silu"), tgt)
     assert gtc.schedule(fp32, tgt) is None
@@ -168,6 +169,8 @@ def test_left_to_the_cuda_core_schedules():
     for rows in (19, "n"):
         odd = _gate_kernel(_gate_module(rows, 128, 48, "float16", "silu"), tgt)
         assert gtc.schedule(odd, tgt) is None
+    odd_k = _gate_kernel(_gate_module(64, 389, 48, "float16", "silu"), tgt)
+    assert gtc.schedule(odd_k, tgt) is None
 
 
 BENCH = {  # name: (rows, K, D, act)

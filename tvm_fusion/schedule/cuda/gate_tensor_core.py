@@ -18,8 +18,7 @@ memory with 16-byte copies (8 halves; ``cp.async`` where the build sets ``tirx.u
 as ``engine.compile_module`` does on sm_80+), in a 2-stage software pipeline. After the
 reduction the accumulators go to a float32 ``(gates, BM, BN)`` tile in shared memory, and all
 threads of the block run the gate math from it and write each result once: no ``rows x gates x
-D`` buffer exists outside the block. A ``K`` that ``BK`` does not divide is padded
-(``pad_einsum``, the padding read in place, ``x`` then copied element by element).
+D`` buffer exists outside the block.
 
 The tile: of the ``WR x WU`` (at most ``MAX_WARPS`` warps) whose shared memory (both stages and
 the result tile) fits ``SMEM_BUDGET``, the one with the most warps that still gives ``SMS``
@@ -31,9 +30,11 @@ schedule is unchanged), mixed operand dtypes, several GEMMs in one kernel (GRU),
 several axes, fewer than ``MIN_ROWS`` static rows (the split-K GEMV serves them), symbolic
 rows or rows that 16 does not divide (the result block's row tiles would carry a predicate,
 and the GEMM placed under them then gets a region that ``blockize`` refuses: not done yet), a
-symbolic ``K``, ``V`` not a multiple of 16, gate blocks that are not inlined into the result block,
-architectures before sm_80, and any schedule step that fails (logged at debug level). GeGLU's
-gelu (erf) stays a block of its own at SwiGLU's size: GeGLU takes the CUDA-core schedule.
+symbolic ``K`` or one that 16 does not divide (padding it gave a kernel that failed to lower:
+not done yet), ``V`` not a multiple of 16, gate blocks that are not inlined into the result
+block, architectures before sm_80, and any schedule step that fails (logged at debug level).
+GeGLU's gelu (erf) stays a block of its own at SwiGLU's size: GeGLU takes the CUDA-core
+schedule.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def choose_tile(rows, units: int, block: int, gates: int, k: int) -> TensorCoreT
     its row block divides ``rows``. None when nothing fits (or ``rows`` is symbolic)."""
     if not is_static(rows):
         return None
-    bks = [bk for bk in (64, 32, 16) if k % bk == 0] or [32]
+    bks = [bk for bk in (64, 32, 16) if k % bk == 0]
+    if not bks:
+        return None  # a K that 16 does not divide: not done yet (see the module docstring)
     candidates = []
     for wr in (4, 2, 1):
         for wu in (4, 2, 1):
@@ -307,16 +310,6 @@ def _schedule(sch, func, red, infos, dtype: str, tensorize: bool):
         return None
     names = _intrinsics(dtype)
 
-    # K to a multiple of BK: no predicate in the warp tiles
-    pads = []
-    if k % tile.bk:
-        before = {sch.get(b).name_hint for b in sch.get_consumers(red)}
-        sch.pad_einsum(red, [1, 1, 1, 1, tile.bk])
-        pads = list(sch.get_producers(red))
-        for cut in sch.get_consumers(red):
-            if sch.get(cut).name_hint not in before:
-                sch.compute_inline(cut)
-
     # the result block drives the grid; all threads of a block run its gate math
     rows_loop, units_loop = sch.get_loops(final)
     by, r_in = sch.split(rows_loop, [None, tile.bm])
@@ -349,8 +342,7 @@ def _schedule(sch, func, red, infos, dtype: str, tensorize: bool):
         copies.append(copy)
     x_sh, w_sh = copies
     sch.transform_layout(w_sh, ("write", 0), lambda do, kk, g, n: (do, g, kk, n))
-    x_aligned = k % VEC == 0 and k % tile.bk == 0
-    for copy, aligned in ((x_sh, x_aligned), (w_sh, True)):
+    for copy, aligned in ((x_sh, k % VEC == 0), (w_sh, True)):
         loops = sch.get_loops(copy)
         depth = next(i for i, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(k0))) + 1
         fused = sch.fuse(*loops[depth:])
@@ -383,8 +375,6 @@ def _schedule(sch, func, red, infos, dtype: str, tensorize: bool):
     sch.annotate(k0, "software_pipeline_stage", [0, 0, 1])
     sch.annotate(k0, "software_pipeline_order", [0, 1, 2])
     sch.annotate(k0, "software_pipeline_async_stages", [0])
-    for pad in pads:  # read in place, zeros past the rows and K
-        sch.compute_inline(pad)
     if not tensorize:
         return sch
     (init_inner,) = sch.get_child_blocks(init)
