@@ -8,6 +8,8 @@ kernel what ``nvcc -Xptxas -v`` and the PTX say, and the launch shape the schedu
 - ``vector_loads`` (128-bit global loads: ``ld.global[.nc].v4`` of 32-bit types, or
   ``.v2`` of 64-bit ones), ``cp_async``, ``shared_loads`` and ``barriers`` (``bar.sync``), counted
   in the kernel's PTX;
+- ``mma_f32``: tensor-core ``mma.sync`` instructions with float32 accumulators (float16 /
+  bfloat16 operands), counted in the PTX;
 - ``blocks`` and ``threads`` per launch from the scheduled TIR's ``blockIdx``/``threadIdx``
   bindings (``None`` for a symbolic extent).
 
@@ -45,6 +47,7 @@ class KernelCheck:
     cp_async: int = 0
     shared_loads: int = 0
     barriers: int = 0
+    mma_f32: int = 0
     blocks: int | None = None
     threads: int | None = None
 
@@ -55,6 +58,7 @@ class KernelCheck:
             f"{self.spill_stores + self.spill_loads} B spilled, {self.smem} B shared, "
             f"{self.vector_loads} 128-bit global loads, {self.cp_async} cp.async, "
             f"{self.shared_loads} shared loads, {self.barriers} bar.sync"
+            + (f", {self.mma_f32} mma.sync" if self.mma_f32 else "")
         )
 
 
@@ -86,6 +90,7 @@ def check(compiled, arch: str = "sm_90") -> list[KernelCheck]:
         kc.cp_async = len(re.findall(r"cp\.async\.c[ag]\.", body))
         kc.shared_loads = len(re.findall(r"ld\.shared", body))
         kc.barriers = len(re.findall(r"bar\.sync|barrier\.sync", body))
+        kc.mma_f32 = len(re.findall(r"mma\.sync\.aligned\.\S+\.f32\.b?f16\.b?f16\.f32", body))
     current = None
     for line in log.splitlines():
         found = _PTXAS_FUNC.search(line)

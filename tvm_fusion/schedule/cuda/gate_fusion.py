@@ -56,6 +56,7 @@ from tvm.target import Target
 
 from ... import target as _target
 from .._common import extent, is_reduction, is_static, try_inline_safe
+from . import gate_tensor_core
 
 GATE_ATTR = "tvm_fusion.gate_fusion"
 logger = logging.getLogger(__name__)
@@ -215,6 +216,9 @@ class GateFusion(ScheduleRule):
             or GATE_ATTR not in func.attrs
         ):
             return None
+        tensor_core = gate_tensor_core.schedule(func, target)  # float16 / bfloat16 GEMMs
+        if tensor_core is not None:
+            return tensor_core
         block = int(func.attrs[GATE_ATTR]["block"])
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
