@@ -8,7 +8,7 @@ schedule rules leave it as written) that ``onnx_rnn`` calls with ``call_tir``:
   on the static path), the recurrent weight blocked at import as ``(H / V, H, gates, V)`` (a
   unit block's gate columns contiguous per input unit: one vector load per gate and unit, units
   padded with zero columns to whole blocks), the recurrent bias ``Rb`` as ``(gates, H_pad)``,
-  the initial states;
+  the initial states (none when they are zeros: ``zero_init`` sets the workspace to zero);
 - a serial loop over time; each step runs in parallel over unit blocks (serially when a step
   is under ``PARALLEL_MIN_MACS`` multiply-adds per row: a parallel launch and join per step
   then costs more than it saves); per block, a register
@@ -96,8 +96,18 @@ def block_bias(rb: np.ndarray | None, gates: int, hidden: int) -> np.ndarray:
     return out
 
 
-def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> tirx.PrimFunc:
-    """The scheduled PrimFunc of one direction: (proj, w, b, h0[, c0]) -> (y, h_T[, c_T])."""
+def _without_initial_states(func: tirx.PrimFunc, states: int) -> tirx.PrimFunc:
+    """``func`` without its initial-state parameters (after proj, w, b), which its body, built
+    with ``zero_init``, does not read."""
+    params = list(func.params)
+    return tirx.PrimFunc(params[:3] + params[3 + states :], func.body, func.ret_type, func.attrs)
+
+
+def loop_kernel(
+    kind: str, hidden: int, reverse: bool, clip: float | None, zero_init: bool = False
+) -> tirx.PrimFunc:
+    """The scheduled PrimFunc of one direction: (proj, w, b, h0[, c0]) -> (y, h_T[, c_T]);
+    with ``zero_init`` (proj, w, b) -> (y, h_T[, c_T]), the initial states zeros."""
     gates, lanes, rows = GATES[kind], LANES, ROWS
     blocks = -(-hidden // lanes)
     padded, width = blocks * lanes, gates * hidden
@@ -137,8 +147,14 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
             hs = T.alloc_buffer((2, batch, padded))
             cs = T.alloc_buffer((batch, padded))
             for n, j in T.grid(batch, padded):
-                hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
-                cs[n, j] = T.if_then_else(j < hidden, c0[n, T.min(j, hidden - 1)], T.float32(0))
+                if zero_init:
+                    hs[0, n, j] = T.float32(0)
+                    cs[n, j] = T.float32(0)
+                else:
+                    hs[0, n, j] = T.if_then_else(
+                        j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0)
+                    )
+                    cs[n, j] = T.if_then_else(j < hidden, c0[n, T.min(j, hidden - 1)], T.float32(0))
             for s in range(seq):
                 for jb in blocks_loop(blocks):
                     for bo in range((batch + rows - 1) // rows):
@@ -206,7 +222,7 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
                 ht[n, j] = hs[seq % 2, n, j]
                 ct[n, j] = cs[n, j]
 
-        return lstm_loop
+        return _without_initial_states(lstm_loop, 2) if zero_init else lstm_loop
 
     if kind == "GRU":
 
@@ -231,7 +247,12 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
             hs = T.alloc_buffer((2, batch, padded))
             gz = T.alloc_buffer((batch, padded))
             for n, j in T.grid(batch, padded):
-                hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
+                if zero_init:
+                    hs[0, n, j] = T.float32(0)
+                else:
+                    hs[0, n, j] = T.if_then_else(
+                        j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0)
+                    )
             for s in range(seq):
                 for jb in blocks_loop(blocks):
                     for bo in range((batch + rows - 1) // rows):
@@ -295,7 +316,7 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
             for n, j in T.grid(batch, hidden):
                 ht[n, j] = hs[seq % 2, n, j]
 
-        return gru_loop
+        return _without_initial_states(gru_loop, 1) if zero_init else gru_loop
 
     @T.prim_func(private=True, s_tir=True)
     def rnn_loop(
@@ -317,7 +338,10 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
         ht = T.match_buffer(p_ht, (batch, hidden))
         hs = T.alloc_buffer((2, batch, padded))
         for n, j in T.grid(batch, padded):
-            hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
+            if zero_init:
+                hs[0, n, j] = T.float32(0)
+            else:
+                hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
         for s in range(seq):
             for jb in blocks_loop(blocks):
                 for bo in range((batch + rows - 1) // rows):
@@ -354,4 +378,4 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
         for n, j in T.grid(batch, hidden):
             ht[n, j] = hs[seq % 2, n, j]
 
-    return rnn_loop
+    return _without_initial_states(rnn_loop, 1) if zero_init else rnn_loop
