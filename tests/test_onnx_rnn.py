@@ -167,7 +167,7 @@ def _loops(mod):
 @pytest.mark.parametrize(
     "kind, inp, hid, direction, opts",
     [
-        # 19 units: one whole 16-unit block and a padded one; batch 5: a 4-row tile and a tail
+        # 19 units: two whole 8-unit blocks and a padded one; batch 5: a 4-row tile and a tail
         # "parallel": unit blocks in parallel at any size (else serial below 2**19 MACs a row)
         ("LSTM", 6, 19, "bidirectional", {"layout": 1, "init": True, "parallel": True}),
         # clip against ORT (ONNX's reference evaluator, layout 1's reference, ignores it)
@@ -340,3 +340,13 @@ def test_dynamic_sequence_zero_initial_states_are_set_in_the_loop_kernel(kind, v
         for g, w in zip(got, reference({"X": x}), strict=True):
             assert g.shape == w.shape
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
+
+
+def test_small_hidden_sizes_take_8_unit_blocks():
+    """Blocks of 8 units where 16-unit ones would pad more (hidden 24: 24 units, not 32), below
+    64 units; 16 otherwise. The blocked weight follows the kernel's block width."""
+    assert [rnn_loop.lanes_for(h) for h in (7, 16, 19, 24, 32, 40, 72)] == [8, 16, 8, 8, 16, 8, 16]
+    r = np.arange(4 * 24 * 24, dtype="float32").reshape(4 * 24, 24)
+    w = rnn_loop.block_weight(r, 4)
+    assert w.shape == (3, 24, 4, 8)
+    np.testing.assert_array_equal(w[1, 5, 2, 3], r[2 * 24 + 8 + 3, 5])

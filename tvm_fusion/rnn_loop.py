@@ -7,7 +7,8 @@ schedule rules leave it as written) that ``onnx_rnn`` calls with ``call_tir``:
 - inputs: the input projection of every step ``X @ W^T + Wb`` (one GEMM before the kernel, as
   on the static path), the recurrent weight blocked at import as ``(H / V, H, gates, V)`` (a
   unit block's gate columns contiguous per input unit: one vector load per gate and unit, units
-  padded with zero columns to whole blocks), the recurrent bias ``Rb`` as ``(gates, H_pad)``,
+  padded with zero columns to whole blocks; V = 16 units, or 8 below 64 units where that pads
+  less: hidden 24 computes 24 units, not 32), the recurrent bias ``Rb`` as ``(gates, H_pad)``,
   the initial states (none when they are zeros: ``zero_init`` sets the workspace to zero);
 - a serial loop over time; each step runs in parallel over unit blocks (serially when a step
   is under ``PARALLEL_MIN_MACS`` multiply-adds per row: a parallel launch and join per step
@@ -38,6 +39,8 @@ from tvm.script import tirx as T
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 LANES = 16  # units per block: one AVX-512 float32 vector, two AVX2 ones
+SMALL_LANES = 8  # units per block of a small hidden size that 16-unit blocks would pad
+SMALL_HIDDEN = 64  # hidden sizes below this may take 8-unit blocks
 ROWS = 4  # batch rows per register tile
 PARALLEL_MIN_MACS = 1 << 19  # multiply-adds per batch row and step below which a step is serial
 
@@ -78,19 +81,32 @@ def _sigmoid(x):
     return T.float32(0.5) * _tanh(T.float32(0.5) * x) + T.float32(0.5)
 
 
+def lanes_for(hidden: int) -> int:
+    """Units per block: 16, or 8 for a small hidden size that 8-unit blocks pad less (24: 24
+    units computed, not 32)."""
+    if (
+        hidden < SMALL_HIDDEN
+        and -(-hidden // SMALL_LANES) * SMALL_LANES < -(-hidden // LANES) * LANES
+    ):
+        return SMALL_LANES
+    return LANES
+
+
 def block_weight(r: np.ndarray, gates: int) -> np.ndarray:
     """``R`` (gates * H, H) -> (H_pad / V, H, gates, V), padded units zero."""
     hidden = r.shape[1]
-    blocks = -(-hidden // LANES)
-    padded = np.zeros((gates, blocks * LANES, hidden), r.dtype)
+    lanes = lanes_for(hidden)
+    blocks = -(-hidden // lanes)
+    padded = np.zeros((gates, blocks * lanes, hidden), r.dtype)
     padded[:, :hidden] = r.reshape(gates, hidden, hidden)
-    return np.ascontiguousarray(padded.reshape(gates, blocks, LANES, hidden).transpose(1, 3, 0, 2))
+    return np.ascontiguousarray(padded.reshape(gates, blocks, lanes, hidden).transpose(1, 3, 0, 2))
 
 
 def block_bias(rb: np.ndarray | None, gates: int, hidden: int) -> np.ndarray:
     """``Rb`` (gates * H) -> (gates, H_pad), zeros where absent."""
-    blocks = -(-hidden // LANES)
-    out = np.zeros((gates, blocks * LANES), "float32")
+    lanes = lanes_for(hidden)
+    blocks = -(-hidden // lanes)
+    out = np.zeros((gates, blocks * lanes), "float32")
     if rb is not None:
         out[:, :hidden] = rb.reshape(gates, hidden)
     return out
@@ -108,7 +124,7 @@ def loop_kernel(
 ) -> tirx.PrimFunc:
     """The scheduled PrimFunc of one direction: (proj, w, b, h0[, c0]) -> (y, h_T[, c_T]);
     with ``zero_init`` (proj, w, b) -> (y, h_T[, c_T]), the initial states zeros."""
-    gates, lanes, rows = GATES[kind], LANES, ROWS
+    gates, lanes, rows = GATES[kind], lanes_for(hidden), ROWS
     blocks = -(-hidden // lanes)
     padded, width = blocks * lanes, gates * hidden
     rev = int(reverse)
