@@ -227,13 +227,21 @@ def loop_kernel(
                                             ]
                                         )
                                     ) * _tanh(cs[bo * rows + r, jb * lanes + v])
-                                for v in range(lanes):
-                                    if jb * lanes + v < hidden:
+                                if hidden % lanes == 0:  # whole blocks: one vector store
+                                    for v in T.vectorized(lanes):
                                         y[
                                             s + rev * (seq - 1 - 2 * s),
                                             bo * rows + r,
                                             jb * lanes + v,
                                         ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                                else:
+                                    for v in range(lanes):
+                                        if jb * lanes + v < hidden:
+                                            y[
+                                                s + rev * (seq - 1 - 2 * s),
+                                                bo * rows + r,
+                                                jb * lanes + v,
+                                            ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
             for n, j in T.grid(batch, hidden):
                 ht[n, j] = hs[seq % 2, n, j]
                 ct[n, j] = cs[n, j]
@@ -322,13 +330,21 @@ def loop_kernel(
                                     ) + gz[bo * rows + r, jb * lanes + v] * hs[
                                         s % 2, bo * rows + r, jb * lanes + v
                                     ]
-                                for v in range(lanes):
-                                    if jb * lanes + v < hidden:
+                                if hidden % lanes == 0:  # whole blocks: one vector store
+                                    for v in T.vectorized(lanes):
                                         y[
                                             s + rev * (seq - 1 - 2 * s),
                                             bo * rows + r,
                                             jb * lanes + v,
                                         ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                                else:
+                                    for v in range(lanes):
+                                        if jb * lanes + v < hidden:
+                                            y[
+                                                s + rev * (seq - 1 - 2 * s),
+                                                bo * rows + r,
+                                                jb * lanes + v,
+                                            ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
             for n, j in T.grid(batch, hidden):
                 ht[n, j] = hs[seq % 2, n, j]
 
@@ -386,11 +402,19 @@ def loop_kernel(
                                         ]
                                     )
                                 )
-                            for v in range(lanes):
-                                if jb * lanes + v < hidden:
+                            if hidden % lanes == 0:  # whole blocks: one vector store
+                                for v in T.vectorized(lanes):
                                     y[
                                         s + rev * (seq - 1 - 2 * s), bo * rows + r, jb * lanes + v
                                     ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                            else:
+                                for v in range(lanes):
+                                    if jb * lanes + v < hidden:
+                                        y[
+                                            s + rev * (seq - 1 - 2 * s),
+                                            bo * rows + r,
+                                            jb * lanes + v,
+                                        ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
         for n, j in T.grid(batch, hidden):
             ht[n, j] = hs[seq % 2, n, j]
 
