@@ -350,3 +350,13 @@ def test_small_hidden_sizes_take_8_unit_blocks():
     w = rnn_loop.block_weight(r, 4)
     assert w.shape == (3, 24, 4, 8)
     np.testing.assert_array_equal(w[1, 5, 2, 3], r[2 * 24 + 8 + 3, 5])
+
+
+def test_dynamic_sequence_batch_major_input_is_projected_untransposed():
+    """X in layout 1 (torch's ``batch_first``): the input GEMM reads X as it is and the loop
+    kernel reads a (batch, seq, gates * hidden) projection; a layout 0 X stays seq-major.
+    (Numbers: the layout 1 case of the dynamic-sequence test above.)"""
+    for layout, dims in ((1, "batch, seq"), (0, "seq, batch")):
+        mod = tvm_fusion.load_onnx(_dynamic(_model("LSTM", 3, 5, 7, layout=layout)))
+        script = mod["main"].script()
+        assert f"R.shape([{dims}, 28])" in script, script

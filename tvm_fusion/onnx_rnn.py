@@ -301,7 +301,19 @@ def _loop(bb, kind: str, x, inputs, attr, dirs) -> list:
         )
     clip = attr.get("clip")
     seq, batch, features = x.ty.shape.values
+    # X transposed from (batch, seq, features) (layout 1, or torch's batch_first): the GEMM
+    # reads it untransposed and the kernel reads the projection batch-major (no transpose kernel)
+    source = bb.lookup_binding(x) if isinstance(x, relax.Var) else x
+    batch_major = (
+        isinstance(source, relax.Call)
+        and source.op == tvm.ir.Op.get("relax.permute_dims")
+        and source.attrs.axes is not None
+        and [int(a) for a in source.attrs.axes] == [1, 0, 2]
+    )
+    if batch_major:
+        x = source.args[0]
     flat = bb.emit(op.reshape(x, [seq * batch, features]))
+    proj_shape = [batch, seq] if batch_major else [seq, batch]
     # zero initial states (absent, or zeros broadcast and sliced, as the exporters write them)
     # are set in the kernel: no zeros / broadcast / slice kernels before it
     zero_init = _is_zero(bb, init_h) and (kind != "LSTM" or _is_zero(bb, init_c))
@@ -313,9 +325,9 @@ def _loop(bb, kind: str, x, inputs, attr, dirs) -> list:
         if bias is not None:
             proj = bb.emit(op.add(proj, _Direction(bb, bias, d).get(slice(0, gates * hidden))))
             rb = _numpy(bias)[d][gates * hidden :]
-        proj = bb.emit(op.reshape(proj, [seq, batch, gates * hidden]))
+        proj = bb.emit(op.reshape(proj, [*proj_shape, gates * hidden]))
         kernel = rnn_loop.loop_kernel(
-            kind, hidden, reverse, None if clip is None else float(clip), zero_init
+            kind, hidden, reverse, None if clip is None else float(clip), zero_init, batch_major
         )
         gv = bb.add_func(kernel, f"{kind.lower()}_loop")
         args = [

@@ -5,7 +5,8 @@ unrolled, so the recurrence becomes one scheduled TIR PrimFunc (``tirx.is_schedu
 schedule rules leave it as written) that ``onnx_rnn`` calls with ``call_tir``:
 
 - inputs: the input projection of every step ``X @ W^T + Wb`` (one GEMM before the kernel, as
-  on the static path), the recurrent weight blocked at import as ``(H / V, H, gates, V)`` (a
+  on the static path; seq-major, or batch-major with ``batch_major`` when X comes transposed
+  from (batch, seq, features)), the recurrent weight blocked at import as ``(H / V, H, gates, V)`` (a
   unit block's gate columns contiguous per input unit: one vector load per gate and unit, units
   padded with zero columns to whole blocks; V = 16 units, or 8 below 64 units where that pads
   less: hidden 24 computes 24 units, not 32), the recurrent bias ``Rb`` as ``(gates, H_pad)``,
@@ -119,11 +120,22 @@ def _without_initial_states(func: tirx.PrimFunc, states: int) -> tirx.PrimFunc:
     return tirx.PrimFunc(params[:3] + params[3 + states :], func.body, func.ret_type, func.attrs)
 
 
+def _at(proj, t, n, c, batch_major: bool):
+    """``proj[t, n, c]`` of a (seq, batch, width) projection, or of a (batch, seq, width) one."""
+    return proj[n, t, c] if batch_major else proj[t, n, c]
+
+
 def loop_kernel(
-    kind: str, hidden: int, reverse: bool, clip: float | None, zero_init: bool = False
+    kind: str,
+    hidden: int,
+    reverse: bool,
+    clip: float | None,
+    zero_init: bool = False,
+    batch_major: bool = False,
 ) -> tirx.PrimFunc:
     """The scheduled PrimFunc of one direction: (proj, w, b, h0[, c0]) -> (y, h_T[, c_T]);
-    with ``zero_init`` (proj, w, b) -> (y, h_T[, c_T]), the initial states zeros."""
+    with ``zero_init`` (proj, w, b) -> (y, h_T[, c_T]), the initial states zeros. ``proj`` is
+    (seq, batch, gates * H), or (batch, seq, gates * H) with ``batch_major``."""
     gates, lanes, rows = GATES[kind], lanes_for(hidden), ROWS
     blocks = -(-hidden // lanes)
     padded, width = blocks * lanes, gates * hidden
@@ -152,7 +164,9 @@ def loop_kernel(
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
             seq = T.int64()
             batch = T.int64()
-            proj = T.match_buffer(p_proj, (seq, batch, width))
+            steps_or_rows = T.int64()
+            rows_or_steps = T.int64()
+            proj = T.match_buffer(p_proj, (steps_or_rows, rows_or_steps, width))
             w = T.match_buffer(p_w, (blocks, hidden, gates, lanes))
             b = T.match_buffer(p_b, (gates, padded))
             h0 = T.match_buffer(p_h0, (batch, hidden))
@@ -192,39 +206,47 @@ def loop_kernel(
                                     cs[bo * rows + r, jb * lanes + v] = _sigmoid(
                                         clipped(
                                             acc[r, 2, v]
-                                            + proj[
+                                            + _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(2 * hidden + jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                         )
                                     ) * cs[bo * rows + r, jb * lanes + v] + _sigmoid(
                                         clipped(
                                             acc[r, 0, v]
-                                            + proj[
+                                            + _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                         )
                                     ) * _tanh(
                                         clipped(
                                             acc[r, 3, v]
-                                            + proj[
+                                            + _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(3 * hidden + jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                         )
                                     )
                                     hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = _sigmoid(
                                         clipped(
                                             acc[r, 1, v]
-                                            + proj[
+                                            + _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(hidden + jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                         )
                                     ) * _tanh(cs[bo * rows + r, jb * lanes + v])
                                 if hidden % lanes == 0:  # whole blocks: one vector store
@@ -262,7 +284,9 @@ def loop_kernel(
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
             seq = T.int64()
             batch = T.int64()
-            proj = T.match_buffer(p_proj, (seq, batch, width))
+            steps_or_rows = T.int64()
+            rows_or_steps = T.int64()
+            proj = T.match_buffer(p_proj, (steps_or_rows, rows_or_steps, width))
             w = T.match_buffer(p_w, (blocks, hidden, gates, lanes))
             b = T.match_buffer(p_b, (gates, padded))
             h0 = T.match_buffer(p_h0, (batch, hidden))
@@ -299,30 +323,36 @@ def loop_kernel(
                                     gz[bo * rows + r, jb * lanes + v] = _sigmoid(
                                         clipped(
                                             acc[r, 0, v]
-                                            + proj[
+                                            + _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                         )
                                     )
                                     hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = (
                                         T.float32(1) - gz[bo * rows + r, jb * lanes + v]
                                     ) * _tanh(
                                         clipped(
-                                            proj[
+                                            _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(2 * hidden + jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                             + _sigmoid(
                                                 clipped(
                                                     acc[r, 1, v]
-                                                    + proj[
+                                                    + _at(
+                                                        proj,
                                                         s + rev * (seq - 1 - 2 * s),
                                                         bo * rows + r,
                                                         T.min(hidden + jb * lanes + v, width - 1),
-                                                    ]
+                                                        batch_major,
+                                                    )
                                                 )
                                             )
                                             * acc[r, 2, v]
@@ -362,7 +392,9 @@ def loop_kernel(
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
         seq = T.int64()
         batch = T.int64()
-        proj = T.match_buffer(p_proj, (seq, batch, width))
+        steps_or_rows = T.int64()
+        rows_or_steps = T.int64()
+        proj = T.match_buffer(p_proj, (steps_or_rows, rows_or_steps, width))
         w = T.match_buffer(p_w, (blocks, hidden, gates, lanes))
         b = T.match_buffer(p_b, (gates, padded))
         h0 = T.match_buffer(p_h0, (batch, hidden))
@@ -395,11 +427,13 @@ def loop_kernel(
                                 hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = _tanh(
                                     clipped(
                                         acc[r, 0, v]
-                                        + proj[
+                                        + _at(
+                                            proj,
                                             s + rev * (seq - 1 - 2 * s),
                                             bo * rows + r,
                                             T.min(jb * lanes + v, width - 1),
-                                        ]
+                                            batch_major,
+                                        )
                                     )
                                 )
                             if hidden % lanes == 0:  # whole blocks: one vector store
