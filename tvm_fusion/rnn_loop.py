@@ -4,13 +4,13 @@
 unrolled, so the recurrence becomes one scheduled TIR PrimFunc (``tirx.is_scheduled``: the
 schedule rules leave it as written) that ``onnx_rnn`` calls with ``call_tir``:
 
-- inputs: the input projection of every step ``X @ W^T + Wb`` (one GEMM before the kernel, as
-  on the static path; seq-major, or batch-major with ``batch_major`` when X comes transposed
-  from (batch, seq, features)), the recurrent weight blocked at import as ``(H / V, H, gates, V)`` (a
-  unit block's gate columns contiguous per input unit: one vector load per gate and unit, units
-  padded with zero columns to whole blocks; V = 16 units, or 8 below 64 units where that pads
-  less: hidden 24 computes 24 units, not 32), the recurrent bias ``Rb`` as ``(gates, H_pad)``,
-  the initial states (none when they are zeros: ``zero_init`` sets the workspace to zero);
+- inputs: the input projection of every step ``X @ W^T + Wb`` (one GEMM before the kernel, as on the
+  static path; seq-major, or batch-major with ``batch_major`` when X comes transposed from (batch,
+  seq, features)), the recurrent weight blocked at import as ``(H / V, H, gates, V)`` (a unit
+  block's gate columns contiguous per input unit: one vector load per gate and unit, units padded
+  with zero columns to whole blocks; V = 16 units, or 8 below 64 units where that pads less: hidden
+  24 computes 24 units, not 32), the recurrent bias ``Rb`` as ``(gates, H_pad)``, the initial states
+  (none when they are zeros: ``zero_init`` sets the workspace to zero);
 - a serial loop over time; each step runs in parallel over unit blocks (serially when a step
   is under ``PARALLEL_MIN_MACS`` multiply-adds per row: a parallel launch and join per step
   then costs more than it saves); per block, a register
