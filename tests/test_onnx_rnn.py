@@ -167,7 +167,7 @@ def _loops(mod):
 @pytest.mark.parametrize(
     "kind, inp, hid, direction, opts",
     [
-        # 19 units: one whole 16-unit block and a padded one; batch 5: a 4-row tile and a tail
+        # 19 units: two whole 8-unit blocks and a padded one; batch 5: a 4-row tile and a tail
         # "parallel": unit blocks in parallel at any size (else serial below 2**19 MACs a row)
         ("LSTM", 6, 19, "bidirectional", {"layout": 1, "init": True, "parallel": True}),
         # clip against ORT (ONNX's reference evaluator, layout 1's reference, ignores it)
@@ -290,3 +290,73 @@ def test_torch_recurrent_layers_dynamic_sequence(cell):
         for g, w in zip(got, reference(feeds), strict=True):
             assert g.shape == w.shape
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
+
+
+def _expanded_states(model, value: float):
+    """``model`` (built with ``init``) with H0 / C0 no inputs but ``value`` expanded to
+    (num_dir, batch, hidden) from X's batch, as the exporters write zero initial states."""
+    graph = model.graph
+    states = [i.name for i in graph.input if i.name in ("H0", "C0")]
+    dims = [d.dim_value for d in graph.input[1].type.tensor_type.shape.dim]
+    for name in states:
+        graph.input.remove(next(i for i in graph.input if i.name == name))
+    graph.initializer.extend(
+        [
+            onnx.numpy_helper.from_array(np.array([value], "float32"), "fill"),
+            onnx.numpy_helper.from_array(np.array([1], "int64"), "one"),
+            onnx.numpy_helper.from_array(np.array([2], "int64"), "two"),
+            onnx.numpy_helper.from_array(np.array([dims[0]], "int64"), "dirs"),
+            onnx.numpy_helper.from_array(np.array([dims[2]], "int64"), "units"),
+        ]
+    )
+    nodes = [
+        helper.make_node("Shape", ["X"], ["x_shape"]),
+        helper.make_node("Slice", ["x_shape", "one", "two"], ["batch_dim"]),
+        helper.make_node("Concat", ["dirs", "batch_dim", "units"], ["state_shape"], axis=0),
+    ]
+    nodes += [helper.make_node("Expand", ["fill", "state_shape"], [name]) for name in states]
+    for i, node in enumerate(nodes):
+        graph.node.insert(i, node)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("value", [0.0, 0.5])
+def test_dynamic_sequence_zero_initial_states_are_set_in_the_loop_kernel(kind, value):
+    """Initial states expanded from a zero constant (the TorchScript / dynamo exports' zero
+    states): the loop kernel starts from zeros and takes no state arguments, so no broadcast or
+    slice kernels run before it; a non-zero constant keeps them. Numbers as ORT's."""
+    opts = {"init": True, "lbr": 1} if kind == "GRU" else {"init": True}
+    model = _expanded_states(_dynamic(_model(kind, 3, 5, 7, "bidirectional", **opts)), value)
+    reference = _reference(model)
+    mod = tvm_fusion.load_onnx(model)
+    calls = re.findall(r"call_tir\((?:cls\.)?\w+_loop\d*, \(([^)]*)\)", mod["main"].script())
+    states = 0 if value == 0.0 else (2 if kind == "LSTM" else 1)
+    assert [c.count(",") + 1 for c in calls] == [3 + states] * 2, calls
+    compiled = engine.compile_module(mod, tvm_fusion.host_target(), "tvm_fusion")
+    for seq, batch in ((6, 5), (1, 1)):
+        x = np.random.default_rng(seq).standard_normal((seq, batch, 5)).astype("float32")
+        got = engine.TvmRunner(compiled, [x]).outputs()
+        for g, w in zip(got, reference({"X": x}), strict=True):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
+
+
+def test_small_hidden_sizes_take_8_unit_blocks():
+    """Blocks of 8 units where 16-unit ones would pad more (hidden 24: 24 units, not 32), below
+    64 units; 16 otherwise. The blocked weight follows the kernel's block width."""
+    assert [rnn_loop.lanes_for(h) for h in (7, 16, 19, 24, 32, 40, 72)] == [8, 16, 8, 8, 16, 8, 16]
+    r = np.arange(4 * 24 * 24, dtype="float32").reshape(4 * 24, 24)
+    w = rnn_loop.block_weight(r, 4)
+    assert w.shape == (3, 24, 4, 8)
+    np.testing.assert_array_equal(w[1, 5, 2, 3], r[2 * 24 + 8 + 3, 5])
+
+
+def test_dynamic_sequence_batch_major_input_is_projected_untransposed():
+    """X in layout 1 (torch's ``batch_first``): the input GEMM reads X as it is and the loop
+    kernel reads a (batch, seq, gates * hidden) projection; a layout 0 X stays seq-major.
+    (Numbers: the layout 1 case of the dynamic-sequence test above.)"""
+    for layout, dims in ((1, "batch, seq"), (0, "seq, batch")):
+        mod = tvm_fusion.load_onnx(_dynamic(_model("LSTM", 3, 5, 7, layout=layout)))
+        script = mod["main"].script()
+        assert f"R.shape([{dims}, 28])" in script, script

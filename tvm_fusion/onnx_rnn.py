@@ -18,14 +18,17 @@ sequence).
 A dynamic sequence length cannot be unrolled: the input projection of all steps is still one
 GEMM, and the recurrence is one loop kernel per direction (``rnn_loop.py``: a scheduled
 PrimFunc that loops over time, the fused gate step as its body, the state in a workspace),
-called with ``call_tir``. It covers default activations, ``clip``, GRU with
-``linear_before_reset = 1``, constant ``R`` / ``B``; anything else on a dynamic sequence is
-refused with a one-line reason (see ARCHITECTURE.md, "Recurrent ops").
+called with ``call_tir``; zero initial states (absent, or a zero constant broadcast / sliced /
+reshaped, as the exporters write them) are set in the kernel, not passed. It covers default
+activations, ``clip``, GRU with ``linear_before_reset = 1``, constant ``R`` / ``B``; anything
+else on a dynamic sequence is refused with a one-line reason (see ARCHITECTURE.md,
+"Recurrent ops").
 """
 
 from __future__ import annotations
 
 import numpy as np
+import tvm
 from tvm import relax, tirx
 from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
@@ -298,7 +301,22 @@ def _loop(bb, kind: str, x, inputs, attr, dirs) -> list:
         )
     clip = attr.get("clip")
     seq, batch, features = x.ty.shape.values
+    # X transposed from (batch, seq, features) (layout 1, or torch's batch_first): the GEMM
+    # reads it untransposed and the kernel reads the projection batch-major (no transpose kernel)
+    source = bb.lookup_binding(x) if isinstance(x, relax.Var) else x
+    batch_major = (
+        isinstance(source, relax.Call)
+        and source.op == tvm.ir.Op.get("relax.permute_dims")
+        and source.attrs.axes is not None
+        and [int(a) for a in source.attrs.axes] == [1, 0, 2]
+    )
+    if batch_major:
+        x = source.args[0]
     flat = bb.emit(op.reshape(x, [seq * batch, features]))
+    proj_shape = [batch, seq] if batch_major else [seq, batch]
+    # zero initial states (absent, or zeros broadcast and sliced, as the exporters write them)
+    # are set in the kernel: no zeros / broadcast / slice kernels before it
+    zero_init = _is_zero(bb, init_h) and (kind != "LSTM" or _is_zero(bb, init_c))
     ys, last_h, last_c = [], [], []
     for d, reverse in enumerate(dirs):
         wd = _Direction(bb, w, d)
@@ -307,19 +325,23 @@ def _loop(bb, kind: str, x, inputs, attr, dirs) -> list:
         if bias is not None:
             proj = bb.emit(op.add(proj, _Direction(bb, bias, d).get(slice(0, gates * hidden))))
             rb = _numpy(bias)[d][gates * hidden :]
-        proj = bb.emit(op.reshape(proj, [seq, batch, gates * hidden]))
-        kernel = rnn_loop.loop_kernel(kind, hidden, reverse, None if clip is None else float(clip))
+        proj = bb.emit(op.reshape(proj, [*proj_shape, gates * hidden]))
+        kernel = rnn_loop.loop_kernel(
+            kind, hidden, reverse, None if clip is None else float(clip), zero_init, batch_major
+        )
         gv = bb.add_func(kernel, f"{kind.lower()}_loop")
         args = [
             proj,
             relax.const(rnn_loop.block_weight(_numpy(r)[d], gates)),
             relax.const(rnn_loop.block_bias(rb, gates, hidden)),
-            _initial(bb, init_h, d, batch, hidden, dtype),
         ]
+        if not zero_init:
+            args.append(_initial(bb, init_h, d, batch, hidden, dtype))
+            if kind == "LSTM":
+                args.append(_initial(bb, init_c, d, batch, hidden, dtype))
         state = relax.TensorType([batch, hidden], dtype)
         out = [relax.TensorType([seq, batch, hidden], dtype), state]
         if kind == "LSTM":
-            args.append(_initial(bb, init_c, d, batch, hidden, dtype))
             out.append(state)
         call = bb.emit(relax.call_tir(gv, args, out))
         ys.append(bb.emit(relax.TupleGetItem(call, 0)))
@@ -340,6 +362,42 @@ class _Act:
 
     def __call__(self, x):
         return _activation(self.bb, self.name, x, self.alpha, self.beta)
+
+
+# ops whose output is all zeros when their data input (argument 0) is
+_ZERO_PRESERVING = {
+    "relax.broadcast_to",
+    "relax.strided_slice",
+    "relax.squeeze",
+    "relax.expand_dims",
+    "relax.reshape",
+    "relax.permute_dims",
+}
+
+
+def _is_zero(bb, state, depth: int = 8) -> bool:
+    """Whether ``state`` is absent or provably all zeros: a constant of zeros, ``zeros``, or a
+    chain of broadcasts / slices / reshapes of one (looked up through ``bb``'s bindings)."""
+    if state is None:
+        return True
+    for _ in range(depth):
+        array = _numpy(state)
+        if array is not None:
+            return not np.any(array)
+        if isinstance(state, relax.Var):
+            bound = bb.lookup_binding(state)
+            if bound is None:
+                return False
+            state = bound
+            continue
+        if not isinstance(state, relax.Call) or not isinstance(state.op, tvm.ir.Op):
+            return False
+        if state.op.name == "relax.zeros":
+            return True
+        if state.op.name not in _ZERO_PRESERVING:
+            return False
+        state = state.args[0]
+    return False
 
 
 def _initial(bb, state, d: int, batch, hidden: int, dtype: str) -> relax.Expr:

@@ -4,11 +4,13 @@
 unrolled, so the recurrence becomes one scheduled TIR PrimFunc (``tirx.is_scheduled``: the
 schedule rules leave it as written) that ``onnx_rnn`` calls with ``call_tir``:
 
-- inputs: the input projection of every step ``X @ W^T + Wb`` (one GEMM before the kernel, as
-  on the static path), the recurrent weight blocked at import as ``(H / V, H, gates, V)`` (a
-  unit block's gate columns contiguous per input unit: one vector load per gate and unit, units
-  padded with zero columns to whole blocks), the recurrent bias ``Rb`` as ``(gates, H_pad)``,
-  the initial states;
+- inputs: the input projection of every step ``X @ W^T + Wb`` (one GEMM before the kernel, as on the
+  static path; seq-major, or batch-major with ``batch_major`` when X comes transposed from (batch,
+  seq, features)), the recurrent weight blocked at import as ``(H / V, H, gates, V)`` (a unit
+  block's gate columns contiguous per input unit: one vector load per gate and unit, units padded
+  with zero columns to whole blocks; V = 16 units, or 8 below 64 units where that pads less: hidden
+  24 computes 24 units, not 32), the recurrent bias ``Rb`` as ``(gates, H_pad)``, the initial states
+  (none when they are zeros: ``zero_init`` sets the workspace to zero);
 - a serial loop over time; each step runs in parallel over unit blocks (serially when a step
   is under ``PARALLEL_MIN_MACS`` multiply-adds per row: a parallel launch and join per step
   then costs more than it saves); per block, a register
@@ -38,6 +40,8 @@ from tvm.script import tirx as T
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 LANES = 16  # units per block: one AVX-512 float32 vector, two AVX2 ones
+SMALL_LANES = 8  # units per block of a small hidden size that 16-unit blocks would pad
+SMALL_HIDDEN = 64  # hidden sizes below this may take 8-unit blocks
 ROWS = 4  # batch rows per register tile
 PARALLEL_MIN_MACS = 1 << 19  # multiply-adds per batch row and step below which a step is serial
 
@@ -78,27 +82,61 @@ def _sigmoid(x):
     return T.float32(0.5) * _tanh(T.float32(0.5) * x) + T.float32(0.5)
 
 
+def lanes_for(hidden: int) -> int:
+    """Units per block: 16, or 8 for a small hidden size that 8-unit blocks pad less (24: 24
+    units computed, not 32)."""
+    if (
+        hidden < SMALL_HIDDEN
+        and -(-hidden // SMALL_LANES) * SMALL_LANES < -(-hidden // LANES) * LANES
+    ):
+        return SMALL_LANES
+    return LANES
+
+
 def block_weight(r: np.ndarray, gates: int) -> np.ndarray:
     """``R`` (gates * H, H) -> (H_pad / V, H, gates, V), padded units zero."""
     hidden = r.shape[1]
-    blocks = -(-hidden // LANES)
-    padded = np.zeros((gates, blocks * LANES, hidden), r.dtype)
+    lanes = lanes_for(hidden)
+    blocks = -(-hidden // lanes)
+    padded = np.zeros((gates, blocks * lanes, hidden), r.dtype)
     padded[:, :hidden] = r.reshape(gates, hidden, hidden)
-    return np.ascontiguousarray(padded.reshape(gates, blocks, LANES, hidden).transpose(1, 3, 0, 2))
+    return np.ascontiguousarray(padded.reshape(gates, blocks, lanes, hidden).transpose(1, 3, 0, 2))
 
 
 def block_bias(rb: np.ndarray | None, gates: int, hidden: int) -> np.ndarray:
     """``Rb`` (gates * H) -> (gates, H_pad), zeros where absent."""
-    blocks = -(-hidden // LANES)
-    out = np.zeros((gates, blocks * LANES), "float32")
+    lanes = lanes_for(hidden)
+    blocks = -(-hidden // lanes)
+    out = np.zeros((gates, blocks * lanes), "float32")
     if rb is not None:
         out[:, :hidden] = rb.reshape(gates, hidden)
     return out
 
 
-def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> tirx.PrimFunc:
-    """The scheduled PrimFunc of one direction: (proj, w, b, h0[, c0]) -> (y, h_T[, c_T])."""
-    gates, lanes, rows = GATES[kind], LANES, ROWS
+def _without_initial_states(func: tirx.PrimFunc, states: int) -> tirx.PrimFunc:
+    """``func`` without its initial-state parameters (after proj, w, b), which its body, built
+    with ``zero_init``, does not read."""
+    params = list(func.params)
+    return tirx.PrimFunc(params[:3] + params[3 + states :], func.body, func.ret_type, func.attrs)
+
+
+def _at(proj, t, n, c, batch_major: bool):
+    """``proj[t, n, c]`` of a (seq, batch, width) projection, or of a (batch, seq, width) one."""
+    return proj[n, t, c] if batch_major else proj[t, n, c]
+
+
+def loop_kernel(
+    kind: str,
+    hidden: int,
+    reverse: bool,
+    clip: float | None,
+    zero_init: bool = False,
+    batch_major: bool = False,
+) -> tirx.PrimFunc:
+    """The scheduled PrimFunc of one direction: (proj, w, b, h0[, c0]) -> (y, h_T[, c_T]);
+    with ``zero_init`` (proj, w, b) -> (y, h_T[, c_T]), the initial states zeros. ``proj`` is
+    (seq, batch, gates * H), or (batch, seq, gates * H) with ``batch_major``."""
+    gates, lanes, rows = GATES[kind], lanes_for(hidden), ROWS
     blocks = -(-hidden // lanes)
     padded, width = blocks * lanes, gates * hidden
     rev = int(reverse)
@@ -126,7 +164,9 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
             seq = T.int64()
             batch = T.int64()
-            proj = T.match_buffer(p_proj, (seq, batch, width))
+            steps_or_rows = T.int64()
+            rows_or_steps = T.int64()
+            proj = T.match_buffer(p_proj, (steps_or_rows, rows_or_steps, width))
             w = T.match_buffer(p_w, (blocks, hidden, gates, lanes))
             b = T.match_buffer(p_b, (gates, padded))
             h0 = T.match_buffer(p_h0, (batch, hidden))
@@ -137,8 +177,14 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
             hs = T.alloc_buffer((2, batch, padded))
             cs = T.alloc_buffer((batch, padded))
             for n, j in T.grid(batch, padded):
-                hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
-                cs[n, j] = T.if_then_else(j < hidden, c0[n, T.min(j, hidden - 1)], T.float32(0))
+                if zero_init:
+                    hs[0, n, j] = T.float32(0)
+                    cs[n, j] = T.float32(0)
+                else:
+                    hs[0, n, j] = T.if_then_else(
+                        j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0)
+                    )
+                    cs[n, j] = T.if_then_else(j < hidden, c0[n, T.min(j, hidden - 1)], T.float32(0))
             for s in range(seq):
                 for jb in blocks_loop(blocks):
                     for bo in range((batch + rows - 1) // rows):
@@ -160,53 +206,69 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
                                     cs[bo * rows + r, jb * lanes + v] = _sigmoid(
                                         clipped(
                                             acc[r, 2, v]
-                                            + proj[
+                                            + _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(2 * hidden + jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                         )
                                     ) * cs[bo * rows + r, jb * lanes + v] + _sigmoid(
                                         clipped(
                                             acc[r, 0, v]
-                                            + proj[
+                                            + _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                         )
                                     ) * _tanh(
                                         clipped(
                                             acc[r, 3, v]
-                                            + proj[
+                                            + _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(3 * hidden + jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                         )
                                     )
                                     hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = _sigmoid(
                                         clipped(
                                             acc[r, 1, v]
-                                            + proj[
+                                            + _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(hidden + jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                         )
                                     ) * _tanh(cs[bo * rows + r, jb * lanes + v])
-                                for v in range(lanes):
-                                    if jb * lanes + v < hidden:
+                                if hidden % lanes == 0:  # whole blocks: one vector store
+                                    for v in T.vectorized(lanes):
                                         y[
                                             s + rev * (seq - 1 - 2 * s),
                                             bo * rows + r,
                                             jb * lanes + v,
                                         ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                                else:
+                                    for v in range(lanes):
+                                        if jb * lanes + v < hidden:
+                                            y[
+                                                s + rev * (seq - 1 - 2 * s),
+                                                bo * rows + r,
+                                                jb * lanes + v,
+                                            ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
             for n, j in T.grid(batch, hidden):
                 ht[n, j] = hs[seq % 2, n, j]
                 ct[n, j] = cs[n, j]
 
-        return lstm_loop
+        return _without_initial_states(lstm_loop, 2) if zero_init else lstm_loop
 
     if kind == "GRU":
 
@@ -222,7 +284,9 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
             T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
             seq = T.int64()
             batch = T.int64()
-            proj = T.match_buffer(p_proj, (seq, batch, width))
+            steps_or_rows = T.int64()
+            rows_or_steps = T.int64()
+            proj = T.match_buffer(p_proj, (steps_or_rows, rows_or_steps, width))
             w = T.match_buffer(p_w, (blocks, hidden, gates, lanes))
             b = T.match_buffer(p_b, (gates, padded))
             h0 = T.match_buffer(p_h0, (batch, hidden))
@@ -231,7 +295,12 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
             hs = T.alloc_buffer((2, batch, padded))
             gz = T.alloc_buffer((batch, padded))
             for n, j in T.grid(batch, padded):
-                hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
+                if zero_init:
+                    hs[0, n, j] = T.float32(0)
+                else:
+                    hs[0, n, j] = T.if_then_else(
+                        j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0)
+                    )
             for s in range(seq):
                 for jb in blocks_loop(blocks):
                     for bo in range((batch + rows - 1) // rows):
@@ -254,30 +323,36 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
                                     gz[bo * rows + r, jb * lanes + v] = _sigmoid(
                                         clipped(
                                             acc[r, 0, v]
-                                            + proj[
+                                            + _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                         )
                                     )
                                     hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = (
                                         T.float32(1) - gz[bo * rows + r, jb * lanes + v]
                                     ) * _tanh(
                                         clipped(
-                                            proj[
+                                            _at(
+                                                proj,
                                                 s + rev * (seq - 1 - 2 * s),
                                                 bo * rows + r,
                                                 T.min(2 * hidden + jb * lanes + v, width - 1),
-                                            ]
+                                                batch_major,
+                                            )
                                             + _sigmoid(
                                                 clipped(
                                                     acc[r, 1, v]
-                                                    + proj[
+                                                    + _at(
+                                                        proj,
                                                         s + rev * (seq - 1 - 2 * s),
                                                         bo * rows + r,
                                                         T.min(hidden + jb * lanes + v, width - 1),
-                                                    ]
+                                                        batch_major,
+                                                    )
                                                 )
                                             )
                                             * acc[r, 2, v]
@@ -285,17 +360,25 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
                                     ) + gz[bo * rows + r, jb * lanes + v] * hs[
                                         s % 2, bo * rows + r, jb * lanes + v
                                     ]
-                                for v in range(lanes):
-                                    if jb * lanes + v < hidden:
+                                if hidden % lanes == 0:  # whole blocks: one vector store
+                                    for v in T.vectorized(lanes):
                                         y[
                                             s + rev * (seq - 1 - 2 * s),
                                             bo * rows + r,
                                             jb * lanes + v,
                                         ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                                else:
+                                    for v in range(lanes):
+                                        if jb * lanes + v < hidden:
+                                            y[
+                                                s + rev * (seq - 1 - 2 * s),
+                                                bo * rows + r,
+                                                jb * lanes + v,
+                                            ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
             for n, j in T.grid(batch, hidden):
                 ht[n, j] = hs[seq % 2, n, j]
 
-        return gru_loop
+        return _without_initial_states(gru_loop, 1) if zero_init else gru_loop
 
     @T.prim_func(private=True, s_tir=True)
     def rnn_loop(
@@ -309,7 +392,9 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
         seq = T.int64()
         batch = T.int64()
-        proj = T.match_buffer(p_proj, (seq, batch, width))
+        steps_or_rows = T.int64()
+        rows_or_steps = T.int64()
+        proj = T.match_buffer(p_proj, (steps_or_rows, rows_or_steps, width))
         w = T.match_buffer(p_w, (blocks, hidden, gates, lanes))
         b = T.match_buffer(p_b, (gates, padded))
         h0 = T.match_buffer(p_h0, (batch, hidden))
@@ -317,7 +402,10 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
         ht = T.match_buffer(p_ht, (batch, hidden))
         hs = T.alloc_buffer((2, batch, padded))
         for n, j in T.grid(batch, padded):
-            hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
+            if zero_init:
+                hs[0, n, j] = T.float32(0)
+            else:
+                hs[0, n, j] = T.if_then_else(j < hidden, h0[n, T.min(j, hidden - 1)], T.float32(0))
         for s in range(seq):
             for jb in blocks_loop(blocks):
                 for bo in range((batch + rows - 1) // rows):
@@ -339,19 +427,29 @@ def loop_kernel(kind: str, hidden: int, reverse: bool, clip: float | None) -> ti
                                 hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = _tanh(
                                     clipped(
                                         acc[r, 0, v]
-                                        + proj[
+                                        + _at(
+                                            proj,
                                             s + rev * (seq - 1 - 2 * s),
                                             bo * rows + r,
                                             T.min(jb * lanes + v, width - 1),
-                                        ]
+                                            batch_major,
+                                        )
                                     )
                                 )
-                            for v in range(lanes):
-                                if jb * lanes + v < hidden:
+                            if hidden % lanes == 0:  # whole blocks: one vector store
+                                for v in T.vectorized(lanes):
                                     y[
                                         s + rev * (seq - 1 - 2 * s), bo * rows + r, jb * lanes + v
                                     ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                            else:
+                                for v in range(lanes):
+                                    if jb * lanes + v < hidden:
+                                        y[
+                                            s + rev * (seq - 1 - 2 * s),
+                                            bo * rows + r,
+                                            jb * lanes + v,
+                                        ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
         for n, j in T.grid(batch, hidden):
             ht[n, j] = hs[seq % 2, n, j]
 
-    return rnn_loop
+    return _without_initial_states(rnn_loop, 1) if zero_init else rnn_loop
