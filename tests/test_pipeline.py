@@ -249,3 +249,23 @@ def test_scalar_only_kernels_kept_out_of_groups(target):
     x = np.arange(10, dtype="float32").reshape(2, 5)
     out = engine.TvmRunner(compiled, [x]).outputs()[0]
     np.testing.assert_array_equal(out, x[:, (np.arange(5) - 2) % 5])
+
+
+def test_cpu_build_does_not_import_cuda_tensor_intrinsics():
+    """``tvm.s_tir.tensor_intrin.cuda`` registers every CUDA tensor intrinsic on import (about
+    30 s of CPU here): importing tvm_fusion and compiling a gate model for the CPU must not
+    import it (it did, through the tensor-core rule, and every process paid it)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import tvm_fusion\n"
+        "from tvm_fusion import engine, host_target, models\n"
+        "mod = models.build('gate_2890', 'small').mod\n"
+        "engine.compile_module(mod, host_target(), 'tvm_fusion')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('tvm.s_tir.tensor_intrin')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

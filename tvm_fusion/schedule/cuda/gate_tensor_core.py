@@ -47,7 +47,6 @@ from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad
 from tvm.s_tir import TensorIntrin
 from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.tensor_intrin import cuda as tc
 from tvm.target import Target
 
 from .._common import extent, is_reduction, is_static, try_inline_safe
@@ -136,6 +135,14 @@ def choose_tile(rows, units: int, block: int, gates: int, k: int) -> TensorCoreT
 _STORE = "tvm_fusion_mma_store_16x16_f32_shared"
 
 
+def _tc():
+    """TVM's CUDA tensor intrinsics, imported on first use: the import registers every one of
+    them and costs about 30 s of CPU here, which no build without tensor cores should pay."""
+    from tvm.s_tir.tensor_intrin import cuda
+
+    return cuda
+
+
 def _intrinsics(dtype: str) -> dict[str, str]:
     """Names of the ldmatrix / mma / fill / store intrinsics for ``dtype`` operands.
 
@@ -144,10 +151,10 @@ def _intrinsics(dtype: str) -> dict[str, str]:
     instruction reads ``.bf16`` operands, sm_80+), registered once under our names."""
     _register_once(_STORE, _store_intrin)
     names = {
-        "load_a": tc.LDMATRIX_f16_A_INTRIN,
-        "load_b": tc.LDMATRIX_f16_B_INTRIN,
-        "compute": tc.MMA_f16f16f32_INTRIN,
-        "init": tc.MMA_fill_16x16_f32_INTRIN,
+        "load_a": _tc().LDMATRIX_f16_A_INTRIN,
+        "load_b": _tc().LDMATRIX_f16_B_INTRIN,
+        "compute": _tc().MMA_f16f16f32_INTRIN,
+        "init": _tc().MMA_fill_16x16_f32_INTRIN,
         "store": _STORE,
     }
     if dtype == "float16":
@@ -167,7 +174,7 @@ def _store_intrin():
     typed pointer into them fails to lower."""
     from tvm.script import tirx as T
 
-    desc, _ = tc.get_mma_store_intrin("float32", 8, "shared", False)
+    desc, _ = _tc().get_mma_store_intrin("float32", 8, "shared", False)
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, c: T.handle) -> None:
@@ -182,7 +189,7 @@ def _store_intrin():
             T.writes(tile[0:MMA, 0:MMA])
             for tx in T.thread_binding(0, WARP, "threadIdx.x"):
                 for local in T.unroll(8):
-                    row, col = T.meta_var(tc.ldmatrix_32x8_to_shared_16x16_layout(tx, local))
+                    row, col = T.meta_var(_tc().ldmatrix_32x8_to_shared_16x16_layout(tx, local))
                     tile[row, col] = acc[tx, local]
 
     return desc, impl
@@ -218,7 +225,7 @@ _PTX_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 def _lane(i, j):
-    return tc.shared_16x16_to_ldmatrix_32x8_layout(i % MMA, j % MMA)
+    return _tc().shared_16x16_to_ldmatrix_32x8_layout(i % MMA, j % MMA)
 
 
 # --- matching ------------------------------------------------------------------------------
