@@ -1,12 +1,15 @@
-"""Differential fuzzer: random ONNX graphs of the patterns our passes rewrite, ours vs ORT.
+"""Differential fuzzer: random graphs of the patterns our passes rewrite, ours vs a reference.
 
     python scripts/fuzz.py --minutes 60 --seed 0 --out fuzz_failures
+    python scripts/fuzz.py --frontend torch --minutes 15 --seed 0   # torch.export vs eager
 
 Cases run round-robin over the families (``tvm_fusion.fuzz.FAMILIES``) in one worker
 subprocess (a segfault or a hang costs one case); each failure is minimised and saved under
 ``--out`` as ``FAMILY-SEED/model.onnx``, ``inputs.npz`` and ``reason.txt``. Totals per family
-go to ``bench/fuzz.json`` and ``bench/fuzz.md`` (``--output ''`` to skip). The exit status is 1
-when a case failed, crashed or hung.
+go to ``bench/fuzz.json`` and ``bench/fuzz.md`` (``--output ''`` to skip). ``--frontend torch``
+runs ``tvm_fusion.fuzz_torch``'s families (torch.nn modules through torch.export, against torch
+eager; failures saved unminimised, with the exported program) into ``bench/fuzz_torch.*``. The
+exit status is 1 when a case failed, crashed or hung.
 """
 
 from __future__ import annotations
@@ -24,22 +27,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _parse_args(argv=None):
-    from tvm_fusion.fuzz import FAMILIES
+    from tvm_fusion.fuzz import FRONTENDS, frontend_module
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--frontend", choices=FRONTENDS, default="onnx", help="ONNX or torch.export")
     p.add_argument("--minutes", type=float, default=None, help="stop after this long")
     p.add_argument("--cases", type=int, default=None, help="... or after this many per family")
     p.add_argument("--seed", type=int, default=0, help="first seed (cases use seed, seed+1, ...)")
-    p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated")
+    p.add_argument("--families", default="", help="comma-separated (default: all)")
     p.add_argument("--out", default="fuzz_failures", help="minimised failures go here")
-    p.add_argument("--output", default=str(ROOT / "bench" / "fuzz"), help="totals (.json/.md)")
+    p.add_argument(
+        "--output", default=None, help="totals (.json/.md; default bench/fuzz, bench/fuzz_torch)"
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
     p.add_argument("--minimise", type=float, default=120.0, help="seconds per failure")
     args = p.parse_args(argv)
-    args.families = tuple(f for f in args.families.split(",") if f)
-    unknown = set(args.families) - set(FAMILIES)
+    families = frontend_module(args.frontend).FAMILIES
+    args.families = tuple(f for f in args.families.split(",") if f) or families
+    if args.output is None:
+        name = "fuzz" if args.frontend == "onnx" else "fuzz_torch"
+        args.output = str(ROOT / "bench" / name)
+    unknown = set(args.families) - set(families)
     if unknown:
-        p.error(f"unknown families {sorted(unknown)}; known: {', '.join(FAMILIES)}")
+        p.error(f"unknown families {sorted(unknown)}; known: {', '.join(families)}")
     if args.minutes is None and args.cases is None:
         p.error("give --minutes or --cases")
     return args
@@ -48,8 +58,13 @@ def _parse_args(argv=None):
 def _markdown(result: dict) -> str:
     from tvm_fusion.fuzz import OUTCOMES
 
+    title = {
+        "onnx": "random ONNX graphs, tvm_fusion vs ONNX Runtime",
+        "torch": "random torch.nn modules through torch.export, tvm_fusion vs torch eager",
+    }[result.get("frontend", "onnx")]
+    reference = "ONNX Runtime" if result.get("frontend", "onnx") == "onnx" else "torch"
     lines = [
-        "# Differential fuzzer: random ONNX graphs, tvm_fusion vs ONNX Runtime",
+        f"# Differential fuzzer: {title}",
         "",
         f"`{result['command']}`",
         "",
@@ -69,7 +84,7 @@ def _markdown(result: dict) -> str:
     lines.append(f"| **all** | **{run}** | " + " | ".join(str(total[o]) for o in OUTCOMES) + " |")
     lines += [
         "",
-        "Graphs run: every case but the discarded ones (ONNX Runtime itself failed). "
+        f"Graphs run: every case but the discarded ones ({reference} itself failed). "
         "`refused`: a one-line ModelError from us where stock TVM (its importer and pipeline) "
         "fails too; a refusal of what stock runs counts as a failure.",
     ]
@@ -105,6 +120,7 @@ def main(argv=None) -> int:
     def result_of(totals) -> dict:
         return {
             "command": command,
+            "frontend": args.frontend,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
             f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')}",
@@ -139,6 +155,7 @@ def main(argv=None) -> int:
         minimise_s=args.minimise,
         log=log,
         progress=progress,
+        frontend=args.frontend,
     )
     print(write(result_of(totals)))
     return 1 if totals.failures else 0

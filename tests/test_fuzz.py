@@ -154,3 +154,55 @@ def test_minimise_keeps_the_failure_drops_nodes_and_cuts_dims():
 def test_unknown_family(family):
     with pytest.raises(ValueError, match="unknown family"):
         fuzz.generate(family, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.export (tvm_fusion.fuzz_torch)
+
+# one seed per family, run in this process (a worker would import TVM again): each exports a
+# module at size 10, imports and compiles it with our pipeline and compares two feeds with eager
+_TORCH_SEEDS = [
+    ("gates", 1),  # GRU cell, F.linear, gates by slices
+    ("gemms", 3),  # nn.LSTMCell, dynamic rows
+    ("range_gather", 0),  # x[arange(0, n - 2)], reshape, activation; not decomposed
+    ("views", 1),  # reshape, matmul, transpose; not decomposed
+    ("cross_entropy", 2),  # -log_softmax.gather(...).mean()
+    ("shape_chains", 3),  # a (b, 2 * s) input viewed as (b, s, 2); cumsum positions
+]
+
+
+@pytest.mark.parametrize(("family", "seed"), _TORCH_SEEDS)
+def test_torch_fixed_seeds_run(family, seed):
+    pytest.importorskip("torch")
+    from tvm_fusion import fuzz_torch
+
+    assert fuzz_torch.run_case(family, seed) == ("ok", "")
+
+
+def test_torch_negative_step_arange_gathers_the_right_columns():
+    """``x[:, arange(n - 1, n - 3, -1)]`` (range_gather seed 3): 0.27's importer declared the
+    arange 4 long (ceil-division as for a positive step) and computed 4 columns; it is
+    imported as ``arange(1 - n, 3 - n, 1) * -1``. (GatherToSlice rightly leaves the take:
+    for n = 1 the index n - 2 is negative, which torch wraps.)"""
+    pytest.importorskip("torch")
+    from tvm_fusion import fuzz_torch
+    from tvm_fusion.frontend import import_exported_program
+
+    spec, program, _feeds, _refs = fuzz_torch.prepare("range_gather", 3)
+    mod = import_exported_program(program, decompose=spec.decompose)
+    (out,) = mod["main"].ret_ty.fields
+    assert "* 2" in str(out.shape), out.shape  # (rows * 2,): two columns, reshaped
+    assert fuzz_torch.run_case("range_gather", 3) == ("ok", "")
+    assert fuzz_torch.run_case("range_gather", 100) == ("ok", "")  # arange(n - 2, -1, -2)
+
+
+def test_torch_cross_entropy_loss_not_decomposed():
+    """``cross_entropy_loss`` as exported (imported without decompositions): stock read
+    ``reduction`` (passed positionally) as a mean, took log-softmax over the last axis of
+    (B, C, S) and dropped label smoothing."""
+    pytest.importorskip("torch")
+    from tvm_fusion import fuzz_torch
+
+    assert fuzz_torch.run_case("cross_entropy", 0) == ("ok", "")  # (B, C, S), summed
+    assert fuzz_torch.run_case("cross_entropy", 101) == ("ok", "")  # smoothing 0.25, none
+    assert fuzz_torch.run_case("cross_entropy", 109) == ("ok", "")  # 0.1, weights, mean

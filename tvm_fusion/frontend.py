@@ -334,14 +334,29 @@ def load_exported_program(path, shapes: Shapes | None = None) -> tvm.IRModule:
         raise ModelError(
             f"cannot read {path} as a torch.export program: {first_line(err)}"
         ) from None
+    return import_exported_program(program, path)
+
+
+def import_exported_program(program, where: str = "the program", decompose: bool = True):
+    """An in-memory ``torch.export`` program as a Relax IRModule (weights bound as
+    constants); ``decompose=False`` imports it without torch's decompositions (``linear``,
+    ``chunk`` ... as exported). Converters stock gets wrong are replaced (``torch_ops``); an
+    importer failure is one ModelError line naming ``where``."""
     from tvm.relax.frontend.torch import from_exported_program
+
+    from .torch_ops import CONVERTERS
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return from_exported_program(program, keep_params_as_input=False)
+            return from_exported_program(
+                program,
+                keep_params_as_input=False,
+                run_ep_decomposition=decompose,
+                custom_convert_map=CONVERTERS,
+            )
     except Exception as err:
-        raise ModelError(f"cannot import {path}: {first_line(err)}") from None
+        raise ModelError(f"cannot import {where}: {first_line(err)}") from None
 
 
 def load_model(path, shapes: Shapes | None = None) -> tvm.IRModule:

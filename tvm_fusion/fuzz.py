@@ -81,6 +81,11 @@ class Case:
     def name(self) -> str:
         return f"{self.family}-{self.seed}"
 
+    @property
+    def args(self) -> tuple:
+        """What :meth:`Worker.run` takes for this case."""
+        return (self.model, self.feeds)
+
 
 # ---------------------------------------------------------------------------------------------
 # ONNX building helpers
@@ -689,16 +694,16 @@ def ort_outputs(model, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
     return sess.run(None, feed)
 
 
-def compare(outputs, reference) -> str | None:
-    """None when ``outputs`` match ``reference``, else why not (one line)."""
+def compare(outputs, reference, ref_name: str = "ORT") -> str | None:
+    """None when ``outputs`` match ``reference`` (from ``ref_name``), else why not (one line)."""
     if len(outputs) != len(reference):
-        return f"{len(outputs)} outputs, ORT has {len(reference)}"
+        return f"{len(outputs)} outputs, {ref_name} has {len(reference)}"
     for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
         out, ref = np.asarray(out), np.asarray(ref)
         if out.shape != ref.shape:
-            return f"output {i}: shape {out.shape}, ORT {ref.shape}"
+            return f"output {i}: shape {out.shape}, {ref_name} {ref.shape}"
         if out.dtype != ref.dtype:
-            return f"output {i}: dtype {out.dtype}, ORT {ref.dtype}"
+            return f"output {i}: dtype {out.dtype}, {ref_name} {ref.dtype}"
         if not out.size:
             continue
         if np.issubdtype(ref.dtype, np.integer) or ref.dtype == np.bool_:
@@ -805,17 +810,27 @@ def load_case(directory: Path):
 # the worker process and its pool
 
 
-def _worker_main(fd: int, runner: str = "tvm_fusion.fuzz:run_case") -> None:
-    """Reads case directories from stdin, writes one JSON line per case to ``fd``;
-    ``runner`` ("module:function") runs a case (tests swap it)."""
+def _function(spec: str) -> Callable:
+    """The function named ``"module:function"``."""
     import importlib
+
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _worker_main(
+    fd: int, runner: str = "tvm_fusion.fuzz:run_case", loader: str = "tvm_fusion.fuzz:load_case"
+) -> None:
+    """Reads case directories from stdin, writes one JSON line per case to ``fd``;
+    ``runner`` ("module:function") runs a case (tests swap it) on what ``loader`` reads
+    from its directory."""
     import logging
 
     logging.disable(logging.CRITICAL)
     import tvm_fusion  # noqa: F401  (TVM: imported once, before the first case's clock)
+    import tvm_fusion.schedule  # noqa: F401  (imports every target's tensor intrinsics: slow)
 
-    module, name = runner.split(":")
-    run = getattr(importlib.import_module(module), name)
+    run, load = _function(runner), _function(loader)
     out = os.fdopen(fd, "w", buffering=1)
     out.write('{"ready": true}\n')
     for line in sys.stdin:
@@ -823,17 +838,17 @@ def _worker_main(fd: int, runner: str = "tvm_fusion.fuzz:run_case") -> None:
         if not path:
             continue
         try:
-            model, feeds = load_case(Path(path))
-            outcome, reason = run(model, feeds)
+            outcome, reason = run(*load(Path(path)))
         except Exception as err:  # the harness itself: reported as a failure
             outcome, reason = "failure", f"harness: {type(err).__name__}: {err}"
         out.write(json.dumps({"outcome": outcome, "reason": reason.replace("\n", " ")}) + "\n")
 
 
 class Worker:
-    """A subprocess running many cases; ``run`` restarts it after a crash or a hang."""
+    """A subprocess running many cases; ``run`` restarts it after a crash or a hang.
+    ``save(directory, *case)`` writes a case where the worker's ``loader`` reads it."""
 
-    STARTUP_S = 600.0  # importing TVM on a loaded machine
+    STARTUP_S = 1200.0  # importing TVM on a loaded machine (8 minutes seen at load 9)
 
     def __init__(
         self,
@@ -841,9 +856,13 @@ class Worker:
         threads: int = 1,
         runner: str = "tvm_fusion.fuzz:run_case",
         env: dict | None = None,
+        save: Callable | None = None,
+        loader: str = "tvm_fusion.fuzz:load_case",
     ):
         self.timeout_s = timeout_s
         self.runner = runner
+        self.loader = loader
+        self.save = save or save_case
         self.extra_env = env or {}
         self.threads = threads
         self.proc: subprocess.Popen | None = None
@@ -855,7 +874,9 @@ class Worker:
     def _start(self) -> None:
         rfd, wfd = os.pipe()
         env = dict(os.environ, TVM_NUM_THREADS=str(self.threads), **self.extra_env)
-        code = f"import tvm_fusion.fuzz as f; f._worker_main({wfd}, {self.runner!r})"
+        code = (
+            f"import tvm_fusion.fuzz as f; f._worker_main({wfd}, {self.runner!r}, {self.loader!r})"
+        )
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code],
             stdin=subprocess.PIPE,
@@ -899,10 +920,10 @@ class Worker:
         line, self._buf = self._buf.split(b"\n", 1)
         return line
 
-    def run(self, model, feeds) -> tuple[str, str]:
-        """(outcome, reason) of one case, in the worker."""
+    def run(self, *case) -> tuple[str, str]:
+        """(outcome, reason) of one case (``model, feeds`` for ONNX), in the worker."""
         self._n += 1
-        case_dir = save_case(self.tmp / f"case{self._n % 4}", model, feeds)
+        case_dir = self.save(self.tmp / f"case{self._n % 4}", *case)
         if self.proc is None or self.proc.poll() is not None:
             self.stop()
             self._start()
@@ -1096,8 +1117,37 @@ class Totals:
         row[outcome] += 1
 
 
+FRONTENDS = ("onnx", "torch")
+
+
+def frontend_module(frontend: str):
+    """The module that generates and runs the cases of ``frontend``: this one for ONNX,
+    :mod:`tvm_fusion.fuzz_torch` for torch.export. Each has ``FAMILIES``, ``generate``,
+    ``RUNNER`` / ``LOADER`` / ``save_case`` (the worker's side) and ``save_failure``."""
+    if frontend == "onnx":
+        return sys.modules[__name__]
+    if frontend == "torch":
+        from . import fuzz_torch
+
+        return fuzz_torch
+    raise ValueError(f"unknown frontend {frontend!r}; known: {', '.join(FRONTENDS)}")
+
+
+RUNNER = "tvm_fusion.fuzz:run_case"
+LOADER = "tvm_fusion.fuzz:load_case"
+
+
+def save_failure(
+    directory: Path, case: Case, outcome: str, reason: str, worker, minimise_s: float
+) -> dict:
+    """Minimise a failing ONNX case and save it under ``directory``; what the report adds."""
+    model, feeds, why = minimise(case.model, case.feeds, outcome, worker.run, minimise_s)
+    save_case(directory, model, feeds, f"{outcome}: {why or reason}")
+    return {"minimised_reason": why or reason, "nodes": len(model.graph.node)}
+
+
 def fuzz(
-    families=FAMILIES,
+    families=None,
     seed: int = 0,
     minutes: float | None = None,
     cases: int | None = None,
@@ -1106,12 +1156,16 @@ def fuzz(
     minimise_s: float = 120.0,
     log: Callable[[str], None] = lambda _m: None,
     progress: Callable[[Totals], None] = lambda _t: None,
+    frontend: str = "onnx",
 ) -> Totals:
-    """Cases ``seed, seed + 1, ...`` round-robin over ``families`` until ``minutes`` or
-    ``cases`` run out; failures minimised into ``out_dir`` (``FAMILY-SEED/``)."""
+    """Cases ``seed, seed + 1, ...`` round-robin over ``families`` (default: all of
+    ``frontend``'s) until ``minutes`` or ``cases`` run out; failures saved into ``out_dir``
+    (``FAMILY-SEED/``; ONNX cases minimised first)."""
+    front = frontend_module(frontend)
+    families = tuple(families or front.FAMILIES)
     totals = Totals()
     deadline = time.monotonic() + minutes * 60 if minutes else None
-    worker = Worker(timeout_s)
+    worker = Worker(timeout_s, runner=front.RUNNER, loader=front.LOADER, save=front.save_case)
     i = 0
     try:
         while True:
@@ -1121,20 +1175,20 @@ def fuzz(
                 break
             family, case_seed = families[i % len(families)], seed + i // len(families)
             i += 1
-            case = generate(family, case_seed)
-            outcome, reason = worker.run(case.model, case.feeds)
+            case = front.generate(family, case_seed)
+            outcome, reason = worker.run(*case.args)
             totals.add(family, outcome)
             entry = {"case": case.name, "note": case.note, "reason": reason}
             if outcome == "refused":
                 totals.refusals.append(entry)
             if outcome in FAILING:
                 log(f"{outcome}: {case.name} ({case.note}): {reason}")
-                model, feeds = case.model, case.feeds
                 if out_dir is not None:
-                    model, feeds, why = minimise(model, feeds, outcome, worker.run, minimise_s)
-                    entry["minimised_reason"] = why or reason
-                    entry["nodes"] = len(model.graph.node)
-                    save_case(out_dir / case.name, model, feeds, f"{outcome}: {why or reason}")
+                    entry.update(
+                        front.save_failure(
+                            out_dir / case.name, case, outcome, reason, worker, minimise_s
+                        )
+                    )
                 entry["outcome"] = outcome
                 totals.failures.append(entry)
             progress(totals)

@@ -1,0 +1,106 @@
+"""torch.export converters that apache-tvm 0.27's ``from_exported_program`` gets wrong.
+
+Passed as its ``custom_convert_map`` by :func:`tvm_fusion.frontend.import_exported_program`
+(found by ``scripts/fuzz.py --frontend torch``):
+
+- ``arange.start_step`` with a negative integer step: stock emits ``R.arange(a, b, s)``, whose
+  0.27 shape inference takes the ceil-division as if the step were positive
+  (``arange(n - 1, n - 3, -1)`` is declared, and computed, with 4 elements, not 2: a reversed
+  ``x[:, arange(...)]`` gathers the wrong columns). Emitted as ``arange(-a, -b, -s) * -1``
+  (a positive step, the same values), which GatherToSlice still reads as a progression.
+- ``cross_entropy_loss.default`` (an export imported without decompositions): stock reads
+  ``reduction`` and ``ignore_index`` from keywords only (the program passes them positionally:
+  ``reduction = 2`` summed, imported as a mean), takes the log-softmax over the last axis
+  (the classes are axis 1 of (N, C, d...)) and drops ``label_smoothing``. Emitted as
+  torch defines it: ``log_softmax`` over axis 1, ``nll_loss``, plus the smoothing term.
+
+Every other form goes to stock's converter as it is.
+"""
+
+from __future__ import annotations
+
+from tvm import relax
+
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _arg(node, i: int, name: str, default):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _arange(node, importer) -> relax.Var:
+    import torch
+
+    if len(node.args) >= 2:
+        start, end = node.args[0], node.args[1]
+    else:
+        start, end = node.kwargs.get("start", 0), node.args[0]
+    step = _arg(node, 2, "step", 1)
+    dtype = node.kwargs.get("dtype")
+    bounds = [importer.env[b] if isinstance(b, torch.fx.Node) else b for b in (start, end)]
+    if (
+        not isinstance(step, int)
+        or step >= 0
+        or any(isinstance(b, float) for b in bounds)
+        or (dtype is not None and dtype.is_floating_point)
+    ):
+        return importer._arange(node)
+    dtype = "int64" if dtype is None else importer._convert_data_type(str(dtype), importer.env)
+    up = importer.block_builder.emit(relax.op.arange(-bounds[0], -bounds[1], -step, dtype=dtype))
+    return importer.block_builder.emit(relax.op.multiply(up, relax.const(-1, dtype)))
+
+
+def _cross_entropy_loss(node, importer) -> relax.Var:
+    bb = importer.block_builder
+    preds, targets = importer.env[node.args[0]], importer.env[node.args[1]]
+    weight = _arg(node, 2, "weight", None)
+    weight = importer.env[weight] if weight is not None else None
+    reduction = _arg(node, 3, "reduction", 1)
+    reduction = _REDUCTIONS.get(reduction, reduction)
+    ignore = int(_arg(node, 4, "ignore_index", -100))
+    eps = float(_arg(node, 5, "label_smoothing", 0.0))
+    ndim = preds.ty.ndim
+    axis = 1 if ndim >= 2 else 0
+    logp = bb.emit(relax.op.nn.log_softmax(preds, axis=axis))
+    nll = bb.emit(relax.op.nn.nll_loss(logp, targets, weight, reduction, ignore))
+    if eps == 0.0:
+        return nll
+    # torch: (1 - eps) * nll + eps / C * smooth, smooth = -sum_c(w_c * logp_c), ignored
+    # elements 0; a mean divides by the kept elements' weight (their count without weights)
+    dtype = preds.ty.dtype
+    classes = preds.ty.shape.values[axis]
+    if not hasattr(classes, "value"):
+        raise ValueError("cross_entropy with label_smoothing over a symbolic class count")
+    c = int(classes.value)
+    kept = bb.emit(relax.op.not_equal(targets, relax.const(ignore, targets.ty.dtype)))
+    keptf = bb.emit(relax.op.astype(kept, dtype))
+    terms = logp
+    if weight is not None:
+        shape = [1] * ndim
+        shape[axis] = c
+        terms = bb.emit(relax.op.multiply(logp, relax.op.reshape(weight, shape)))
+    smooth = bb.emit(relax.op.negative(relax.op.sum(terms, axis=[axis])))
+    smooth = bb.emit(relax.op.multiply(smooth, keptf))
+    if reduction == "sum":
+        smooth = bb.emit(relax.op.sum(smooth))
+    elif reduction == "mean":
+        if weight is not None:
+            safe = relax.op.where(kept, targets, relax.op.zeros_like(targets))
+            denom = relax.op.multiply(relax.op.take(weight, safe, axis=0), keptf)
+        else:
+            denom = keptf
+        smooth = bb.emit(relax.op.divide(relax.op.sum(smooth), relax.op.sum(denom)))
+    return bb.emit(
+        relax.op.add(
+            relax.op.multiply(nll, relax.const(1.0 - eps, dtype)),
+            relax.op.multiply(smooth, relax.const(eps / c, dtype)),
+        )
+    )
+
+
+CONVERTERS = {
+    "arange.start_step": _arange,
+    "cross_entropy_loss.default": _cross_entropy_loss,
+}
