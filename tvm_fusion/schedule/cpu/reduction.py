@@ -14,7 +14,10 @@ reduction blocks reduce the trailing axes. The schedule:
   reassociation, which TVM's codegen does not allow. ``rfactor`` needs a static extent; over a
   symbolic one (softmax of attention scores) the legalisation has already written the split
   (partials over whole vectors + a scalar tail), and the rule vectorises the partials;
-- injective blocks are vectorised on their innermost loop.
+- injective blocks are vectorised on their innermost loop;
+- a row buffer that the output reads where it writes (softmax's ``exp(x - max)``) is the
+  output itself: the exp pass writes the output row, the output block scales it in place
+  (``_output_as_row_buffer``); left as a buffer where that is not provably the same.
 """
 
 from __future__ import annotations
