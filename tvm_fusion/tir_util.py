@@ -162,3 +162,45 @@ def num_elements(buffer: tirx.Buffer) -> int | None:
             return None
         total *= int(d.value)
     return total
+
+
+def loads_of(expr, buffer) -> list:
+    """The loads of ``buffer`` in an expression tree."""
+    from tvm.ir.expr import TensorLoad
+
+    found = []
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, TensorLoad) and node.source.same_as(buffer):
+            found.append(node)
+        stack.extend(expr_children(node))
+    return found
+
+
+def replace_buffer(func: tirx.PrimFunc, old, new) -> tirx.PrimFunc:
+    """``func`` with every access of the allocated buffer ``old`` made to ``new`` instead
+    (a buffer of the same shape and dtype defined elsewhere, e.g. a parameter), and ``old``'s
+    allocation dropped. The caller proves that sharing the storage keeps the results."""
+    import tvm_ffi
+    from tvm.ir.expr import Var
+
+    def on_var(var):
+        return new if var.same_as(old) else var
+
+    def on_block(block):
+        if not any(b.same_as(new) for b in block.alloc_buffers):
+            return block
+        return s_tir.SBlock(
+            block.iter_vars,
+            block.reads,
+            block.writes,
+            block.name_hint,
+            block.body,
+            block.init,
+            [b for b in block.alloc_buffers if not b.same_as(new)],
+            block.match_buffers,
+            block.annotations,
+        )
+
+    return tvm_ffi.structural_map(func, [(Var, on_var), (s_tir.SBlock, on_block)])
