@@ -47,7 +47,6 @@ from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad
 from tvm.s_tir import TensorIntrin
 from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.tensor_intrin import cuda as tc
 from tvm.target import Target
 
 from .._common import extent, is_reduction, is_static, try_inline_safe
@@ -133,6 +132,18 @@ def choose_tile(rows, units: int, block: int, gates: int, k: int) -> TensorCoreT
 
 # --- intrinsics ----------------------------------------------------------------------------
 
+
+def _tc():
+    """TVM's CUDA tensor intrinsics, imported on first use: ``tvm.s_tir.tensor_intrin`` defines
+    every target's intrinsics in TVMScript when imported, and its parser calls ``inspect.stack()``
+    per function, which walks every loaded module: with torch and transformers loaded, an llvm
+    build that imported it at its start was still importing it after 20 minutes
+    (scripts/holdout.py on a loaded 2-core machine)."""
+    from tvm.s_tir.tensor_intrin import cuda
+
+    return cuda
+
+
 _STORE = "tvm_fusion_mma_store_16x16_f32_shared"
 
 
@@ -143,6 +154,7 @@ def _intrinsics(dtype: str) -> dict[str, str]:
     element type changed (``ldmatrix`` moves 16-bit words whatever they hold; the mma
     instruction reads ``.bf16`` operands, sm_80+), registered once under our names."""
     _register_once(_STORE, _store_intrin)
+    tc = _tc()
     names = {
         "load_a": tc.LDMATRIX_f16_A_INTRIN,
         "load_b": tc.LDMATRIX_f16_B_INTRIN,
@@ -167,6 +179,7 @@ def _store_intrin():
     typed pointer into them fails to lower."""
     from tvm.script import tirx as T
 
+    tc = _tc()
     desc, _ = tc.get_mma_store_intrin("float32", 8, "shared", False)
 
     @T.prim_func(s_tir=True)
@@ -218,7 +231,7 @@ _PTX_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 def _lane(i, j):
-    return tc.shared_16x16_to_ldmatrix_32x8_layout(i % MMA, j % MMA)
+    return _tc().shared_16x16_to_ldmatrix_32x8_layout(i % MMA, j % MMA)
 
 
 # --- matching ------------------------------------------------------------------------------
