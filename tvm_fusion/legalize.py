@@ -32,6 +32,7 @@ FuseOps sees the same graph as without fast math.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from tvm import relax, te, tirx, topi
@@ -65,6 +66,16 @@ def fast_gelu(x: te.Tensor) -> te.Tensor:
     half = tirx.const(0.5, x.dtype)
     erf = topi.fast_erf(topi.multiply(x, tirx.const(0.5**0.5, x.dtype)))
     return te.compute(x.shape, lambda *i: x(*i) * (half + erf(*i) * half), name="fast_gelu")
+
+
+def gelu_tanh(x: te.Tensor, fast: bool = True) -> te.Tensor:
+    """``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`` (torch's ``approximate="tanh"``,
+    Relax ``nn.gelu_tanh``) as stock legalises it; ``fast``: with the polynomial tanh."""
+    c = tirx.const(math.sqrt(2.0 / math.pi), x.dtype)
+    cube, half, one = (tirx.const(v, x.dtype) for v in (0.044715, 0.5, 1.0))
+    inner = te.compute(x.shape, lambda *i: c * x(*i) * (one + cube * x(*i) * x(*i)), name="inner")
+    t = (topi.fast_tanh if fast else topi.tanh)(inner)
+    return te.compute(x.shape, lambda *i: half * x(*i) * (one + t(*i)), name="gelu_tanh")
 
 
 def _normalized_axis(axis: int, ndim: int) -> int:

@@ -94,6 +94,35 @@ def test_sibling_linears_3d(hidden, width, bias):
     _check(_Siblings(hidden, width, bias), hidden)
 
 
+class _GeGLU(torch.nn.Module):
+    """GeGLU gates as torch.export writes them: ``gelu(a, approximate="tanh")`` is Relax
+    ``nn.gelu_tanh`` (Gemma), erf ``gelu`` is ``nn.gelu``; the pieces from ``chunk``, ``split``
+    or ``unflatten(-1, (2, D)).unbind(-2)``."""
+
+    def __init__(self, hidden, width, approximate, spelling):
+        super().__init__()
+        self.up = torch.nn.Linear(hidden, 2 * width)
+        self.width, self.approximate, self.spelling = width, approximate, spelling
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.spelling == "chunk":
+            a, b = h.chunk(2, dim=-1)
+        elif self.spelling == "split":
+            a, b = h.split(self.width, dim=-1)
+        else:
+            a, b = h.unflatten(-1, (2, self.width)).unbind(-2)
+        return torch.nn.functional.gelu(a, approximate=self.approximate) * b
+
+
+@pytest.mark.parametrize(("approximate", "spelling"), [("tanh", "chunk"), ("none", "unbind")])
+def test_geglu_spellings(approximate, spelling):
+    """Found by scripts/holdout.py: Gemma's GeGLU (``gelu_tanh``) and gates taken by
+    ``unflatten(-1, (2, D)).unbind(-2)`` were left unfused."""
+    torch.manual_seed(2)
+    _check(_GeGLU(20, 13, approximate, spelling), 20)
+
+
 def test_gates_on_4d_rows():
     """N-D inputs: ``(b, s, 4, H)`` rows flattened around the GEMM fold the same way."""
     torch.manual_seed(1)
@@ -213,6 +242,68 @@ class TestViewsAroundGemmFold(GatesBase):
         expected = self.transform(self.Expected)
         tvm.ir.assert_structural_equal(after, expected, map_free_vars=True)
         assert "fused_gates" in after.script()
+
+
+class TestUnbindPiecesAreChunks(GatesBase):
+    """torch's ``y.unflatten(-1, (2, D)).unbind(-2)`` as the frontend writes it (reshape, unit
+    slices of the new axis, squeezes) fuses as the ``chunk`` of ``y`` does (symbolic rows)."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("b", "s", 4), "float32"), w: R.Tensor((8, 4), "float32")):
+            b, s = T.int64(), T.int64()
+            with R.dataflow():
+                y = R.matmul(x, R.permute_dims(w))
+                v = R.reshape(y, R.shape([b, s, 2, 4]))
+                p0 = R.strided_slice(v, (2,), (0,), (1,), (1,))
+                p1 = R.strided_slice(v, (2,), (1,), (2,), (1,))
+                gate = R.squeeze(p0, axis=[2])
+                up = R.squeeze(p1, axis=[2])
+                out = R.multiply(R.nn.gelu_tanh(gate), up)
+                R.output(out)
+            return out
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor(("b", "s", 4), "float32"), w: R.Tensor((8, 4), "float32")):
+            with R.dataflow():
+                y = R.matmul(x, R.permute_dims(w))
+                gate = R.strided_slice(y, (2,), (0,), (4,), (1,))
+                up = R.strided_slice(y, (2,), (4,), (8,), (1,))
+                out = R.multiply(R.nn.gelu_tanh(gate), up)
+                R.output(out)
+            return out
+
+    def test_compare(self):
+        after = self.transform(self.Before)
+        expected = self.transform(self.Expected)
+        tvm.ir.assert_structural_equal(after, expected, map_free_vars=True)
+        assert "fused_gates" in after.script()
+
+
+class TestInterleavedUnbindLeftAlone(GatesBase):
+    """Must not fire: ``unflatten(-1, (D, 2)).unbind(-1)`` takes every other feature, not a
+    contiguous half; the pieces are not the GEMM's chunks."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("b", 4), "float32"), w: R.Tensor((8, 4), "float32")):
+            b = T.int64()
+            with R.dataflow():
+                y = R.matmul(x, R.permute_dims(w))
+                v = R.reshape(y, R.shape([b, 4, 2]))
+                p0 = R.strided_slice(v, (2,), (0,), (1,), (1,))
+                p1 = R.strided_slice(v, (2,), (1,), (2,), (1,))
+                gate = R.squeeze(p0, axis=[2])
+                up = R.squeeze(p1, axis=[2])
+                out = R.multiply(R.sigmoid(gate), up)
+                R.output(out)
+            return out
+
+    Expected = Before
 
 
 class TestGemmAlsoReadElsewhere(GatesBase):

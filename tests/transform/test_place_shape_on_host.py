@@ -177,6 +177,89 @@ class TestSliceToEndNotFired(ShapeBase):
     Expected = Before
 
 
+class TestSliceWithinBound(ShapeBase):
+    """``pos[:, :s]`` of a (1, 16) buffer is inferred ``min(s, 16)`` long, which does not unify
+    with ``s`` (the add's shape was unknown: no pipeline built ALBERT); the function's bound
+    ``s <= 16`` (torch.export's ``Dim(max=16)``) proves it in bounds: ``assume_inbound``."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("b", "s"), "float32"), pos: R.Tensor((1, 16), "float32")):
+            R.func_attr({"tir_var_upper_bound": {"s": 16}})
+            s = T.int64()
+            with R.dataflow():
+                p = R.strided_slice(pos, [1], [0], [s], [1])
+                y = R.add(x, p)
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor(("b", "s"), "float32"), pos: R.Tensor((1, 16), "float32")):
+            R.func_attr({"tir_var_upper_bound": {"s": 16}})
+            b, s = T.int64(), T.int64()
+            with R.dataflow():
+                p = R.strided_slice(pos, [1], [0], [s], [1], assume_inbound=True)
+                y: R.Tensor((b, s), "float32") = R.add(x, p)
+                R.output(y)
+            return y
+
+
+class TestSliceWithinBoundNotFired(ShapeBase):
+    """Must not fire: a bound above the axis (``s <= 17`` of 16), and no bound at all."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("b", "s"), "float32"), pos: R.Tensor((1, 16), "float32")):
+            R.func_attr({"tir_var_upper_bound": {"s": 17}})
+            s = T.int64()
+            with R.dataflow():
+                p = R.strided_slice(pos, [1], [0], [s], [1])
+                R.output(p)
+            return p
+
+        @R.function
+        def unbounded(pos: R.Tensor((1, 16), "float32"), x: R.Tensor(("s",), "float32")):
+            s = T.int64()
+            with R.dataflow():
+                p = R.strided_slice(pos, [1], [0], [s], [1])
+                R.output(p)
+            return p
+
+    Expected = Before
+
+
+def test_position_buffer_slice_torch_export():
+    """Found by scripts/holdout.py (ALBERT through torch.export): a position-id buffer sliced
+    to the sequence length, added to the embeddings, builds and matches torch."""
+    torch = pytest.importorskip("torch")
+
+    class Embed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("position_ids", torch.arange(16).expand((1, -1)))
+            self.pos = torch.nn.Embedding(16, 6)
+
+        def forward(self, x):
+            return x + self.pos(self.position_ids[:, : x.shape[1]])
+
+    from tvm.relax.frontend.torch import from_exported_program
+
+    torch.manual_seed(0)
+    module = Embed().eval()
+    dims = {0: torch.export.Dim("b", max=8), 1: torch.export.Dim("s", max=16)}
+    program = torch.export.export(module, (torch.randn(2, 5, 6),), dynamic_shapes=(dims,))
+    compiled = engine.compile_module(from_exported_program(program), host_target(), "tvm_fusion")
+    for shape in [(3, 7, 6), (1, 16, 6)]:
+        data = np.random.default_rng(1).standard_normal(shape).astype("float32")
+        got = compiled.vm()["main"](tvm.runtime.tensor(data))[0].numpy()
+        want = module(torch.from_numpy(data)).detach().numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_slice_to_end_numerics():
     """The matched slice computes the same numbers (the pipeline, llvm)."""
     n = tirx.Var("n", "int64")

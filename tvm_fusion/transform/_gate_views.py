@@ -25,6 +25,18 @@ RNN step's input projection), or only by elementwise ops while another such view
 layer of the same ``x`` exists (sibling GEMMs). The view must keep the feature axis, the bias
 must broadcast along the features alone, and the GEMM (and its bias sum) must be read by
 nothing else. FuseSplitGates keeps the result only when a gate group then fuses.
+
+Before that, ``unbind_to_slices``: torch's ``y.unflatten(-1, (k, D)).unbind(-2)`` (or
+``view(..., k, D)`` then ``unbind`` / ``select``), which the frontend writes as::
+
+    v = R.reshape(y, (*lead, k, D))                      # y: (*lead, k * D)
+    p = R.strided_slice(v, axes=[-2], begin=[g], end=[g + 1])
+    q = R.squeeze(p, axis=[-2])
+
+becomes ``q = R.strided_slice(y, axes=[-1], begin=[g * D], end=[(g + 1) * D])``, the pieces of a
+``chunk``. Only when ``v`` splits ``y``'s last axis alone (static ``k`` and ``D``), every
+reader of ``v`` is such a slice of width 1 and stride 1, each slice read only by a squeeze of
+that axis, and ``v`` is no output of the block.
 """
 
 from __future__ import annotations
@@ -189,6 +201,108 @@ class _FoldRowViews(PyExprMutator):
             out = relax.op.add(bias, out) if bias_first else relax.op.add(out, bias)
         self.set_var_remap(binding.var, bb.emit(out, name_hint=binding.var.name))
         return None
+
+
+def _static_int(value) -> int | None:
+    value = getattr(value, "value", value)
+    return int(value) if isinstance(value, int) or hasattr(value, "__index__") else None
+
+
+def _unit_slice(call, axis: int, ndim: int) -> int | None:
+    """``g`` of a ``strided_slice`` of ``[g, g + 1)`` with stride 1 on ``axis`` alone."""
+    fields = [list(a.fields) if isinstance(a, relax.Tuple) else None for a in call.args[1:]]
+    if len(fields) < 3 or any(f is None or len(f) != 1 for f in fields[:3]):
+        return None
+    axes, begin, end = (_static_int(f[0]) for f in fields[:3])
+    stride = _static_int(fields[3][0]) if len(fields) > 3 and fields[3] else 1
+    if None in (axes, begin, end) or axes % ndim != axis or stride != 1 or end != begin + 1:
+        return None
+    return begin
+
+
+def _unbind_plan(value: dict, users: dict, outputs: set, v_var, v_value) -> dict:
+    """``{squeeze var: (y, begin, end)}`` for the unbind pieces of ``v = reshape(y, ...)``."""
+    what = f"unbind view {v_var.name}"
+    y = v_value.args[0]
+    y_shape, v_shape = _shape(y), _shape(v_var)
+    if y_shape is None or v_shape is None or len(v_shape) != len(y_shape) + 1 or v_var in outputs:
+        return {}
+    k, d = _static_int(v_shape[-2]), _static_int(v_shape[-1])
+    n = _static_int(y_shape[-1])
+    if None in (k, d, n) or k * d != n or k < 2:
+        return {}
+    if not all(prove_equal(a, b) for a, b in zip(y_shape[:-1], v_shape[:-2], strict=True)):
+        return {}
+    axis, plan = len(v_shape) - 2, {}
+    for p in users.get(v_var, []):
+        g = _unit_slice(value[p], axis, len(v_shape)) if op_name(value.get(p)) else None
+        readers = users.get(p, [])
+        q = readers[0] if len(readers) == 1 and p not in outputs else None
+        squeeze = value.get(q) if q is not None else None
+        axes = getattr(getattr(squeeze, "attrs", None), "axis", None)
+        if (
+            op_name(value.get(p)) != "relax.strided_slice"
+            or g is None
+            or op_name(squeeze) != "relax.squeeze"
+            or axes is None
+            or [int(a) % len(v_shape) for a in axes] != [axis]
+        ):
+            skip(logger, what, "a reader is not a unit slice of the split axis, then squeezed")
+            return {}
+        plan[q] = (y, g * d, (g + 1) * d)
+    return plan
+
+
+@mutator
+class _UnbindToSlices(PyExprMutator):
+    def __init__(self, mod: IRModule):
+        super().__init__(mod)
+        self.mod = mod
+        self.plan: dict = {}
+
+    def transform(self) -> IRModule:
+        changed = False
+        for gv, func in self.mod.functions_items():
+            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
+                continue
+            self.plan = {}
+            for block in func.body.blocks:
+                if isinstance(block, relax.DataflowBlock):
+                    self._plan(block)
+            if not self.plan:
+                continue
+            new_func = self.visit_expr(func)
+            changed = True
+            self.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
+        return self.builder_.get() if changed else self.mod
+
+    def _plan(self, block: relax.DataflowBlock) -> None:
+        value = {b.var: b.value for b in block.bindings if isinstance(b, relax.VarBinding)}
+        outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
+        users: dict = {}
+        for b in block.bindings:
+            for v in vars_in(b.value):
+                users.setdefault(v, []).append(b.var)
+        for var, val in value.items():
+            if op_name(val) == "relax.reshape":
+                self.plan.update(_unbind_plan(value, users, outputs, var, val))
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        found = self.plan.get(binding.var)
+        if found is None:
+            return super().visit_var_binding_(binding)
+        y, begin, end = found
+        y_new = self.visit_expr(y)
+        axis = len(_shape(y)) - 1
+        piece = relax.op.strided_slice(y_new, [axis], [begin], [end], [1])
+        self.set_var_remap(binding.var, self.builder_.emit(piece, name_hint=binding.var.name))
+        return None
+
+
+def unbind_to_slices(mod: IRModule) -> IRModule:
+    """``mod`` with torch's unbind pieces of a split last axis as slices of it (see the module
+    docstring; ``mod`` itself when none)."""
+    return _UnbindToSlices(mod).transform()
 
 
 def fold_row_views(mod: IRModule) -> IRModule:

@@ -9,9 +9,10 @@ Matches, inside a dataflow block:
   indices, or ``R.strided_slice`` pieces covering the axis: ONNX Split/Slice, torch ``chunk``;
   equal slices of the GEMM output, which torch's TorchScript exporter writes once per use of a
   ``chunk`` piece, count as one piece);
-- the elementwise/broadcast ops that consume the pieces (sigmoid, tanh, exp, silu, gelu, relu,
-  add, multiply, ...), together with other tensors broadcast to ``(rows, D)`` (the LSTM cell
-  state, the GRU hidden state, constants, boolean masks of ``where``; ``clip``'s bounds).
+- the elementwise/broadcast ops that consume the pieces (sigmoid, tanh, exp, silu, gelu,
+  gelu_tanh, relu, add, multiply, ...), together with other tensors broadcast to ``(rows, D)``
+  (the LSTM cell state, the GRU hidden state, constants, boolean masks of ``where``; ``clip``'s
+  bounds).
   Several GEMMs whose pieces meet in these ops (the GRU cell's input and hidden GEMMs) form one
   group; a GEMM that reads another group's results (the next step of an unrolled RNN: ONNX
   LSTM / GRU, or torch.export's ``nn.LSTM``) starts its own group, which reads them as inputs;
@@ -23,7 +24,8 @@ Matches, inside a dataflow block:
 A linear layer on N-D rows written as views around a 2-D GEMM (TVM's PyTorch frontend:
 ``reshape(x, (b*s, K)) -> matmul (+ bias) -> reshape((b, s, N))``), whose result is split or
 meets a sibling's in gate math, is first folded into one GEMM on the N-D rows
-(``_gate_views.py``); the fold is kept only when a gate group then fuses.
+(``_gate_views.py``; torch's ``unflatten(-1, (k, D)).unbind(-2)`` pieces become slices of the
+last axis there too); the fold is kept only when a gate group then fuses.
 
 Two rewrites then bring other spellings of a gate GEMM to that form (constant weights only):
 two linear layers summed before the split (torch's LSTMCell: ``x @ Wih^T + h @ Whh^T``) become
@@ -89,7 +91,7 @@ from ._common import (
     use_counts,
     vars_in,
 )
-from ._gate_views import fold_row_views
+from ._gate_views import fold_row_views, unbind_to_slices
 
 logger = get_logger(__name__)
 NAME = "FuseSplitGates"
@@ -127,6 +129,8 @@ _ELEMENTWISE = {
             ),
         ),
     ),
+    # torch's gelu(approximate="tanh") (Gemma's GeGLU): TVM's torch frontend writes gelu_tanh
+    "relax.nn.gelu_tanh": (1, lambda t, fm: _legalize.gelu_tanh(t, fast=fm)),
     "relax.nn.relu": (1, lambda t, fm: topi.nn.relu(t)),
     "relax.negative": (1, lambda t, fm: topi.negative(t)),
     "relax.sqrt": (1, lambda t, fm: topi.sqrt(t)),
@@ -214,7 +218,7 @@ class FuseSplitGates:
         target = self.target or tvm.target.Target.current(allow_none=True)
         if target is None:
             target = _target.host_target()
-        folded = fold_row_views(mod)
+        folded = fold_row_views(unbind_to_slices(mod))
         count, out = self._fuse(folded, target)
         if count == 0 and folded is not mod:
             skip(logger, "views of linear layers", "no gate group fused through them")

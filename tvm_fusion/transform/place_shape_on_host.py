@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import IRModule, relax, tirx
 from tvm.ir import PrimType
 from tvm.ir.expr import GenericConst
@@ -608,10 +609,12 @@ def _has_select(expr) -> bool:
     )
 
 
-def _propagate(func: relax.Function, analyzer) -> relax.Function:
+def _propagate(func: relax.Function, analyzer, bounded: bool = False) -> relax.Function:
     """Let the new symbolic shapes flow: a ``match_cast`` of a shape we computed to fresh dims
     (``Shape([range_len_0])``) binds those dims to our expressions, then every op after it is
-    re-inferred, so shapes the importer left unknown (``R.Tensor(ndim=3)``) become known."""
+    re-inferred, so shapes the importer left unknown (``R.Tensor(ndim=3)``) become known.
+    ``bounded``: the analyzer knows the dims' bounds (torch.export's ``Dim(max=...)``), and every
+    shape argument is simplified with them (``min(seq, 128)`` is ``seq`` for ``seq <= 128``)."""
     binding: dict = {}
     var2val = relax.analysis.get_var2val(func)
     for block in func.body.blocks:
@@ -634,7 +637,7 @@ def _propagate(func: relax.Function, analyzer) -> relax.Function:
                     continue
                 binding[dim] = expr
                 analyzer.bind(dim, expr)
-    if not binding:
+    if not binding and not bounded:
         return func
     return relax.analysis.remove_all_unused(
         _Reinfer(analyzer).visit_expr(func.bind_symbolic_vars(binding))
@@ -716,9 +719,16 @@ class _Rewriter(PyExprMutator):
 
     def rewrite_function(self, func: relax.Function, name: str):
         self.analyzer = tvm.sym.Analyzer()
-        for param in func.params:  # dims of inputs are never negative
+        lower, upper = (
+            {str(k): int(v) for k, v in (func.attrs.get(key, None) or {}).items()}
+            for key in ("tir_var_lower_bound", "tir_var_upper_bound")
+        )
+        self.bounded = False
+        for param in func.params:  # dims of inputs are never negative; torch.export's Dim bounds
             for dim in _tir_vars(param.ty):
-                self.analyzer.update(dim, tvm.sym.ConstIntBound(0, _POS_INF), override=True)
+                lo, hi = max(lower.get(dim.name, 0), 0), upper.get(dim.name, _POS_INF)
+                self.bounded |= dim.name in upper
+                self.analyzer.update(dim, tvm.sym.ConstIntBound(lo, hi), override=True)
         self.var2val = dict(relax.analysis.get_var2val(func))
         for block in func.body.blocks:  # match_cast bindings too: cast(reshape(t), (1,))
             for bind in block.bindings:
@@ -734,7 +744,7 @@ class _Rewriter(PyExprMutator):
         if self.count == self.before:
             return None
         new = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
-        new = _propagate(relax.analysis.remove_all_unused(new), self.analyzer)
+        new = _propagate(relax.analysis.remove_all_unused(new), self.analyzer, self.bounded)
         if _is_gpu(self.target) and inputs:
             # by position: rewriting symbolic dims may have rebuilt the parameter vars
             read = [i for i, p in enumerate(func.params) if p in inputs and p not in self.unread]
@@ -878,6 +888,8 @@ class _Rewriter(PyExprMutator):
                 return rewritten
         elif name == "relax.strided_slice":
             rewritten = self._slice_to_end(call)
+            if rewritten is None:
+                rewritten = self._slice_within_bound(call)
             if rewritten is not None:
                 self.count += 1
                 return rewritten
@@ -922,6 +934,38 @@ class _Rewriter(PyExprMutator):
         sliced = self.builder_.emit(super().visit_call_(call))
         target = relax.TensorType(relax.ShapeExpr(shape), out.dtype, out.vdevice)
         return self.builder_.match_cast(sliced, target)
+
+    def _slice_within_bound(self, call: relax.Call) -> relax.Expr | None:
+        """``buffer[:, :seq]`` of a static axis (ALBERT's ``position_ids`` buffer of
+        ``max_position_embeddings``) is inferred ``min(seq, 128)`` long, so adding it to the
+        ``(batch, seq, H)`` embeddings gave a tensor of unknown shape and no pipeline built the
+        model (stock neither). Where the function's bounds (torch.export's ``Dim(max=...)``)
+        prove every sliced axis in bounds (begin 0, stride 1, ``0 <= end <= n``), the slice is
+        emitted with ``assume_inbound``, which infers the extent ``end`` (``seq``)."""
+        data, out = call.args[0].ty, call.ty
+        if not self.bounded or len(call.args) < 5 or call.attrs.assume_inbound:
+            return None
+        if not all(
+            isinstance(t, relax.TensorType) and isinstance(t.shape, relax.ShapeExpr)
+            for t in (data, out)
+        ) or not all(hasattr(a, "fields") for a in call.args[1:5]):
+            return None
+        dims, shape = list(data.shape.values), list(out.shape.values)
+        changed = False
+        for axis, b, e, st in zip(*(a.fields for a in call.args[1:5]), strict=True):
+            axis = _int_value(axis)
+            if axis is None or not _is_zero(b) or _int_value(st) != 1:
+                return None
+            n = dims[axis % len(dims)]
+            if not isinstance(e, tirx.Expr) or not at_most(self.analyzer, e, _i64(n)):
+                return None
+            if not self.analyzer.can_prove(e >= 0):
+                return None
+            changed |= not tvm_ffi.structural_equal(shape[axis % len(dims)], e)
+        if not changed:
+            return None
+        args = [self.visit_expr(a) for a in call.args]
+        return relax.op.strided_slice(*args, assume_inbound=True)
 
     def _cut_end(self, begin, end, n):
         """The end of a slice ``[c, end)`` of an axis of length ``n`` that ``_slice_to_end``
