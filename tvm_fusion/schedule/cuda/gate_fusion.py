@@ -27,6 +27,13 @@ kernels (``tuning.gate_space``). Rows and ``K`` that the tiles do not divide are
 is refused. At most ``ACC_BUDGET`` accumulators per thread and
 ``SMEM_BUDGET`` bytes of static shared memory per block (both stages).
 
+Half precision (float16 / bfloat16 operands, accumulated in float32; kernels that
+:mod:`.gate_tensor_core` does not take): sized by element size. A 16-byte copy is 8 halves
+(4 bytes, then one element, where the slab's contiguous runs are not whole 16-byte vectors),
+the unit block ``BN`` is whole vectors of the weight (or the whole block ``V``), shared memory
+is counted in bytes and ``BK`` starts at 64 (a step dividing ``K`` preferred); the split-K
+GEMV reads a ``k``'s ``gates x 4`` halves as 16-byte loads where they are whole vectors.
+
 **Split-K GEMV** (static rows < ``MIN_TILED_ROWS``: batch-1 decode, LSTM/GRU cells): the
 weight block is ``V = TU = 4`` (:func:`gate_block`), so one thread's weights of one ``k`` (all
 gates of 4 units) are contiguous and 32 lanes at consecutive ``k`` read one contiguous run. A
