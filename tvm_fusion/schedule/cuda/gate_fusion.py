@@ -27,6 +27,13 @@ kernels (``tuning.gate_space``). Rows and ``K`` that the tiles do not divide are
 is refused. At most ``ACC_BUDGET`` accumulators per thread and
 ``SMEM_BUDGET`` bytes of static shared memory per block (both stages).
 
+Half precision (float16 / bfloat16 operands, accumulated in float32; kernels that
+:mod:`.gate_tensor_core` does not take): sized by element size. A 16-byte copy is 8 halves
+(4 bytes, then one element, where the slab's contiguous runs are not whole 16-byte vectors),
+the unit block ``BN`` is whole vectors of the weight (or the whole block ``V``), shared memory
+is counted in bytes and ``BK`` starts at 64 (a step dividing ``K`` preferred); the split-K
+GEMV reads a ``k``'s ``gates x 4`` halves as 16-byte loads where they are whole vectors.
+
 **Split-K GEMV** (static rows < ``MIN_TILED_ROWS``: batch-1 decode, LSTM/GRU cells): the
 weight block is ``V = TU = 4`` (:func:`gate_block`), so one thread's weights of one ``k`` (all
 gates of 4 units) are contiguous and 32 lanes at consecutive ``k`` read one contiguous run. A
@@ -49,6 +56,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
@@ -67,7 +75,7 @@ SMS = 132  # thread blocks wanted: an H100 SXM's streaming multiprocessors
 TU = 4  # units per thread (one float4 of the blocked weight per gate)
 ACC_BUDGET = 48  # accumulators per thread (all GEMMs of the kernel live at once)
 SMEM_BUDGET = 48 * 1024  # static shared memory per block
-VEC = 4  # floats per 128-bit load
+COPY_BYTES = (16, 4)  # a cooperative copy's widths: 128-bit where aligned, else one word
 PIPELINE = True  # 2-stage software pipeline over the reduction steps
 STAGES = 2 if PIPELINE else 1
 KI_UNROLL = 16  # reduction steps unrolled per shared-memory slab
@@ -77,13 +85,16 @@ GEMV_SPLITS = (32, 64, 128)  # threads splitting K in the split-K GEMV, when tun
 
 @dataclass(frozen=True)
 class Tile:
-    """One thread block: ``ty x tx`` threads, each ``tm`` rows x ``TU`` units of every gate;
-    reduction steps of ``bk``."""
+    """One thread block: ``ty x tx`` threads, each ``tm`` rows x ``tn`` columns (the gate rule:
+    ``TU`` units of every gate); reduction steps of ``bk``, in ``split`` slices of ``K`` (the
+    skinny-GEMM rule's split-K; 1 for the gate rule)."""
 
     tm: int
     ty: int
     tx: int
     bk: int
+    tn: int = TU
+    split: int = 1
 
     @property
     def bm(self) -> int:
@@ -91,7 +102,7 @@ class Tile:
 
     @property
     def bn(self) -> int:
-        return self.tx * TU
+        return self.tx * self.tn
 
     @property
     def threads(self) -> int:
@@ -116,14 +127,38 @@ def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int 
     return 32 if width >= 32 else TU
 
 
-def tile_candidates(rows, block: int, gemm_gates: list[int], k_max: int) -> list[Tile]:
+def vector(elem: int) -> int:
+    """Elements of ``elem`` bytes per 128-bit copy: 4 floats, 8 halves."""
+    return 16 // elem
+
+
+def first_bk(k_max: int, elem: int = 4) -> int:
+    """The reduction step to start from: 32 for 4-byte elements (16 for a shorter ``K``); for
+    2-byte ones as many bytes of each row (64, or 32, 16 for a shorter ``K``), a step that
+    divides ``K`` preferred (down to 8: one 16-byte copy per row), since a padded ``K`` takes
+    scalar copies."""
+    if elem >= 4:
+        return 32 if k_max >= 32 else 16
+    fits = [bk for bk in (64, 32, 16) if bk <= k_max] or [16]
+    return next((bk for bk in (*fits, 8) if bk <= k_max and k_max % bk == 0), fits[0])
+
+
+def tile_candidates(
+    rows, block: int, gemm_gates: list[int], k_max: int, elem: int = 4
+) -> list[Tile]:
     """Every tile within the budgets (``ACC_BUDGET`` accumulators per thread, 32 to 256
     threads, ``SMEM_BUDGET`` of shared memory with the largest reduction step that fits), in
     order of preference: the largest register tile, then the widest unit block, then the most
-    threads. A static ``rows`` takes no tile twice as tall or taller (mostly padding)."""
+    threads. A static ``rows`` takes no tile twice as tall or taller (mostly padding). ``elem``:
+    bytes per operand element (2 for float16 / bfloat16): the unit block is whole 16-byte
+    vectors of the weight (or the whole weight block ``V``, one contiguous run per ``k``)."""
     total_gates = sum(gemm_gates)
     tms = [tm for tm in (8, 4, 2, 1) if total_gates * tm * TU <= ACC_BUDGET] or [1]
-    txs = [tx for tx in (8, 4, 2, 1) if tx * TU <= block]
+    txs = [
+        tx
+        for tx in (8, 4, 2, 1)
+        if tx * TU <= block and (tx * TU % vector(elem) == 0 or tx * TU == block)
+    ] or [block // TU]
     candidates = []
     for tm in tms:
         for tx in txs:
@@ -132,20 +167,23 @@ def tile_candidates(rows, block: int, gemm_gates: list[int], k_max: int) -> list
                     continue
                 if is_static(rows) and tm * ty >= 2 * rows and tm * ty > 8:
                     continue
-                tile = _fit_smem(Tile(tm, ty, tx, 32 if k_max >= 32 else 16), gemm_gates)
+                tile = _fit_smem(Tile(tm, ty, tx, first_bk(k_max, elem)), gemm_gates, elem)
                 if tile is not None:
                     candidates.append(tile)
     return candidates
 
 
-def choose_tile(rows, units: int, block: int, gemm_gates: list[int], k_max: int) -> Tile:
+def choose_tile(
+    rows, units: int, block: int, gemm_gates: list[int], k_max: int, elem: int = 4
+) -> Tile:
     """The first of :func:`tile_candidates` that still gives ``SMS`` blocks; of tiles that all
     give fewer, the one with the most blocks.
 
     ``rows`` may be symbolic (then the largest tile of 8 thread rows); ``units`` is the padded
     width (a multiple of ``block``); ``gemm_gates`` the gates of each GEMM (their accumulators
-    are all live at the gate math); ``k_max`` the longest reduction."""
-    candidates = tile_candidates(rows, block, gemm_gates, k_max)
+    are all live at the gate math); ``k_max`` the longest reduction; ``elem`` the bytes per
+    operand element."""
+    candidates = tile_candidates(rows, block, gemm_gates, k_max, elem)
     if not candidates:  # nothing fits the budgets: the smallest tile
         tx = min(tx for tx in (8, 4, 2, 1) if tx * TU <= block)
         return Tile(1, 32 // tx, tx, 8)
@@ -157,15 +195,17 @@ def choose_tile(rows, units: int, block: int, gemm_gates: list[int], k_max: int)
     return max(candidates, key=lambda t: (blocks(t, rows, units), t.tm, t.bn))
 
 
-def tunable_tiles(rows, units: int, block: int, gemm_gates: list[int], k_max: int) -> list[Tile]:
+def tunable_tiles(
+    rows, units: int, block: int, gemm_gates: list[int], k_max: int, elem: int = 4
+) -> list[Tile]:
     """The tiles MetaSchedule chooses among (``apply(..., tunable=True)``): :func:`choose_tile`'s
     first, then up to ``TUNABLE_TILES - 1`` others of :func:`tile_candidates` and their variants
     with half the reduction step, in that order of preference; for static rows only those
     that give as many blocks as the default or ``SMS``. All are within the budgets."""
-    default = choose_tile(rows, units, block, gemm_gates, k_max)
+    default = choose_tile(rows, units, block, gemm_gates, k_max, elem)
     wanted = min(SMS, blocks(default, rows, units)) if is_static(rows) else 0
     options = [default]
-    for tile in tile_candidates(rows, block, gemm_gates, k_max):
+    for tile in tile_candidates(rows, block, gemm_gates, k_max, elem):
         for variant in (tile, Tile(tile.tm, tile.ty, tile.tx, tile.bk // 2)):
             if len(options) == TUNABLE_TILES:
                 return options
@@ -186,9 +226,9 @@ def sample(sch: s_tir.Schedule, options: list):
     return options[int(sch.get(pick))]
 
 
-def _fit_smem(tile: Tile, gemm_gates: list[int]) -> Tile | None:
+def _fit_smem(tile: Tile, gemm_gates: list[int], elem: int = 4) -> Tile | None:
     """``tile`` with its reduction step halved until its shared memory fits, or None."""
-    while _smem_bytes(tile, gemm_gates) > SMEM_BUDGET:
+    while _smem_bytes(tile, gemm_gates, elem) > SMEM_BUDGET:
         if tile.bk <= 8:
             return None
         tile = Tile(tile.tm, tile.ty, tile.tx, tile.bk // 2)
@@ -199,9 +239,10 @@ def blocks(tile: Tile, rows: int, units: int) -> int:
     return -(-rows // tile.bm) * -(-units // tile.bn)
 
 
-def _smem_bytes(tile: Tile, gemm_gates: list[int]) -> int:
-    """Shared memory: every GEMM's ``x`` and weight slab for ``STAGES`` reduction steps."""
-    return STAGES * sum(4 * tile.bk * (tile.bm + gates * tile.bn) for gates in gemm_gates)
+def _smem_bytes(tile: Tile, gemm_gates: list[int], elem: int = 4) -> int:
+    """Shared memory: every GEMM's ``x`` and weight slab (``elem`` bytes an element) for
+    ``STAGES`` reduction steps."""
+    return STAGES * sum(elem * tile.bk * (tile.bm + gates * tile.bn) for gates in gemm_gates)
 
 
 class GateFusion(ScheduleRule):
@@ -261,14 +302,14 @@ class GateFusion(ScheduleRule):
         return _few_rows(sch, block, reductions, finals, inner)
 
     def _tiled(self, func, block, reductions, finals, inner, sch, rows, tunable=False):
-        gemm_gates, k_max, units = _gemm_shapes(sch, reductions, block)
+        gemm_gates, k_max, units, elem = _gemm_shapes(sch, reductions, block)
         if gemm_gates is None:
             logger.debug("gate fusion (cuda): GEMMs not of the blocked form, few-rows schedule")
             return None
         if tunable:
-            tile = sample(sch, tunable_tiles(rows, units, block, gemm_gates, k_max))
+            tile = sample(sch, tunable_tiles(rows, units, block, gemm_gates, k_max, elem))
         else:
-            tile = choose_tile(rows, units, block, gemm_gates, k_max)
+            tile = choose_tile(rows, units, block, gemm_gates, k_max, elem)
         try:
             return _schedule_tiled(sch, tile, reductions, finals, inner)
         except Exception as err:  # noqa: BLE001 - not the expected form: the few-rows schedule
@@ -278,23 +319,27 @@ class GateFusion(ScheduleRule):
 
 def _gemm_shapes(sch: s_tir.Schedule, reductions: list, block: int):
     """Gates of each GEMM ``Y[rows..., gates, D/V, V]`` (read from its output buffer: unit
-    axes may have been dropped from its loops), the longest ``K`` and the padded width ``D``;
-    (None, 0, 0) when a GEMM is not of that form."""
-    gates, k_max, units = [], 0, 0
+    axes may have been dropped from its loops), the longest ``K``, the padded width ``D`` and
+    the widest operand element in bytes (4, or 2 for float16 / bfloat16 operands); (None, 0, 0,
+    0) when a GEMM is not of that form."""
+    gates, k_max, units, elem = [], 0, 0, 0
     for red in reductions:
         stmt = sch.get(red)
         reduce = [iv for iv in stmt.iter_vars if iv.iter_type == iv.CommReduce]
         shape = stmt.writes[0].source.shape if len(stmt.writes) == 1 else []
         if len(reduce) != 1 or len(shape) < 4:
-            return None, 0, 0
+            return None, 0, 0, 0
         g, do, di = shape[-3:]
         k = reduce[0].dom.extent
         if not all(isinstance(e, tirx.IntImm) for e in (g, do, di, k)) or int(di) != block:
-            return None, 0, 0
+            return None, 0, 0, 0
         gates.append(int(g))
         k_max = max(k_max, int(k))
         units = max(units, int(do) * int(di))
-    return gates, k_max, units
+        own = stmt.writes[0].source
+        operands = [r.source for r in stmt.reads if not r.source.same_as(own)]
+        elem = max([elem] + [_elem_bytes(b) for b in operands])
+    return gates, k_max, units, elem
 
 
 def _pad(sch: s_tir.Schedule, red, tile: Tile) -> list:
@@ -384,23 +429,49 @@ def _schedule_tiled(sch: s_tir.Schedule, tile: Tile, reductions, finals, inner):
 
 def _cooperative_copy(sch: s_tir.Schedule, copy, depth: int, threads: int, buf) -> None:
     """All threads of the block copy one reduction step's slab: the copy's loops fused, split
-    over the threads, ``float4`` wide where every row of the source starts 16-byte aligned."""
+    over the threads, 16 bytes a copy (4 floats, 8 halves) where every contiguous run of the
+    slab is whole 16-byte vectors and starts 16-byte aligned, else 4 bytes (2 halves) where
+    that holds, else one element. (A padded ``buf`` is read in place under a predicate on the
+    padded axis, which makes TVM's vectorizer copy such a slab element by element.)"""
     loops = sch.get_loops(copy)[depth:]
-    inner = extent(sch, loops[-1])
-    last = buf.shape[-1]
-    aligned = (
-        isinstance(inner, int)
-        and inner % VEC == 0
-        and isinstance(last, tirx.IntImm)
-        and int(last) % VEC == 0
-    )
+    width = _copy_width(sch, loops, buf)
     fused = sch.fuse(*loops)
-    if aligned:
-        _, tx, vec = sch.split(fused, [None, threads, VEC])
+    if width > 1:
+        _, tx, vec = sch.split(fused, [None, threads, width])
         sch.vectorize(vec)
     else:
         _, tx = sch.split(fused, [None, threads])
     sch.bind(tx, "threadIdx.x")
+
+
+def _copy_width(sch: s_tir.Schedule, loops, buf) -> int:
+    """Elements per copy of a slab whose loops (one per axis of ``buf``) are ``loops``. A
+    contiguous run of the slab: the innermost loop, times the loops outside it while those
+    inside span their whole axis (a weight block's ``gates x V`` units of one ``k``). Each run
+    starts at a multiple of its length (the slabs are tiles), and the axes it spans together
+    are a multiple of the width apart."""
+    extents = [extent(sch, loop) for loop in loops]
+    if len(extents) != len(buf.shape):
+        extents = extents[-1:]  # the innermost loop alone
+    run, span = 1, 1
+    for ext, dim in zip(reversed(extents), reversed(list(buf.shape)), strict=False):
+        if not isinstance(ext, int) or not isinstance(dim, tirx.IntImm):
+            break  # a symbolic axis: runs within the axes inside it
+        run, span = run * ext, span * int(dim)
+        if ext != int(dim):
+            break
+    elem = _elem_bytes(buf)
+    if run == 1:
+        return 1
+    for nbytes in COPY_BYTES:
+        width = max(1, nbytes // elem)
+        if run % width == 0 and span % width == 0:
+            return width
+    return 1
+
+
+def _elem_bytes(buf) -> int:
+    return tvm.DataType(str(buf.dtype)).bits // 8
 
 
 def _gemv_or_none(func, params, tunable=False):
@@ -424,7 +495,13 @@ def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner, tunable=False
     threads split ``K`` (thread ``t`` takes ``k = t, t + KS, ...``: a warp reads one contiguous
     run of the blocked weight, each thread ``gates`` float4 per step), each keeping ``RT x gates
     x TU`` partial sums in registers (rfactor); then one cross-thread reduction per sum (warp
-    shuffles, then shared memory across warps) and the gate math on the block's units."""
+    shuffles, then shared memory across warps) and the gate math on the block's units.
+
+    Half-precision weights: a thread's ``gates x TU`` halves of one ``k`` (8 bytes a gate) are
+    read as 16-byte loads of 8 halves where they are whole vectors (an even number of gates:
+    LSTM), else as 8-byte loads per gate (GRU's 3 gates: taking two consecutive ``k`` per
+    thread would make whole vectors, but TVM 0.27's CUDA codegen then writes the vector's
+    index as an 8-lane int64 vector, ``make_longlong4`` with 8 arguments, that nvcc rejects)."""
     *row_loops, unit_loop = sch.get_loops(finals[0])
     gemm_gates = []
     k_max = 0
@@ -480,14 +557,23 @@ def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner, tunable=False
         sch.set_scope(rf, 0, "local")
         for loop in acc:
             sch.unroll(loop)
-        # the weights of one k: gates x TU contiguous floats, read as float4
-        weight = max(
-            range(len(sch.get(rf).reads)), key=lambda i: len(sch.get(rf).reads[i].source.shape)
-        )
+        # the weights of one k: gates x TU contiguous elements, read as float4 (halves: as
+        # 16-byte vectors where gates x TU is a multiple of 8, else 8 bytes a gate)
+        reads = sch.get(rf).reads
+        weight = max(range(len(reads)), key=lambda i: len(reads[i].source.shape))
+        width = vector(_elem_bytes(reads[weight].source))
         cache = sch.cache_read(rf, weight, "local")
         sch.compute_at(cache, ko_rf, preserve_unit_loops=True)
         *_, vec = sch.get_loops(cache)
-        if extent(sch, vec) == TU:
+        run = sch.get_loops(cache)[-2:]  # gate, unit
+        total = [extent(sch, loop) for loop in run]
+        if width > TU and all(isinstance(e, int) for e in total) and total[0] * total[1] % width:
+            run = []  # halves of an odd number of gates: 8 bytes a gate
+        if extent(sch, vec) == width:
+            sch.vectorize(vec)
+        elif width > TU and run:  # halves: (gate, unit) fused into 16-byte vectors
+            sch.vectorize(sch.split(sch.fuse(*run), [None, width])[1])
+        elif extent(sch, vec) == TU:
             sch.vectorize(vec)
         sch.decompose_reduction(rf, ko_rf)
         # the write-back: one cross-thread reduction per partial sum

@@ -32,7 +32,6 @@ dlight already spreads over the SMs, ``K`` too short to split.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -41,7 +40,7 @@ from tvm.target import Target
 
 from ... import target as _target
 from .._common import is_reduction, is_static
-from .gate_fusion import PIPELINE, SMEM_BUDGET, SMS, STAGES
+from .gate_fusion import PIPELINE, SMEM_BUDGET, SMS, STAGES, Tile
 from .gate_fusion import _cooperative_copy as cooperative_copy
 
 logger = logging.getLogger(__name__)
@@ -54,31 +53,6 @@ KI_UNROLL = 16
 WRITE_THREADS = 256  # threads per block of the second kernel (partials summed)
 
 
-@dataclass(frozen=True)
-class SkinnyTile:
-    """A thread block of ``ty x tx`` threads, each ``tm x tn`` results; ``split`` slices of
-    ``K``, each in steps of ``bk``."""
-
-    tm: int
-    tn: int
-    ty: int
-    tx: int
-    bk: int
-    split: int
-
-    @property
-    def bm(self) -> int:
-        return self.tm * self.ty
-
-    @property
-    def bn(self) -> int:
-        return self.tn * self.tx
-
-    @property
-    def threads(self) -> int:
-        return self.tx * self.ty
-
-
 def dlight_blocks(rows, cols: int) -> int | None:
     """Thread blocks of dlight's gpu Matmul for ``rows x cols`` (None for symbolic rows)."""
     if not is_static(rows):
@@ -86,11 +60,11 @@ def dlight_blocks(rows, cols: int) -> int | None:
     return -(-rows // DLIGHT_TILE[0]) * -(-cols // DLIGHT_TILE[1])
 
 
-def smem_bytes(tile: SkinnyTile) -> int:
+def smem_bytes(tile: Tile) -> int:
     return STAGES * 4 * tile.bk * (tile.bm + tile.bn)
 
 
-def choose_tile(rows, cols: int, k: int) -> SkinnyTile | None:
+def choose_tile(rows, cols: int, k: int) -> Tile | None:
     """Row block: the rows rounded up to 16, 32 or 64 (64 for symbolic or more rows), so that
     the weight is read from global memory once per 64 rows; columns: 64 per block (``TN = 4``);
     ``S``: the fewest slices of ``K`` giving ``SMS`` blocks, with at least ``MIN_SPLIT_K`` of
@@ -112,9 +86,9 @@ def choose_tile(rows, cols: int, k: int) -> SkinnyTile | None:
     # of the splits up to twice as many, the fewest that divides K's steps (no padding)
     steps = -(-k // 32)
     split = next((s for s in range(split, min(most, 2 * split) + 1) if steps % s == 0), split)
-    tile = SkinnyTile(tm, tn, ty, tx, 32, split)
+    tile = Tile(tm, ty, tx, 32, tn=tn, split=split)
     while smem_bytes(tile) > SMEM_BUDGET and tile.bk > 8:
-        tile = SkinnyTile(tm, tn, ty, tx, tile.bk // 2, split)
+        tile = Tile(tm, ty, tx, tile.bk // 2, tn=tn, split=split)
     return tile if smem_bytes(tile) <= SMEM_BUDGET else None
 
 
@@ -201,7 +175,7 @@ def _gemm_shape(sch: s_tir.Schedule):
     return red, rows, int(dims[1]), int(dims[2])
 
 
-def _schedule(sch: s_tir.Schedule, red, tile: SkinnyTile) -> s_tir.Schedule:
+def _schedule(sch: s_tir.Schedule, red, tile: Tile) -> s_tir.Schedule:
     stmt = sch.get(red)
     rows, k = stmt.iter_vars[0].dom.extent, int(stmt.iter_vars[2].dom.extent)
     step = tile.split * tile.bk
