@@ -136,7 +136,6 @@ CASES = {  # name: (module, rows): the padded cases run with 37 rows for a symbo
     "64x48x128_silu_f16": (lambda: _gate_module(64, 128, 48, "float16", "silu"), 64),
     "77x48x100_silu_f16": (lambda: _gate_module(77, 100, 48, "float16", "silu"), 77),
     "nx48x128_silu_bf16": (lambda: _gate_module("n", 128, 48, "bfloat16", "silu"), 37),
-    "97x64x389_2890_f16": (lambda: _gate_module(97, 389, 64, "float16", "2890"), 97),
 }
 
 
