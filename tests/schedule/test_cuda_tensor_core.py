@@ -9,9 +9,9 @@
   padding, gate math; its threads serial, on llvm) and compares it with the unscheduled kernel;
   ``tensorize`` itself checks that each block it replaces is the intrinsic's description, and
   the tensorized schedule of the same kernel must exist. 64 rows x 48 units x K = 128 (SwiGLU),
-  float16 and bfloat16 (padded K and other gate functions: not covered yet);
-- float32 kernels, sm_75, 19 rows, symbolic rows and K = 389 are left to the CUDA-core
-  schedules;
+  float16 and bfloat16; padded: 77 rows x K = 100, symbolic rows (run with 37), 97 rows x K =
+  389 (gate_2890's gates), also built for sm_90;
+- float32 kernels, sm_75 and 5 rows are left to the CUDA-core schedules;
 - at the benchmark sizes of gate_2890 (64 x 3 x 1024 x 1024) and SwiGLU's gate+up (64 x 2 x
   5632 x 2048) in float16 and bfloat16, built for sm_90 with nvcc
   (skipped without it): one gate kernel, ``mma.sync.m16n8k16`` with float32 accumulators in its
@@ -94,7 +94,8 @@ def test_tile_fits_and_fills_the_sms(rows, units, gates, k, min_blocks):
     assert gtc.smem_bytes(tile) <= gtc.SMEM_BUDGET and tile.warps <= gtc.MAX_WARPS
     assert k % tile.bk == 0
     assert -(-rows // tile.bm) * -(-units // tile.bn) >= min_blocks, tile
-    assert gtc.choose_tile(tvm.tirx.Var("n", "int64"), units, 32, gates, k) is None
+    symbolic = gtc.choose_tile(tvm.tirx.Var("n", "int64"), units, 32, gates, k)
+    assert symbolic == gtc.choose_tile(gtc.SYMBOLIC_ROWS, units, 32, gates, k)
 
 
 def test_retyped_intrinsics_are_tvms_for_float16():
@@ -130,9 +131,11 @@ def _run(func: tvm.tirx.PrimFunc, args: list[np.ndarray]) -> list[np.ndarray]:
     return [t.numpy() for t in tensors]
 
 
-CASES = {  # name: (module, rows)
+CASES = {  # name: (module, rows): the padded cases run with 37 rows for a symbolic n
     "64x48x128_silu_bf16": (lambda: _gate_module(64, 128, 48, "bfloat16", "silu"), 64),
     "64x48x128_silu_f16": (lambda: _gate_module(64, 128, 48, "float16", "silu"), 64),
+    "77x48x100_silu_f16": (lambda: _gate_module(77, 100, 48, "float16", "silu"), 77),
+    "nx48x128_silu_bf16": (lambda: _gate_module("n", 128, 48, "bfloat16", "silu"), 37),
 }
 
 
@@ -158,19 +161,37 @@ def test_schedule_computes_the_same(case):
 
 
 def test_left_to_the_cuda_core_schedules():
-    """float32 (its schedule unchanged), an architecture before sm_80, rows that 16 does not
-    divide, symbolic rows and a K that 16 does not divide (not done yet)."""
+    """float32 (its schedule unchanged), an architecture before sm_80 and fewer than 16 static
+    rows (the split-K GEMV: its weight block is 4 units, and at batch 1 both read the weight
+    once while the GEMV spreads K over 256 blocks) are left to the CUDA-core schedules; rows
+    that 16 does not divide, symbolic rows and a K that 16 does not divide are padded."""
     tgt = _target.cuda_target()
     fp32 = _gate_kernel(_gate_module(64, 128, 48, "float32", "silu"), tgt)
     assert gtc.schedule(fp32, tgt) is None
     half = _gate_kernel(_gate_module(64, 128, 48, "float16", "silu"), tgt)
     assert gtc.schedule(half, tgt) is not None
     assert gtc.schedule(half, _target.cuda_target("sm_75")) is None
-    for rows in (19, "n"):
-        odd = _gate_kernel(_gate_module(rows, 128, 48, "float16", "silu"), tgt)
-        assert gtc.schedule(odd, tgt) is None
-    odd_k = _gate_kernel(_gate_module(64, 389, 48, "float16", "silu"), tgt)
-    assert gtc.schedule(odd_k, tgt) is None
+    assert gtc.schedule(_gate_kernel(_gate_module(5, 128, 48, "float16", "silu"), tgt), tgt) is None
+    for rows, k in ((19, 128), ("n", 128), (64, 389)):
+        padded = _gate_kernel(_gate_module(rows, k, 48, "float16", "silu"), tgt)
+        assert gtc.schedule(padded, tgt) is not None, (rows, k)
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    "rows, k, act, dtype",
+    [(77, 100, "silu", "float16"), ("n", 128, "silu", "bfloat16"), (97, 389, "2890", "float16")],
+)
+def test_padded_kernels_build(rows, k, act, dtype):
+    """Odd rows, symbolic rows and a K that 16 does not divide, built for sm_90: mma.sync with
+    float32 accumulators, cp.async, no spills, within the register and shared-memory budgets."""
+    compiled = engine.compile_module(
+        _gate_module(rows, k, 64, dtype, act), _target.cuda_target(), "tvm_fusion"
+    )
+    (gate,) = [kc for kc in cuda_check.check(compiled) if kc.name.startswith("fused_gates")]
+    assert gate.mma_f32 > 0 and gate.cp_async > 0, gate.to_text()
+    assert gate.spill_stores == gate.spill_loads == 0, gate.to_text()
+    assert gate.registers <= 128 and gate.smem <= 48 * 1024, gate.to_text()
 
 
 BENCH = {  # name: (rows, K, D, act)

@@ -4,9 +4,13 @@ Matched: a gate kernel (see :mod:`tvm_fusion.schedule.cuda.gate_fusion`) with on
 ``Y[rows, gate, d // V, d % V] += f32(x[rows, k]) * f32(Wb[d // V, k, gate, d % V])`` whose
 operands ``x`` and ``Wb`` are both float16 or both bfloat16 (FuseSplitGates widens them to
 float32 in the GEMM's body: the tensor cores take those casts as their input conversion), with
-rows on one axis, static, ``>= MIN_ROWS`` and a multiple of 16, a static ``K`` and a vector
-block ``V`` that 16 divides. The gate math is whatever FuseSplitGates wrote after the GEMM,
-inlined into the block that writes the results.
+rows on one axis (static ``>= MIN_ROWS``, or symbolic), a static ``K`` and a vector block ``V``
+that 16 divides. The gate math is whatever FuseSplitGates wrote after the GEMM, inlined into
+the block that writes the results. Rows and ``K`` that the tile does not divide are padded
+(``pad_einsum``): the padding is read in place by the shared-memory copies (zero-filled,
+predicated ``cp.async`` of the weight slab; ``x`` with 2-byte copies where ``K`` is not a
+multiple of 8, its rows then not 16-byte aligned), the warps compute whole 16-row tiles and
+only the result block carries the row predicate (the masked store).
 
 Emitted: thread blocks over (``BM = 16 x WR`` rows x ``BN = 16 x WU`` units of one weight
 block), ``WR x WU x gates`` warps, each warp a 16-row x 16-unit tile of one gate (one tile of
@@ -23,18 +27,26 @@ D`` buffer exists outside the block.
 The tile: of the ``WR x WU`` (at most ``MAX_WARPS`` warps) whose shared memory (both stages and
 the result tile) fits ``SMEM_BUDGET``, the one with the most warps that still gives ``SMS``
 thread blocks; when none does, the one with the most blocks (gate_2890, 64 x 3 x 1024: 3 warps
-per block, 256 blocks).
+per block, 256 blocks). Static rows: the row block divides the rows padded to 16 (at most 15
+padded rows); symbolic rows are tiled as ``SYMBOLIC_ROWS`` static rows. ``BK``: the largest of
+64, 32, 16 whose zero padding of ``K`` is at most 15 or ``K / 16`` (:func:`reduction_steps`).
+
+Few rows: fewer than ``MIN_ROWS`` (16) static rows stay on the split-K GEMV. There both paths
+read the weight once (batch-1 decode is bound by the weight's bytes), but a 16-row mma tile
+computes 16 / rows times the work, and without a split of ``K`` it has ``D / 16`` thread blocks
+(64 for D = 1024, half the SMs idle) against the GEMV's ``D / 4`` blocks of 64 threads over
+``K``; FuseSplitGates also gives such kernels 4-unit weight blocks (``gate_fusion.gate_block``),
+which a 16-unit mma tile cannot read. Not timed on a GPU (none lent).
 
 Skipped (None, the CUDA-core schedules of ``gate_fusion`` then run): float32 kernels (their
-schedule is unchanged), mixed operand dtypes, several GEMMs in one kernel (GRU), rows on
-several axes, fewer than ``MIN_ROWS`` static rows (the split-K GEMV serves them), symbolic
-rows or rows that 16 does not divide (the result block's row tiles would carry a predicate,
-and the GEMM placed under them then gets a region that ``blockize`` refuses: not done yet), a
-symbolic ``K`` or one that 16 does not divide (padding it gave a kernel that failed to lower:
-not done yet), ``V`` not a multiple of 16, gate blocks that are not inlined into the result
-block, architectures before sm_80, and any schedule step that fails (logged at debug level).
-GeGLU's gelu (erf) stays a block of its own at SwiGLU's size: GeGLU takes the CUDA-core
-schedule.
+schedule is unchanged), mixed operand dtypes, several GEMMs in one kernel (GRU: both GEMMs
+scheduled one after the other by the same warps, ``MAX_GEMMS = 2``, passed the numerical check
+at 37 x 40 x 48, but built for sm_90 at 64 x 1024 x 1024 it took 168 registers; off until that
+is brought under 128), rows on several axes, fewer than ``MIN_ROWS`` static rows, a symbolic
+``K``, ``V`` not a multiple of 16 or a single weight block (``D == V``: its unit iterator is
+dropped), gate blocks that are not inlined into the result block, architectures before sm_80,
+and any schedule step that fails (logged at debug level). GeGLU's gelu (erf) stays a block of
+its own at SwiGLU's size: GeGLU takes the CUDA-core schedule (not changed here).
 """
 
 from __future__ import annotations
@@ -54,6 +66,8 @@ from .._common import extent, is_reduction, is_static, try_inline_safe
 logger = logging.getLogger(__name__)
 
 MIN_ROWS = 16  # static rows from which tensor cores are used (the split-K GEMV below)
+SYMBOLIC_ROWS = 64  # symbolic rows are tiled as this many static rows would be
+MAX_GEMMS = 1  # GEMMs per kernel; 2 (GRU) schedules but took 168 registers at 64 x 1024: off
 MMA = 16  # a warp's tile: 16 rows x 16 units x 16 k (two m16n8k16 mma.sync)
 WARP = 32
 ELEM = 2  # bytes per operand element
@@ -67,12 +81,14 @@ STAGES = 2  # software pipeline over the reduction steps
 @dataclass(frozen=True)
 class TensorCoreTile:
     """``wr x wu x gates`` warps, each 16 rows x 16 units of one gate; reduction steps of
-    ``bk``."""
+    ``bk``; ``gemms`` GEMMs of ``gates`` gates each, run one after the other by the same warps
+    (GRU's input and hidden projections), each with its own result tile."""
 
     wr: int
     wu: int
     bk: int
     gates: int
+    gemms: int = 1
 
     @property
     def bm(self) -> int:
@@ -88,30 +104,47 @@ class TensorCoreTile:
 
 
 def smem_bytes(tile: TensorCoreTile) -> int:
-    """Both stages of the ``x`` and weight slabs (2-byte elements) and the float32 result tile."""
+    """Per GEMM, both stages of the ``x`` and weight slabs (2-byte elements) and the float32
+    result tile."""
     staged = STAGES * ELEM * tile.bk * (tile.bm + tile.gates * tile.bn)
-    return staged + 4 * tile.gates * tile.bm * tile.bn
+    return tile.gemms * (staged + 4 * tile.gates * tile.bm * tile.bn)
 
 
-def choose_tile(rows, units: int, block: int, gates: int, k: int) -> TensorCoreTile | None:
-    """The tile with the most warps giving ``SMS`` blocks, else the one with the most blocks;
-    its row block divides ``rows``. None when nothing fits (or ``rows`` is symbolic)."""
-    if not is_static(rows):
-        return None
-    bks = [bk for bk in (64, 32, 16) if k % bk == 0]
-    if not bks:
-        return None  # a K that 16 does not divide: not done yet (see the module docstring)
+def padded(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def reduction_steps(ks) -> list[int]:
+    """The steps ``BK`` (64, 32, 16, largest first) whose zero padding of every ``K`` stays
+    small: at most 15 elements or a sixteenth of ``K`` (a ``K`` that 64 divides takes 64;
+    ``K = 389`` takes 16, padded to 400)."""
+    return [
+        bk for bk in (64, 32, 16) if all(padded(k, bk) - k <= max(MMA - 1, k // 16) for k in ks)
+    ]
+
+
+def choose_tile(rows, units: int, block: int, gates: int, k) -> TensorCoreTile | None:
+    """The tile with the most warps giving ``SMS`` blocks, else the one with the most blocks.
+
+    ``k`` is one reduction length or a list of them (one per GEMM). Static rows are padded to
+    a multiple of 16, and the row block divides that (so no more than 15 padded rows are
+    computed); symbolic rows are tiled as ``SYMBOLIC_ROWS`` rows would be. None when nothing
+    fits."""
+    ks = [k] if isinstance(k, int) else list(k)
+    rows = int(rows) if is_static(rows) else SYMBOLIC_ROWS
+    rows16 = padded(rows, MMA)
+    bks = reduction_steps(ks)
     candidates = []
     for wr in (4, 2, 1):
         for wu in (4, 2, 1):
             if wr * wu * gates > MAX_WARPS or block % (MMA * wu):
                 continue
-            if rows % (MMA * wr):
-                continue  # row blocks must divide the rows
+            if rows16 % (MMA * wr):
+                continue  # row blocks must divide the rows padded to 16
             tile = next(
                 (
                     t
-                    for t in (TensorCoreTile(wr, wu, bk, gates) for bk in bks)
+                    for t in (TensorCoreTile(wr, wu, bk, gates, len(ks)) for bk in bks)
                     if smem_bytes(t) <= SMEM_BUDGET
                 ),
                 None,
@@ -269,67 +302,123 @@ def schedule(func: tirx.PrimFunc, target: Target, tensorize: bool = True):
     if infos is None:
         return None
     reductions = [i.block_rv for i in infos if is_reduction(sch, i.block_rv)]
-    if len(reductions) != 1:
-        logger.debug("gate tensor core: %d GEMMs in the kernel, not 1", len(reductions))
+    if not 1 <= len(reductions) <= MAX_GEMMS:
+        logger.debug("gate tensor core: %d GEMMs in the kernel", len(reductions))
         return None
-    dtype = _operand_dtype(sch.get(reductions[0]))
-    if dtype is None:
+    dtypes = {_operand_dtype(sch.get(red)) for red in reductions}
+    if len(dtypes) != 1 or None in dtypes:
         return None  # float32 or mixed: the CUDA-core schedules
     try:
-        return _schedule(sch, func, reductions[0], infos, dtype, tensorize)
+        return _schedule(sch, func, reductions, infos, dtypes.pop(), tensorize)
     except Exception as err:  # noqa: BLE001 - not the expected form: the CUDA-core schedules
         logger.debug("gate tensor core: schedule failed: %s", str(err)[:300])
         return None
 
 
-def _schedule(sch, func, red, infos, dtype: str, tensorize: bool):
-    others = [i for i in infos if not i.block_rv.same_as(red)]
+def _gemm_form(sch, red):
+    """``(gates, D / V, V, K)`` of a GEMM ``Y[rows, gates, D / V, V] += x[rows, K] * Wb[D / V,
+    K, gates, V]`` with static gates, blocks and ``K``; None otherwise."""
+    stmt = sch.get(red)
+    out_shape = stmt.writes[0].source.shape
+    reads = [r.source for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)]
+    ivs = list(stmt.iter_vars)
+    if len(out_shape) != 4 or len(ivs) != 5 or [len(b.shape) for b in reads] != [2, 4]:
+        return None
+    dims = [*out_shape[1:], ivs[4].dom.extent]
+    if not all(isinstance(e, tirx.IntImm) for e in dims):
+        return None
+    return tuple(int(e) for e in dims)
+
+
+def _pad_gemm(sch, red, factors: list[int]) -> list:
+    """Pad the GEMM's rows and ``K`` to the tile (``pad_einsum``; zeros past the rows and
+    ``K``): the warps' tiles then carry no predicate. The cut back to the real rows is inlined
+    into the gate math; the padding blocks are returned, to be inlined into the shared-memory
+    copies (read in place: zero-filled copies, no padded buffer in global memory)."""
+    extents = [iv.dom.extent for iv in sch.get(red).iter_vars]
+    if all(
+        isinstance(e, tirx.IntImm) and int(e) % f == 0
+        for e, f in zip(extents, factors, strict=True)
+    ):
+        return []
+    before = {sch.get(b).name_hint for b in sch.get_consumers(red)}
+    sch.pad_einsum(red, factors)
+    pads = list(sch.get_producers(red))
+    for cut in sch.get_consumers(red):
+        if sch.get(cut).name_hint not in before:
+            sch.compute_inline(cut)
+    return pads
+
+
+def _schedule(sch, func, reductions, infos, dtype: str, tensorize: bool):
+    others = [i for i in infos if not any(i.block_rv.same_as(r) for r in reductions)]
     remaining = [i.block_rv for i in try_inline_safe(sch, others)]
     params = set(func.params)
     if len(remaining) != 1 or not any(w.source in params for w in sch.get(remaining[0]).writes):
         logger.debug("gate tensor core: the gate math is not one block writing the results")
         return None
     (final,) = remaining
-    stmt = sch.get(red)
-    out_shape = stmt.writes[0].source.shape
-    reads = [r.source for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)]
-    ivs = list(stmt.iter_vars)
-    if len(out_shape) != 4 or len(ivs) != 5 or [len(b.shape) for b in reads] != [2, 4]:
-        logger.debug("gate tensor core: the GEMM is not x[rows, K] x Wb[D/V, K, gates, V]")
+    forms = [_gemm_form(sch, red) for red in reductions]
+    if None in forms or len({f[:3] for f in forms}) != 1:
+        logger.debug("gate tensor core: a GEMM not x[rows, K] x Wb[D/V, K, gates, V] alike")
         return None
-    gates, blocks_d, block = (int(e) if isinstance(e, tirx.IntImm) else None for e in out_shape[1:])
-    k = ivs[4].dom.extent
-    if None in (gates, blocks_d, block) or not isinstance(k, tirx.IntImm) or block % MMA:
-        logger.debug("gate tensor core: symbolic K or gates, or V not a multiple of 16")
+    gates, blocks_d, block = forms[0][:3]
+    if block % MMA:
+        logger.debug("gate tensor core: V = %d, not a multiple of 16", block)
         return None
-    k = int(k)
     row_loops = sch.get_loops(final)[:-1]
     if len(row_loops) != 1:
         logger.debug("gate tensor core: rows on %d axes, not 1", len(row_loops))
         return None
     rows = extent(sch, row_loops[0])
-    if not is_static(rows) or rows < MIN_ROWS:
-        logger.debug("gate tensor core: symbolic rows or fewer than %d", MIN_ROWS)
+    if is_static(rows) and rows < MIN_ROWS:
+        logger.debug("gate tensor core: fewer than %d rows: the split-K GEMV", MIN_ROWS)
         return None
-    tile = choose_tile(rows, blocks_d * block, block, gates, k)
+    tile = choose_tile(rows, blocks_d * block, block, gates, [f[3] for f in forms])
     if tile is None:
         logger.debug("gate tensor core: no tile fits the shared memory")
         return None
     names = _intrinsics(dtype)
+    pads = [_pad_gemm(sch, red, [tile.bm, 1, 1, 1, tile.bk]) for red in reductions]
 
-    # the result block drives the grid; all threads of a block run its gate math
+    # the result block drives the grid; all threads of a block run its gate math (rows past
+    # the end: a predicate on this block only, the GEMMs compute whole padded row tiles)
     rows_loop, units_loop = sch.get_loops(final)
     by, r_in = sch.split(rows_loop, [None, tile.bm])
     bx, u_in = sch.split(units_loop, [None, tile.bn])
     sch.reorder(by, bx, r_in, u_in)
     sch.bind(by, "blockIdx.y")
     sch.bind(bx, "blockIdx.x")
-
-    # the GEMM under it: its result tile in shared memory, laid out (gate, d // V, row, unit)
-    sch.compute_at(red, bx, preserve_unit_loops=True)
+    for red in reductions:
+        sch.compute_at(red, bx, preserve_unit_loops=True)
     _, ty, tx = sch.split(sch.fuse(r_in, u_in), [None, tile.warps, WARP])
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
+    staged = [
+        _stage_gemm(sch, red, tile, pad, aligned_x=form[3] % VEC == 0)
+        for red, pad, form in zip(reductions, pads, forms, strict=True)
+    ]
+    warp_blocks = [_warp_tiles(sch, *loops) for loops in staged]
+    if tensorize:
+        for blocks in warp_blocks:
+            _tensorize(sch, names, *blocks)
+    return sch
+
+
+def _stage_gemm(sch, red, tile: TensorCoreTile, pads: list, aligned_x: bool) -> tuple:
+    """One GEMM under the block's loops: its result tile in shared memory, laid out (gate, d //
+    V, row, unit); one warp per 16 x 16 tile of one gate; ``x`` and the weight slab staged in
+    shared memory (16-byte copies, 2-stage pipeline; ``pads``, the GEMM's zero padding, read
+    in place by them); the operands through ``ldmatrix``, the accumulators in registers.
+    Returns what :func:`_warp_tiles` takes.
+
+    Every ``compute_at`` / ``compute_inline`` of all GEMMs comes before any ``blockize`` (in
+    :func:`_warp_tiles`): with symbolic rows a blockized GEMM leaves its scope without the
+    stage-pipeline property those steps require."""
+    own = sch.get(red).writes[0].source
+    x_index, w_index = (
+        i for i, region in enumerate(sch.get(red).reads) if not region.source.same_as(own)
+    )
     sch.set_scope(red, 0, "shared")
     sch.transform_layout(red, ("write", 0), lambda r, g, do, n: (g, do, r, n))
     r, g, do, n, kk = sch.get_loops(red)[2:]
@@ -337,21 +426,23 @@ def _schedule(sch, func, red, infos, dtype: str, tensorize: bool):
     no, n16 = sch.split(n, [None, MMA])
     k0, k1, k16 = sch.split(kk, [None, tile.bk // MMA, MMA])
     sch.reorder(ro, g, no, do, k0, k1, r16, n16, k16)
-    outer = sch.blockize(r16)
     warp = sch.fuse(ro, g, no)
     sch.bind(warp, "threadIdx.y")
 
     # x and the weight slab of one reduction step in shared memory, 16-byte copies
-    copies = []
-    for index in (0, 1):
-        copy = sch.cache_read(outer, index, "shared")
+    copies = [sch.cache_read(red, index, "shared") for index in (x_index, w_index)]
+    for pad in pads:  # the padding read in place by the copies: zeros past the rows and K
+        sch.compute_inline(pad)
+    for copy in copies:
         sch.compute_at(copy, k0, preserve_unit_loops=True)
-        copies.append(copy)
     x_sh, w_sh = copies
     sch.transform_layout(w_sh, ("write", 0), lambda do, kk, g, n: (do, g, kk, n))
-    for copy, aligned in ((x_sh, k % VEC == 0), (w_sh, True)):
+    for copy, aligned in ((x_sh, aligned_x), (w_sh, True)):
         loops = sch.get_loops(copy)
         depth = next(i for i, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(k0))) + 1
+        if copy == w_sh:  # (d // V, gate, k, unit), the shared layout's order: a gate's slab
+            sch.reorder(loops[depth + 2], loops[depth + 1])  # is then a power-of-two run
+            loops = sch.get_loops(copy)  # (a 3-gate order left `// 48` in the vector's index)
         fused = sch.fuse(*loops[depth:])
         if aligned:
             _, cy, cx, vec = sch.split(fused, [None, tile.warps, WARP, VEC])
@@ -362,12 +453,20 @@ def _schedule(sch, func, red, infos, dtype: str, tensorize: bool):
         sch.bind(cx, "threadIdx.x")
 
     # per 16-step of k: the warp's operands in registers (ldmatrix), accumulators in registers
-    a_warp = sch.cache_read(outer, 0, "warp")
-    b_warp = sch.cache_read(outer, 1, "warp")
+    a_warp = sch.cache_read(red, x_index, "warp")
+    b_warp = sch.cache_read(red, w_index, "warp")
     sch.compute_at(a_warp, k1, preserve_unit_loops=True)
     sch.compute_at(b_warp, k1, preserve_unit_loops=True)
-    c_warp = sch.cache_write(outer, 0, "warp")
+    c_warp = sch.cache_write(red, 0, "warp")
     sch.reverse_compute_at(c_warp, warp, preserve_unit_loops=True)
+    return r16, k0, k1, a_warp, b_warp, c_warp
+
+
+def _warp_tiles(sch, r16, k0, k1, a_warp, b_warp, c_warp) -> tuple:
+    """The warp tiles of one GEMM as blocks of the intrinsics' shapes (16 x 16 x 16 per warp
+    and step, the operands and accumulators in the ``ldmatrix`` / ``mma`` register layouts),
+    the 2-stage pipeline over ``k0``. Returns the blocks that :func:`_tensorize` replaces."""
+    outer = sch.blockize(r16)
     init = sch.decompose_reduction(outer, k0)
     sch.transform_layout(a_warp, ("write", 0), lambda r, kk: (r // 16, kk // 16, *_lane(r, kk)))
     sch.transform_layout(
@@ -382,8 +481,12 @@ def _schedule(sch, func, red, infos, dtype: str, tensorize: bool):
     sch.annotate(k0, "software_pipeline_stage", [0, 0, 1])
     sch.annotate(k0, "software_pipeline_order", [0, 1, 2])
     sch.annotate(k0, "software_pipeline_async_stages", [0])
-    if not tensorize:
-        return sch
+    return a_warp, b_warp, outer, init, c_warp
+
+
+def _tensorize(sch, names, a_warp, b_warp, outer, init, c_warp) -> None:
+    """The warp-level blocks of one GEMM replaced by ``ldmatrix`` / ``mma.sync`` / fill /
+    store intrinsics (each checked against the intrinsic's description by ``tensorize``)."""
     (init_inner,) = sch.get_child_blocks(init)
     (inner,) = sch.get_child_blocks(outer)
     sch.tensorize(sch.get_loops(a_warp)[-2], names["load_a"])
@@ -391,4 +494,3 @@ def _schedule(sch, func, red, infos, dtype: str, tensorize: bool):
     sch.tensorize(sch.get_loops(inner)[-3], names["compute"])
     sch.tensorize(sch.get_loops(init_inner)[-2], names["init"])
     sch.tensorize(sch.get_loops(c_warp)[-2], names["store"])
-    return sch
