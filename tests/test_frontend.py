@@ -184,6 +184,30 @@ def test_exported_program_errors_are_one_line(tmp_path):
         tvm_fusion.load_model(path, {"x": [4, 12]})
 
 
+def test_exported_negative_indices_count_from_the_end():
+    """``x[..., [-2], :]`` (Falcon's multi-query split of its fused qkv) and a runtime index
+    tensor with negative entries: stock imported them as ``take(mode="fast")`` on the raw
+    indices (reads out of bounds; Falcon's logits were off by 0.8). The constant ones are folded
+    at import, the runtime one wrapped on its static axis; a batch ``Dim`` stays dynamic."""
+    torch = pytest.importorskip("torch")
+    from helpers import compare_pipelines
+
+    class Heads(torch.nn.Module):
+        def forward(self, x, i):
+            query, key = x[..., :-2, :], x[..., [-2], :]
+            return query * key, x[:, i] * 2.0, x[..., [0, 2], :] + 1.0
+
+    x, i = torch.randn(2, 5, 4, 3), torch.tensor([-5, 1, -1])
+    batch = torch.export.Dim("batch", max=8)
+    program = torch.export.export(Heads(), (x, i), dynamic_shapes=({0: batch}, None))
+    mod = tvm_fusion.frontend.import_exported_program(program)
+    text = mod["main"].script()
+    assert text.count("R.where") == 1, text  # the runtime index only; constants folded
+    x = torch.randn(3, 5, 4, 3)
+    want = [t.numpy() for t in Heads()(x, i)]
+    compare_pipelines(mod, [x.numpy(), i.numpy()], reference=want)
+
+
 def test_cli_explain_and_compile_a_pt2(tmp_path, capsys):
     from tvm_fusion.cli import main
 

@@ -344,7 +344,7 @@ def import_exported_program(program, where: str = "the program", decompose: bool
     importer failure is one ModelError line naming ``where``."""
     from tvm.relax.frontend.torch import from_exported_program
 
-    from .torch_ops import CONVERTERS
+    from .torch_ops import converters
 
     try:
         with warnings.catch_warnings():
@@ -353,7 +353,7 @@ def import_exported_program(program, where: str = "the program", decompose: bool
                 program,
                 keep_params_as_input=False,
                 run_ep_decomposition=decompose,
-                custom_convert_map=CONVERTERS,
+                custom_convert_map=converters(program),
             )
     except Exception as err:
         raise ModelError(f"cannot import {where}: {first_line(err)}") from None

@@ -13,13 +13,26 @@ Passed as its ``custom_convert_map`` by :func:`tvm_fusion.frontend.import_export
   ``reduction = 2`` summed, imported as a mean), takes the log-softmax over the last axis
   (the classes are axis 1 of (N, C, d...)) and drops ``label_smoothing``. Emitted as
   torch defines it: ``log_softmax`` over axis 1, ``nll_loss``, plus the smoothing term.
+- ``index.Tensor`` with negative integer indices (``x[..., [-1], :]``, Falcon's multi-query
+  split of its fused qkv): stock emits ``take(mode="fast")`` / ``index_tensor`` with the
+  indices as they are, which read out of bounds where torch counts from the end. Each integer
+  index is made non-negative first: a constant one folded at import (unchanged when it has no
+  negative entry), another one as ``where(i < 0, i + n, i)`` on an axis of static length ``n``;
+  an ``arange`` with a non-negative start and a positive step is left as it is (GatherToSlice
+  reads it as a progression). Left to stock: boolean masks, and a non-constant index (or a
+  constant one with negative entries) on an axis of symbolic length (logged at debug level).
 
 Every other form goes to stock's converter as it is.
 """
 
 from __future__ import annotations
 
-from tvm import relax
+import logging
+
+import numpy as np
+from tvm import relax, tirx
+
+logger = logging.getLogger(__name__)
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
@@ -100,7 +113,103 @@ def _cross_entropy_loss(node, importer) -> relax.Var:
     )
 
 
+_ARANGES = ("arange.default", "arange.start", "arange.start_step")
+
+
+def _non_negative_arange(index) -> bool:
+    """An fx ``arange`` node whose values are provably >= 0 (non-negative start and step)."""
+    import torch
+
+    if (
+        not isinstance(index, torch.fx.Node)
+        or getattr(index.target, "__name__", "") not in _ARANGES
+    ):
+        return False
+    args = index.args
+    start = args[0] if len(args) >= 2 else index.kwargs.get("start", 0)
+    step = args[2] if len(args) >= 3 else index.kwargs.get("step", 1)
+    return isinstance(start, int) and start >= 0 and isinstance(step, int) and step > 0
+
+
+_COPIES = ("lift_fresh_copy.default", "alias.default", "clone.default")
+
+
+def _constant(index, constants: dict) -> np.ndarray | None:
+    """The value of fx node ``index`` where it is a lifted constant tensor (through copies)."""
+    while getattr(index.target, "__name__", "") in _COPIES and index.args:
+        index = index.args[0]
+    if index.op != "placeholder" or index.name not in constants:
+        return None
+    return constants[index.name].detach().cpu().numpy()
+
+
+def _wrapped(index, expr: relax.Expr, length, importer, constants) -> relax.Expr | None:
+    """``expr`` (the import of fx node ``index``) with negative entries counted from the end of
+    an axis of ``length``; None where it is left to stock (the reason logged)."""
+    ty = expr.ty
+    dtype = str(ty.dtype) if isinstance(ty, relax.TensorType) else ""
+    if not dtype.startswith(("int", "uint")):
+        return None  # boolean masks and unknown forms: stock's converter
+    values = _constant(index, constants)
+    if values is not None:
+        if not (values < 0).any():
+            return None
+        if not isinstance(length, tirx.IntImm):
+            logger.debug("index.Tensor: negative constant index on a symbolic axis %s", length)
+            return None
+        return relax.const(np.where(values < 0, values + int(length), values), dtype)
+    if _non_negative_arange(index) or dtype.startswith("uint"):
+        return None
+    if not isinstance(length, tirx.IntImm):
+        logger.debug("index.Tensor: index %s on a symbolic axis %s left to stock", index, length)
+        return None
+    bb = importer.block_builder
+    n = relax.const(int(length), dtype)
+    negative = bb.emit(relax.op.less(expr, relax.const(0, dtype)))
+    shifted = bb.emit(relax.op.add(expr, n))
+    return bb.emit(relax.op.where(negative, shifted, expr))
+
+
+def _index_tensor(node, importer, constants) -> relax.Var:
+    """Stock's converter on indices made non-negative (see the module docstring)."""
+    import torch
+
+    data = importer.env[node.args[0]]
+    indices = list(node.args[1])
+    shape = data.ty.shape if isinstance(data.ty, relax.TensorType) else None
+    seen = [i for i in indices if isinstance(i, torch.fx.Node)]
+    if shape is None or not hasattr(shape, "values") or len(seen) != len(set(seen)):
+        return importer._index_tensor(node)  # unknown rank, or one index on several axes
+    saved = {}
+    for axis, index in enumerate(indices):
+        if not isinstance(index, torch.fx.Node) or axis >= len(shape.values):
+            continue
+        fixed = _wrapped(index, importer.env[index], shape.values[axis], importer, constants)
+        if fixed is not None:
+            saved[index] = importer.env[index]
+            importer.env[index] = fixed
+    try:
+        return importer._index_tensor(node)
+    finally:
+        importer.env.update(saved)
+
+
 CONVERTERS = {
     "arange.start_step": _arange,
     "cross_entropy_loss.default": _cross_entropy_loss,
 }
+
+
+def converters(program) -> dict:
+    """:data:`CONVERTERS` plus those that read ``program``'s lifted constants (``index.Tensor``)."""
+    from torch.export.graph_signature import InputKind
+
+    constants = {
+        spec.arg.name: program.constants[spec.target]
+        for spec in program.graph_signature.input_specs
+        if spec.kind == InputKind.CONSTANT_TENSOR and spec.target in program.constants
+    }
+    return {
+        **CONVERTERS,
+        "index.Tensor": lambda node, importer: _index_tensor(node, importer, constants),
+    }
