@@ -1,8 +1,12 @@
-"""The timing helpers of tvm_fusion.engine (no TVM compile: fake runs record their order)."""
+"""The timing helpers of tvm_fusion.engine (no TVM compile: fake runs record their order) and
+the one-line error messages taken from TVM's exceptions."""
 
 import time
 
+import pytest
+
 from tvm_fusion import engine
+from tvm_fusion.errors import first_line
 
 
 def _recorder(log: list, name: str, seconds: float = 0.0):
@@ -104,3 +108,20 @@ def test_interleaved_sizes_blocks_by_the_fastest_warm_up_call():
         {"a": run}, repeat=3, budget_s=10.0, pause_s=0.0, min_time_s=0.2
     )
     assert 60 <= timings["a"]["runs"] <= 100, timings["a"]
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("Traceback (most recent call last):\n  File x.py\nValueError: bad", "ValueError: bad"),
+        ("[bt] (0) libtvm.so\nCheck failed: a == b", "Check failed: a == b"),
+        (
+            "CodeGenVM cannot emit this Relax operator directly.\nOffending call:\nR.add(x, y)",
+            "CodeGenVM cannot emit this Relax operator directly. Offending call: R.add(x, y)",
+        ),
+        ("File a.py\nlabel:\nvalue", "label: value"),
+        ("", "RuntimeError"),
+    ],
+)
+def test_first_line_keeps_a_labelled_detail_with_its_sentence(text, line):
+    assert first_line(RuntimeError(text)) == line

@@ -55,7 +55,8 @@ def main(size: str = "seed", repeat: int = 5) -> dict:
                 work = analysis.shape_work(engine.compile_module(mod, CUDA, pipeline).lowered, CUDA)
                 row[f"{pipeline}_cuda"] = work.as_dict()
             except Exception as err:  # stock TVM cannot compile several of these
-                row[f"{pipeline}_cuda"] = f"fails: {str(err).strip().splitlines()[-1][:60]}"
+                reason = str(err).strip().splitlines()[-1].split(": ", 1)[-1]  # after "... in X: "
+                row[f"{pipeline}_cuda"] = f"fails: {reason[:80]}"
         compiled = engine.compile_module(mod, target, "tvm_fusion")
         run = engine.TvmRunner(compiled, list(idiom.inputs.values()))
         try:

@@ -23,8 +23,16 @@ def first_line(err: BaseException) -> str:
     lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
     if not lines:
         return type(err).__name__
+    frame = ("File ", "at ", "^", "Traceback", "[bt]")
     # TVM errors put the message last, after a traceback of C++ frames.
-    for line in reversed(lines):
-        if not line.startswith(("File ", "at ", "  ", "^", "Traceback", "[bt]")):
-            return line
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith(frame):
+            continue
+        # a labelled detail ("Offending call:\nR.add(x, y)"): keep the sentence it belongs to
+        start = i
+        while start > 0 and start > i - 2 and lines[start - 1].endswith(":"):
+            start -= 1
+        if start < i and start > 0 and not lines[start - 1].startswith(frame):
+            start -= 1
+        return " ".join(lines[start : i + 1])
     return lines[-1]

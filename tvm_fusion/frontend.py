@@ -300,7 +300,7 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
             except tvm.error.OpNotImplemented as err:
                 raise ModelError(f"{where}: {first_line(err)}") from None
             except Exception as err:
-                refused = _SHAPE_REFUSED.match(first_line(err))
+                refused = _SHAPE_REFUSED.search(first_line(err))
                 if refused:
                     model, cast = onnx_ops.cast_operands_of(model, refused.group(1))
                     if cast:
