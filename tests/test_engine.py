@@ -121,6 +121,12 @@ def test_interleaved_sizes_blocks_by_the_fastest_warm_up_call():
         ),
         ("File a.py\nlabel:\nvalue", "label: value"),
         ("", "RuntimeError"),
+        (
+            'ir.Op(span=None, ty=ir.Type(span=None), name="relax.log", arguments=(ir.A(name="x"'
+            "),), support_level=10) requires the input tensor to have float dtype.",
+            "relax.log requires the input tensor to have float dtype.",
+        ),
+        ("ir.Op(unclosed", "ir.Op(unclosed"),
     ],
 )
 def test_first_line_keeps_a_labelled_detail_with_its_sentence(text, line):

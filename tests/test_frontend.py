@@ -3,6 +3,7 @@
 import numpy as np
 import onnx
 import pytest
+import tvm
 from helpers import run
 from onnx import TensorProto, helper
 from tvm import relax
@@ -206,6 +207,90 @@ def test_exported_negative_indices_count_from_the_end():
     x = torch.randn(3, 5, 4, 3)
     want = [t.numpy() for t in Heads()(x, i)]
     compare_pipelines(mod, [x.numpy(), i.numpy()], reference=want)
+
+
+def test_exported_integer_arithmetic_promotes_like_torch():
+    """torch promotes integer / boolean operands (``int / 3`` and ``int * 0.5`` are float,
+    ``log(int)`` too); stock computed in the input's dtype (integers: wrong numbers) or failed
+    to import (``log``, ``**``, ``//`` by an int32 constant). DeBERTa-v2's position buckets
+    are the held-out case. Dtypes and values must be torch's; a batch ``Dim`` stays dynamic."""
+    torch = pytest.importorskip("torch")
+
+    class Promoted(torch.nn.Module):
+        def forward(self, x, y):
+            mid = 4
+            buckets = torch.ceil(
+                torch.log((x.abs() + 1) / mid) / torch.log(torch.tensor(127 / mid))
+            )
+            return (
+                x / 3,
+                x * 0.5 + (x > 4),
+                0.5 - x,
+                torch.reciprocal(x + 13),
+                (x + 13) ** 0.5,
+                torch.sigmoid(x),
+                x // 4,
+                torch.div(x, 4, rounding_mode="trunc"),
+                (x - 0.5) // 2,
+                x // (y.abs() + 1),
+                (x > 0) + 1,
+                buckets * 3 + mid,
+                y * 0.25,
+            )
+
+    batch = torch.export.Dim("batch", max=8)
+    x = torch.arange(-12, 12).reshape(2, 12)
+    y = torch.randn(2, 12)
+    program = torch.export.export(Promoted(), (x, y), dynamic_shapes=({0: batch}, {0: batch}))
+    mod = tvm_fusion.frontend.import_exported_program(program)
+    x, y = torch.arange(-18, 18).reshape(3, 12), torch.randn(3, 12)
+    want = [t.numpy() for t in Promoted()(x, y)]
+    got, _ = run(mod, [x.numpy(), y.numpy()], "tvm_fusion")
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        assert g.dtype == w.dtype, (i, g.dtype, w.dtype)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"output {i}")
+
+
+def test_exported_repeat_by_a_symbolic_count():
+    """``e.repeat(q.size(0) // 2, 1, 1)`` (DeBERTa-v2's relative embeddings per batch): stock
+    passed the symbolic count to ``tile``, which takes integers (the import failed). Integer
+    counts keep stock's ``tile``."""
+    torch = pytest.importorskip("torch")
+
+    class Repeat(torch.nn.Module):
+        def forward(self, q, e):
+            return (
+                e.repeat(q.size(0) // 2, 1, 1) * 2.0,
+                q.repeat(2, 1, 3),
+                e.repeat(3, q.size(1), 1, 1),
+            )
+
+    batch, seq = torch.export.Dim("batch", min=4, max=16), torch.export.Dim("seq", max=64)
+    q, e = torch.randn(4, 5, 3), torch.randn(1, 7, 3)
+    program = torch.export.export(Repeat(), (q, e), dynamic_shapes=({0: batch, 1: seq}, None))
+    mod = tvm_fusion.frontend.import_exported_program(program)
+    assert mod["main"].script().count("R.tile") == 1
+    q = torch.randn(7, 9, 3)
+    want = [t.numpy() for t in Repeat()(q, e)]
+    got, _ = run(mod, [q.numpy(), e.numpy()], "tvm_fusion")
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_exported_float_arithmetic_imports_as_stock():
+    """Operands that already have torch's result dtype take stock's converters unchanged."""
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    class Plain(torch.nn.Module):
+        def forward(self, x, i):
+            return torch.log(x * 0.5 + 1) / 3, i * 2 + 1
+
+    program = torch.export.export(Plain(), (torch.rand(2, 3), torch.arange(6).reshape(2, 3)))
+    ours = tvm_fusion.frontend.import_exported_program(program)
+    stock = from_exported_program(program)
+    assert "astype" not in ours["main"].script()
+    tvm.ir.assert_structural_equal(ours["main"], stock["main"])
 
 
 def test_cli_explain_and_compile_a_pt2(tmp_path, capsys):

@@ -2,6 +2,25 @@
 
 from __future__ import annotations
 
+import re
+
+_NAME = re.compile(r'name="([^"]+)"')
+
+
+def _short_op_reprs(text: str) -> str:
+    """``ir.Op(span=None, ty=..., name="relax.log", ...)`` in TVM's messages -> ``relax.log``."""
+    while (start := text.find("ir.Op(")) >= 0:
+        depth = end = 0
+        for end in range(start + len("ir.Op"), len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        name = _NAME.search(text, start, end)
+        if depth or name is None:
+            return text
+        text = text[:start] + name.group(1) + text[end + 1 :]
+    return text
+
 
 class TvmFusionError(Exception):
     """Base class; ``str(err)`` is a single line meant for the user."""
@@ -34,5 +53,5 @@ def first_line(err: BaseException) -> str:
             start -= 1
         if start < i and start > 0 and not lines[start - 1].startswith(frame):
             start -= 1
-        return " ".join(lines[start : i + 1])
+        return _short_op_reprs(" ".join(lines[start : i + 1]))
     return lines[-1]

@@ -21,6 +21,22 @@ Passed as its ``custom_convert_map`` by :func:`tvm_fusion.frontend.import_export
   an ``arange`` with a non-negative start and a positive step is left as it is (GatherToSlice
   reads it as a progression). Left to stock: boolean masks, and a non-constant index (or a
   constant one with negative entries) on an axis of symbolic length (logged at debug level).
+- Arithmetic and math on integer or boolean tensors, where torch promotes (found by the held-out
+  DeBERTa-v2, whose relative-position buckets take ``log(abs_pos / mid)``): stock computes in the
+  input's dtype, so ``int / 3``, ``int * 0.5``, ``int + 0.5`` and ``reciprocal(int)`` give
+  integers (wrong numbers, silently), ``log``/``exp``/``sigmoid``/``tanh``/``erf``... of an
+  integer tensor and ``int ** 0.5`` fail to import, and ``div(int64, 4, rounding_mode=...)``
+  (``//`` on a tensor) fails on an ``int32`` constant. The result dtype torch recorded for the
+  node (``node.meta["val"]``) is the dtype of the computation for these ops: tensor operands of
+  another dtype are cast to it before stock's converter runs (scalars then take it too), and
+  ``div.Tensor_mode`` is emitted with operands of that dtype (``floor_divide``, or ``divide``
+  that truncates for integers, ``floor``/``trunc`` of ``divide`` for floats). Nodes whose
+  operands already have that dtype go to stock's converter unchanged.
+- ``repeat.default`` with a symbolic count (``rel_embeddings.repeat(q.size(0) // heads, 1,
+  1)``, DeBERTa-v2's attention): stock passes the count to ``relax.op.tile``, which takes
+  integers only (the import failed). Emitted as a reshape that puts a unit axis before each
+  axis, ``broadcast_to`` the counts on those, and a reshape that merges each pair (a view, a
+  broadcast, a view). Integer counts go to stock's ``tile``.
 
 Every other form goes to stock's converter as it is.
 """
@@ -31,6 +47,7 @@ import logging
 
 import numpy as np
 from tvm import relax, tirx
+from tvm.ir import PrimType
 
 logger = logging.getLogger(__name__)
 
@@ -194,9 +211,132 @@ def _index_tensor(node, importer, constants) -> relax.Var:
         importer.env.update(saved)
 
 
+def _result_dtype(node) -> str | None:
+    """The dtype torch recorded for ``node``'s (tensor) result, e.g. ``"float32"``."""
+    val = node.meta.get("val")
+    dtype = getattr(val, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
+def _tensor_dtype(expr) -> str | None:
+    ty = getattr(expr, "ty", None)
+    return str(ty.dtype) if isinstance(ty, relax.TensorType) else None
+
+
+def _stock(importer, name: str):
+    """Stock's converter of ``name`` (the custom map replaced it in ``importer.convert_map``)."""
+    table = getattr(importer, "_tvm_fusion_stock", None)
+    if table is None:
+        table = importer._tvm_fusion_stock = importer.create_convert_map()
+    return table[name]
+
+
+def _promoted(name: str):
+    """Stock's converter of ``name`` on tensor operands cast to torch's result dtype."""
+
+    def convert(node, importer) -> relax.Var:
+        import torch
+
+        want = _result_dtype(node)
+        saved = {}
+        if want is not None:
+            args = [*node.args, *node.kwargs.values()]
+            for arg in args:
+                if not isinstance(arg, torch.fx.Node) or arg in saved:
+                    continue
+                expr = importer.env.get(arg)
+                have = _tensor_dtype(expr)
+                if have is not None and have != want:
+                    saved[arg] = expr
+                    importer.env[arg] = importer.block_builder.emit(relax.op.astype(expr, want))
+            if saved:
+                logger.debug("%s: operands cast to torch's result dtype %s", node, want)
+        try:
+            return _stock(importer, name)(node)
+        finally:
+            importer.env.update(saved)
+
+    return convert
+
+
+def _div_mode(node, importer) -> relax.Var:
+    """``div(a, b, rounding_mode=...)`` with both operands in torch's result dtype."""
+    import torch
+
+    mode = _arg(node, 2, "rounding_mode", None)
+    want = _result_dtype(node)
+    if want is None or mode not in (None, "floor", "trunc"):
+        return _stock(importer, "div.Tensor_mode")(node)
+    bb = importer.block_builder
+    operands = []
+    for arg in node.args[:2]:
+        expr = importer.env.get(arg) if isinstance(arg, torch.fx.Node) else None
+        if expr is None and isinstance(arg, bool | int | float):
+            expr = relax.const(arg, want)
+        if _tensor_dtype(expr) is None:
+            return _stock(importer, "div.Tensor_mode")(node)  # a SymInt operand: stock's way
+        if _tensor_dtype(expr) != want:
+            expr = bb.emit(relax.op.astype(expr, want))
+        operands.append(expr)
+    a, b = operands
+    integer = want.startswith(("int", "uint"))
+    if mode == "floor":
+        if integer:
+            return bb.emit(relax.op.floor_divide(a, b))
+        return bb.emit(relax.op.floor(bb.emit(relax.op.divide(a, b))))
+    quotient = bb.emit(relax.op.divide(a, b))  # integers: TIR's division truncates
+    return quotient if integer or mode is None else bb.emit(relax.op.trunc(quotient))
+
+
+def _prim(value) -> bool:
+    """An integer or a symbolic integer expression (a size from ``sym_size``, ``s // 2``)."""
+    return isinstance(value, int) or isinstance(getattr(value, "ty", None), PrimType)
+
+
+def _repeat(node, importer) -> relax.Var:
+    """``x.repeat(*counts)`` with symbolic counts as reshape, broadcast_to, reshape."""
+    import torch
+
+    args = importer.retrieve_args(node)
+    x, counts = args[0], args[1] if isinstance(args[1], torch.Size | tuple | list) else args[1:]
+    counts = list(counts)
+    shape = x.ty.shape if isinstance(x.ty, relax.TensorType) else None
+    if all(isinstance(c, int) for c in counts) or not hasattr(shape, "values"):
+        return _stock(importer, "repeat.default")(node)
+    if not all(_prim(c) for c in counts) or len(counts) < len(shape.values):
+        logger.debug("repeat: counts %s left to stock", counts)
+        return _stock(importer, "repeat.default")(node)
+    dims = [1] * (len(counts) - len(shape.values)) + list(shape.values)
+    pairs = list(zip(counts, dims, strict=True))
+    bb = importer.block_builder
+    units = bb.emit(relax.op.reshape(x, [e for _, d in pairs for e in (1, d)]))
+    spread = bb.emit(relax.op.broadcast_to(units, [e for pair in pairs for e in pair]))
+    return bb.emit(relax.op.reshape(spread, [c * d for c, d in pairs]))
+
+
+_KINDS = ("Tensor", "Scalar")
+# ops whose computation dtype is torch's result dtype (promoted from integer / bool operands)
+_PROMOTED = (
+    *(f"{op}.{kind}" for op in ("add", "sub", "mul", "div", "rsub") for kind in _KINDS),
+    "pow.Tensor_Scalar",
+    "pow.Tensor_Tensor",
+    "reciprocal.default",
+    *(
+        f"{op}.default"
+        for op in (
+            "exp", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sigmoid", "erf",
+            "sin", "cos", "tan", "tanh", "sinh", "cosh", "asin", "acos", "atan", "asinh",
+            "acosh", "atanh",
+        )
+    ),
+)  # fmt: skip
+
 CONVERTERS = {
     "arange.start_step": _arange,
     "cross_entropy_loss.default": _cross_entropy_loss,
+    "div.Tensor_mode": _div_mode,
+    "repeat.default": _repeat,
+    **{name: _promoted(name) for name in _PROMOTED},
 }
 
 
