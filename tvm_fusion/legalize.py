@@ -25,6 +25,13 @@ device code with ``nvcc --use_fast_math``, which turns ``powf`` into ``__powf`` 
 ``exp2(c * log2(x))``, NaN for every negative ``x`` (a Llama block's RMSNorm ``x.pow(2)`` gave
 an all-NaN output on an H100 until this).
 
+Half-precision GEMMs (every target, :func:`legalize_map`): ``matmul`` of float16 / bfloat16
+operands with a result of their dtype sums in float32 and casts each result once, as PyTorch and
+cuBLAS do; stock sums in the operands' dtype (error growing with ``K``). On llvm it is also
+faster: x86 has no half arithmetic, so every float16 addition of stock's sum was a conversion,
+an add and a rounding (64 x 1024 @ 1024 x 1024: float16 9.9 -> 1.6 ms, bfloat16 189 -> 1.3 ms).
+A ``matmul`` that names its ``out_dtype`` keeps the stock legalisation.
+
 Stock ``FastMathTransform`` covers only ``R.exp``/``R.erf``/``R.tanh`` and rewrites them before
 legalisation into opaque ``call_te``; doing it as a legalisation keeps one PrimFunc per op, so
 FuseOps sees the same graph as without fast math.
@@ -39,6 +46,7 @@ from tvm import relax, te, tirx, topi
 from tvm.relax.transform.legalize_ops.common import LegalizeFunc
 
 _FLOAT = ("float32",)
+_HALF = ("float16", "bfloat16")
 
 
 def _unary(name: str, compute: Callable[[te.Tensor], te.Tensor]) -> LegalizeFunc:
@@ -346,6 +354,38 @@ def _matmul_one_column(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr |
     return bb.call_te(compute, a, b, primfunc_name_hint="matmul_one_column")
 
 
+def _matmul_half(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr | None:
+    """``A @ B`` of float16 / bfloat16 operands with a result of the same dtype: the GEMM
+    with ``out_dtype = float32`` (each product widened, the sum in float32), then one cast of
+    each result. Stock sums in the operands' dtype: 11 bits of mantissa for float16, 8 for
+    bfloat16, so every addition past ``|sum| * 2**-11`` rounds, and errors grow with ``K``.
+    PyTorch, cuBLAS and the tensor cores' ``mma`` accumulate in float32 too."""
+    a, b = call.args
+    dtype = str(a.ty.dtype)
+    if dtype not in _HALF or str(b.ty.dtype) != dtype or str(call.ty.dtype) != dtype:
+        return None
+    wide = bb.normalize(relax.op.matmul(a, b, out_dtype="float32"))
+    product = bb.emit(_stock("relax.matmul")(bb, wide))
+    return bb.call_te(topi.cast, product, dtype, primfunc_name_hint="cast")
+
+
+def _matmul(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr | None:
+    """Half-precision GEMMs accumulate in float32 (:func:`_matmul_half`), on every target;
+    one-column float32 GEMMs are row sums with fast math (:func:`_matmul_one_column`)."""
+    return _matmul_half(bb, call)
+
+
+def _matmul_fast(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr | None:
+    out = _matmul_half(bb, call)
+    return out if out is not None else _matmul_one_column(bb, call)
+
+
+def _stock(name: str) -> LegalizeFunc:
+    from tvm.ir import Op
+
+    return Op.get(name).get_attr("FLegalize")
+
+
 def _softmax_like(name: str, compute) -> LegalizeFunc:
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr | None:
         x = call.args[0]
@@ -448,7 +488,11 @@ def _reshape_as_view(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr | N
 def legalize_map(fast_math: bool) -> dict[str, LegalizeFunc]:
     """``customize_legalize_map`` for ``LegalizeOps``: integer powers and symbolic reshapes
     as views everywhere, and the fast exp/erf/tanh family when ``fast_math``."""
-    table = {"relax.power": _integer_power, "relax.reshape": _reshape_as_view}
+    table = {
+        "relax.power": _integer_power,
+        "relax.reshape": _reshape_as_view,
+        "relax.matmul": _matmul,
+    }
     if fast_math:
         table.update(fast_math_legalize_map())
     return _with_fallback(table)
@@ -471,6 +515,6 @@ def fast_math_legalize_map() -> dict[str, LegalizeFunc]:
             "relax.sum": _last_axis_reduction("sum"),
             "relax.mean": _last_axis_reduction("sum", mean=True),
             "relax.max": _last_axis_reduction("max"),
-            "relax.matmul": _matmul_one_column,
+            "relax.matmul": _matmul_fast,
         }
     )
