@@ -326,7 +326,10 @@ def load_exported_program(path, shapes: Shapes | None = None) -> tvm.IRModule:
         import torch
     except ImportError:
         raise ModelError(f"{path}: reading a torch.export program needs torch") from None
+    quiet = logging.getLogger("torch.export")  # it logs a traceback before raising
+    level = quiet.level
     try:
+        quiet.setLevel(logging.ERROR)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = torch.export.load(path)
@@ -334,6 +337,8 @@ def load_exported_program(path, shapes: Shapes | None = None) -> tvm.IRModule:
         raise ModelError(
             f"cannot read {path} as a torch.export program: {first_line(err)}"
         ) from None
+    finally:
+        quiet.setLevel(level)
     return import_exported_program(program, path)
 
 
