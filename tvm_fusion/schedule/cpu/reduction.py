@@ -199,6 +199,22 @@ def _sharing_is_sound(func, buf, out, row_dims: int, rows_per_iteration: int) ->
     return True
 
 
+COSTLY_UPDATE = 24  # expression nodes of a reduction's update: more, a short row is rfactored
+
+
+def _costly_update(sch, block) -> bool:
+    """Whether a reduction's update computes more than it loads (an exp inlined into a sum:
+    cross entropy's ``sum(exp(x - max))``). Over a static row shorter than two vectors
+    ``rfactor`` then takes the whole row as the lanes: its terms computed as one vector (13
+    lanes for 13 classes, in one register), folded after. A scalar loop evaluated the
+    polynomial exp once per element: cross entropy 6626 x 13 ran 1.25x ORT with it."""
+    from ...tir_util import expr_size
+
+    body = sch.get(block).body
+    value = getattr(body, "value", body)
+    return expr_size(value, COSTLY_UPDATE + 1) > COSTLY_UPDATE
+
+
 class RowReduction(CPURule):
     def apply(self, func, target: Target, tunable: bool):
         if not self.applicable(func, target):
@@ -452,7 +468,11 @@ class RowReduction(CPURule):
         else:
             inner = red_loops[0]
         ext = extent(sch, inner)
-        if not is_static(ext) or ext < 2 * lanes or ext % lanes:
+        if not is_static(ext):
+            return None
+        if ext < 2 * lanes and ext > 1 and _costly_update(sch, block):
+            lanes = ext  # a short row: its terms in one vector, see _costly_update
+        elif ext < 2 * lanes or ext % lanes:
             return None
         _, vec = sch.split(inner, [None, lanes])
         try:
