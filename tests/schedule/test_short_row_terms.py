@@ -48,9 +48,7 @@ def _rf_vector_widths(func) -> list[int]:
     for loop in tir_util.loops(func):
         if loop.kind != tirx.ForKind.VECTORIZED:
             continue
-        names = [
-            s.name_hint for s in tir_util.iter_stmts(loop.body) if hasattr(s, "name_hint")
-        ]
+        names = [s.name_hint for s in tir_util.iter_stmts(loop.body) if hasattr(s, "name_hint")]
         if any(name.endswith("_rf_update") for name in names):
             widths.append(int(loop.extent))
     return widths
