@@ -13,7 +13,9 @@ reduction blocks reduce the trailing axes. The schedule:
   vector registers, then folded; LLVM cannot vectorise a float reduction loop itself without
   reassociation, which TVM's codegen does not allow. ``rfactor`` needs a static extent; over a
   symbolic one (softmax of attention scores) the legalisation has already written the split
-  (partials over whole vectors + a scalar tail), and the rule vectorises the partials;
+  (partials over whole vectors + a scalar tail), and the rule vectorises the partials; a
+  costly reduction (an exp inlined into a sum) over a static row under two vectors is
+  rfactored with the whole row as its lanes: its terms one vector per row (``_costly_update``);
 - injective blocks are vectorised on their innermost loop;
 - a row buffer that the output reads where it writes (softmax's ``exp(x - max)``) is the
   output itself: the exp pass writes the output row, the output block scales it in place
