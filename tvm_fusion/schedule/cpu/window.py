@@ -1,0 +1,304 @@
+"""CPU rule for window reductions: depthwise convolution, max / average pooling (1d, 2d, 3d).
+
+Matches a PrimFunc with exactly one reduction block whose iterators are spatial axes followed
+by reduction axes, whose update is ``Y = Y + X * W`` (a convolution), ``Y = Y + X`` (the sum of
+an average pool) or ``Y = max(Y, X)`` / ``min`` (pooling), and whose input ``X`` is read through
+a window: some index of ``X`` adds a spatial iterator and a reduction iterator (``oh * 2 + ry``).
+Every reduction iterator of extent > 1 must be such a window offset, and a weight ``W`` (if any)
+must not be read by the innermost spatial axis. That is what the importers emit for
+``Conv2d(C, C, k, groups=C)`` (ConvNeXt's 7 x 7) and ``MaxPool`` / ``AvgPool`` in NCHW; a
+regular convolution reduces over input channels, not a window, and stays with the Matmul rule
+(which is tried first), as do GEMMs and row reductions. Injective blocks before the reduction
+(the importers' ``pad_temp`` with its ``if_then_else`` border) and after it (a bias, the average
+pool's division, a fused activation) are kept as blocks.
+
+The schedule:
+
+- the spatial axes but the innermost are rows; leading rows are fused and run in parallel
+  (``parallelize_outer``), and the padding block is computed under that parallel loop: a padded
+  copy of the planes one iteration reads (for NCHW one (n, c) plane, a few KiB), not a padded
+  copy of the whole input, and no ``if_then_else`` in the reduction's loads (inlined, TVM's
+  vectoriser scalarises it);
+- the innermost spatial axis (``ow``, or the channels of a channels-last layout) is the vector
+  axis, moved inside the window loops: each step of the window adds one input vector (one
+  weight broadcast) to a row of outputs, which stays in L1. A static extent that the vector
+  width does not divide gets whole vectors and a vector tail (``vectorize_with_tail``); a
+  symbolic one is left whole for LLVM's loop vectoriser;
+- the epilogue blocks are computed at the row loop (the reduction's result is a row buffer)
+  and vectorised the same way.
+
+Skipped (left to the next rule, the reason logged at debug level): more than one reduction
+block, a reduction over a non-window axis of extent > 1, other update forms, non-float dtypes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tvm import s_tir, tirx
+from tvm.ir.expr import Call, TensorLoad
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.target import Target
+
+from ... import target as _target
+from ...tir_util import iter_stmts, vars_in
+from .._common import (
+    CPURule,
+    block_dtype,
+    extent,
+    is_static,
+    is_trivial_reduction,
+    loop_nest_work,
+    parallelize_outer,
+    vectorize_innermost,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _strip_casts(expr):
+    while isinstance(expr, tirx.Cast):
+        expr = expr.value
+    return expr
+
+
+def _update_operands(store) -> list | None:
+    """The loads that ``Y = Y + X * W``, ``Y = Y + X``, ``Y = max(Y, X)`` or ``min`` combine
+    into ``Y`` (casts allowed), or None for another form."""
+    if not isinstance(store, tirx.BufferStore):
+        return None
+    value = store.value
+    if not isinstance(value, tirx.Add | tirx.Max | tirx.Min):
+        return None
+    lhs, rhs = value.a, value.b
+    if isinstance(rhs, TensorLoad) and rhs.source.same_as(store.buffer):
+        lhs, rhs = rhs, lhs
+    if not (isinstance(lhs, TensorLoad) and lhs.source.same_as(store.buffer)):
+        return None
+    rhs = _strip_casts(rhs)
+    if isinstance(rhs, TensorLoad):
+        return [rhs]
+    if isinstance(value, tirx.Add) and isinstance(rhs, tirx.Mul):
+        a, b = _strip_casts(rhs.a), _strip_casts(rhs.b)
+        if isinstance(a, TensorLoad) and isinstance(b, TensorLoad):
+            return [a, b]
+    return None
+
+
+def window_reduction(sch: s_tir.Schedule, block) -> str | None:
+    """Why ``block`` is not a window reduction (see the module docstring), or None if it is."""
+    stmt = sch.get(block)
+    iters = list(stmt.iter_vars)
+    kinds = ["R" if iv.iter_type == iv.CommReduce else "S" for iv in iters]
+    n_spatial = len(kinds) - len("".join(kinds).lstrip("S"))
+    if n_spatial == 0 or "S" in kinds[n_spatial:] or n_spatial == len(kinds):
+        return "not spatial axes then reduction axes"
+    if str(stmt.writes[0].source.dtype) not in ("float32", "float64", "float16"):
+        return "not a float reduction"
+    operands = _update_operands(stmt.body)
+    if operands is None:
+        return "update is not a sum, a sum of products or a max / min"
+    spatial = {iv.var for iv in iters[:n_spatial]}
+    reduce = {iv.var for iv in iters[n_spatial:]}
+    window_vars: set = set()
+    data = None
+    for load in operands:
+        for index in load.indices:
+            used = vars_in(index)
+            if used & spatial and used & reduce:
+                window_vars |= used & reduce
+                data = load
+    if data is None:
+        return "no input index adds a spatial and a reduction iterator"
+    for iv in iters[n_spatial:]:
+        unit = isinstance(iv.dom.extent, tirx.IntImm) and int(iv.dom.extent) == 1
+        if iv.var not in window_vars and not unit:
+            return f"reduces over {iv.var.name}, which is no window offset"
+    inner = iters[n_spatial - 1].var
+    for load in operands:
+        if load is not data and any(inner in vars_in(i) for i in load.indices):
+            return "the weight is read by the innermost spatial axis"
+    if not any(inner in vars_in(i) for i in data.indices):
+        return "the innermost spatial axis does not index the input"
+    return None
+
+
+def _border(block, var) -> tuple[int, int] | None:
+    """``(lo, hi)`` when ``block`` stores ``if_then_else(... and lo <= var and var < hi ...,
+    load, constant)`` (the importers' padding) with static bounds on ``var``."""
+    store = block.body
+    value = store.value if isinstance(store, tirx.BufferStore) else None
+    if not (isinstance(value, Call) and getattr(value.op, "name", "").endswith("if_then_else")):
+        return None
+    lo = hi = None
+    stack = [value.args[0]]
+    while stack:
+        cond = stack.pop()
+        if isinstance(cond, tirx.And):
+            stack += [cond.a, cond.b]
+        elif isinstance(cond, tirx.LE) and cond.b.same_as(var) and isinstance(cond.a, tirx.IntImm):
+            lo = int(cond.a)
+        elif isinstance(cond, tirx.LT) and cond.a.same_as(var) and isinstance(cond.b, tirx.IntImm):
+            hi = int(cond.b)
+    return (lo, hi) if lo is not None and hi is not None else None
+
+
+def _partition_border(sch: s_tir.Schedule, block) -> bool:
+    """Split the innermost loop of a padding block into the left border, the interior and the
+    right border (``loop_partition``): in the interior the column condition of its
+    ``if_then_else`` is provably true and simplifies away, so the copy of a row is a plain
+    loop that LLVM vectorises; with the condition, TVM's vectoriser makes every element a
+    scalar branch. Replaces the block (the last step for it); False when the block has
+    another form (it is left as it was)."""
+    loops = sch.get_loops(block)
+    stmt = sch.get(block)
+    if not loops:
+        return False
+    ext = extent(sch, loops[-1])
+    loop_var = sch.get(loops[-1]).loop_var
+    realize = next(
+        (
+            node
+            for node in iter_stmts(sch.mod["main"].body)
+            if isinstance(node, s_tir.SBlockRealize) and node.block.name_hint == stmt.name_hint
+        ),
+        None,
+    )
+    if realize is None or not is_static(ext):
+        return False
+    var = next(
+        (
+            iv.var
+            for iv, value in zip(stmt.iter_vars, realize.iter_values, strict=True)
+            if value.same_as(loop_var)
+        ),
+        None,
+    )
+    bounds = _border(stmt, var) if var is not None else None
+    if bounds is None:
+        return False
+    lo, hi = max(bounds[0], 0), min(bounds[1], ext)
+    parts = [lo, hi - lo, ext - hi]
+    if lo >= hi or parts[0] == 0 and parts[2] == 0:
+        return False
+    factors = [p for p in parts if p]
+    factors[-1] = None
+    try:
+        sch.loop_partition(loops[-1], factors)
+    except Exception as err:  # noqa: BLE001 - the copy stays one loop
+        logger.debug("window: padding not partitioned: %s", err)
+        return False
+    return True
+
+
+class WindowReduction(CPURule):
+    """Depthwise convolution and pooling on llvm (see module docstring)."""
+
+    def apply(self, func, target: Target, tunable: bool):
+        if not self.applicable(func, target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos:
+            return None
+        reductions = [
+            i
+            for i, info in enumerate(infos)
+            if not info.is_injective() and not is_trivial_reduction(sch, info.block_rv)
+        ]
+        if len(reductions) != 1:
+            return None
+        at = reductions[0]
+        block = infos[at].block_rv
+        # checked on the block as written: normalize_prim_func drops unit iterators, and an
+        # output axis of extent 1 leaves its window offset (``ow + rx``) a bare ``rx``
+        raw = s_tir.Schedule(func)
+        why = window_reduction(raw, raw.get_sblock(sch.get(block).name_hint))
+        if why is not None:
+            logger.debug("window: %s", why)
+            return None
+        prologue = [info.block_rv for info in infos[:at]]
+        epilogue = [info.block_rv for info in infos[at + 1 :]]
+        if any(not info.is_injective() for info in infos[:at] + infos[at + 1 :]):
+            return None
+        n_spatial = infos[at].dom_kind().count("S")
+        lanes = _target.vector_lanes(target, block_dtype(sch, block))
+        cores = _target.num_cores(target)
+        work = loop_nest_work(sch, block)
+
+        loops = sch.get_loops(block)
+        rows, vec, window = loops[: n_spatial - 1], loops[n_spatial - 1], loops[n_spatial:]
+        sch.reorder(*window, vec)
+        apart = []  # epilogue blocks left at the root (another domain: a transpose)
+        for epi in epilogue:
+            # the epilogue at the row loop: the reduction's result is one row
+            try:
+                if not rows:
+                    raise ValueError("no row loop")
+                sch.reverse_compute_at(epi, rows[-1], preserve_unit_loops=True)
+            except Exception as err:  # noqa: BLE001 - the block keeps its own loops
+                logger.debug("window: epilogue block apart: %s", err)
+                apart.append(epi)
+        parallel = parallelize_outer(sch, rows, cores, work=work) if rows else None
+        for pro in reversed(prologue):
+            # the padded planes that one parallel iteration reads
+            if parallel is not None:
+                try:
+                    sch.compute_at(pro, parallel, preserve_unit_loops=True)
+                except Exception as err:  # noqa: BLE001 - the block stays whole
+                    logger.debug("window: prologue not computed at the rows: %s", err)
+            if _partition_border(sch, pro):
+                continue
+            self._schedule_spatial(sch, pro, lanes, cores if parallel is None else 1)
+        # vectorised (and the tail partitioned off) before the init is split off: the update
+        # block without its init is neither a complete nor a reduction block for schedules
+        first_window = sch.get_loops(block)[-len(window) - 1]
+        self._vectorize(sch, block, lanes)
+        try:
+            sch.decompose_reduction(block, first_window)
+        except Exception as err:  # noqa: BLE001
+            logger.debug("window: init not split off: %s", err)
+        for blk in epilogue:
+            if any(blk is a for a in apart):
+                self._schedule_spatial(sch, blk, lanes, cores)
+            else:
+                self._vectorize(sch, blk, lanes)
+        return sch
+
+    @staticmethod
+    def _vectorize(sch, block, lanes: int) -> None:
+        """The innermost loop as whole vectors and a vector tail: a static extent that
+        ``lanes`` divides is split into vectors; a shorter one is one short vector (LLVM
+        computes a 7-lane vector in one register); a longer one is partitioned into the whole
+        vectors and the rest (``loop_partition``, which replaces the block: the last step for
+        it). A symbolic extent stays one loop, for LLVM's loop vectoriser."""
+        loops = sch.get_loops(block)
+        if not loops:
+            return
+        ext = extent(sch, loops[-1])
+        if not is_static(ext) or ext < 2:
+            return
+        if ext % lanes == 0:
+            vectorize_innermost(sch, block, lanes)
+            return
+        try:
+            if ext < lanes:
+                sch.vectorize(loops[-1])
+                return
+            head, tail = sch.loop_partition(loops[-1], [ext - ext % lanes, None])
+            if ext >= 2 * lanes:
+                _, head = sch.split(head, [None, lanes])
+            sch.vectorize(head)
+            if ext % lanes > 1:
+                sch.vectorize(tail)
+        except Exception as err:  # noqa: BLE001 - the loop stays whole, for LLVM
+            logger.debug("window: no vector tail: %s", err)
+
+    @staticmethod
+    def _schedule_spatial(sch, block, lanes: int, cores: int) -> None:
+        loops = sch.get_loops(block)
+        vectorize_innermost(sch, block, lanes)
+        if cores > 1 and len(loops) > 1:
+            parallelize_outer(
+                sch, sch.get_loops(block)[:-1], cores, work=loop_nest_work(sch, block)
+            )
