@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -115,11 +116,15 @@ def run_case(name: str, target, repeat: int, budget: float) -> dict:
 
 
 def markdown(rows: list[dict], machine: dict) -> str:
+    about = ", ".join(
+        f"{k} {machine[k]}" for k in ("processor", "threads", "tvm", "onnxruntime", "date", "load")
+    )
     lines = [
         "# Window reductions on the CPU: WindowReduction vs the fallback rule vs ONNX Runtime",
         "",
-        f"Machine: {machine}. Single-op ONNX models, medians of alternating rounds "
-        "(`python scripts/bench_window.py`).",
+        f"Machine: {about}; target `{machine['target']}`. Single-op ONNX models, medians of "
+        "alternating rounds (`python scripts/bench_window.py`); the fallback build is ours with "
+        "the WindowReduction rule switched off.",
         "",
         "| case | ours ms | fallback ms | ORT ms | ours / fallback | ours / ORT |",
         "|---|---|---|---|---|---|",
@@ -138,6 +143,8 @@ def main(argv=None) -> int:
     from tvm_fusion.target import parse_target
 
     target = parse_target(args.target)
+    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(f"load at start: {load}", flush=True)
     names = [n for n in CASES if args.match is None or args.match in n]
     rows = []
     for name in names:
@@ -148,7 +155,7 @@ def main(argv=None) -> int:
             f"ORT {row['ort_ms']} ms",
             flush=True,
         )
-    machine = machine_info(target)
+    machine = {**machine_info(target), "load": load}
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")

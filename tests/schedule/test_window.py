@@ -41,6 +41,12 @@ CASES = {
         (5, 9, 19),
         lambda x: F.conv2d(_t(x), _t(DW), _t(DW_BIAS), padding=1, groups=5),
     ),
+    # (b, 4, 10, 24): whole vectors, no tail; a fused activation
+    "depthwise_tile": (
+        lambda x: R.nn.relu(R.nn.conv2d(x, relax.const(DW[:4]), padding=[1, 1, 1, 1], groups=4)),
+        (4, 10, 24),
+        lambda x: F.relu(F.conv2d(_t(x), _t(DW[:4]), padding=1, groups=4)),
+    ),
     # ConvNeXt's 7 x 7, stride 2 and a row narrower than a vector
     "depthwise_k7_s2": (
         lambda x: R.nn.conv2d(x, relax.const(DW7), strides=[2, 2], padding=[3, 3, 3, 3], groups=3),
