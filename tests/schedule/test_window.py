@@ -1,6 +1,7 @@
 """The CPU WindowReduction rule: depthwise convolution and pooling (1d, 2d, 3d) as the importers
 emit them in NCHW, scheduled by the rule instead of the fallback, at odd sizes (a vector tail),
-with a symbolic batch (and symbolic spatial axes), numbers against torch.
+with a symbolic batch (and symbolic spatial axes), numbers against torch; also a channel
+multiplier (groups < output channels) and dilation.
 
 Must not fire: a regular convolution (a reduction over input channels: the Matmul rule's), a
 GEMM, a row sum.
@@ -23,6 +24,7 @@ F = torch.nn.functional
 RNG = np.random.default_rng(35)
 DW = RNG.standard_normal((5, 1, 3, 3)).astype("float32") / 3
 DW_BIAS = RNG.standard_normal(5).astype("float32")
+DW2 = RNG.standard_normal((8, 1, 3, 3)).astype("float32") / 3
 DW7 = RNG.standard_normal((3, 1, 7, 7)).astype("float32") / 7
 CONV = RNG.standard_normal((4, 3, 3, 3)).astype("float32") / 3
 
@@ -52,6 +54,17 @@ CASES = {
         lambda x: R.nn.conv2d(x, relax.const(DW7), strides=[2, 2], padding=[3, 3, 3, 3], groups=3),
         (3, 11, 13),
         lambda x: F.conv2d(_t(x), _t(DW7), stride=2, padding=3, groups=3),
+    ),
+    # a channel multiplier of 2 (8 output channels from 4 groups)
+    "depthwise_multiplier": (
+        lambda x: R.nn.conv2d(x, relax.const(DW2), padding=[1, 1, 1, 1], groups=4),
+        (4, 9, 11),
+        lambda x: F.conv2d(_t(x), _t(DW2), padding=1, groups=4),
+    ),
+    "maxpool2d_dilated": (
+        lambda x: R.nn.max_pool2d(x, pool_size=[3, 3], dilation=[2, 2], padding=[1, 1, 1, 1]),
+        (4, 9, 11),
+        lambda x: F.max_pool2d(_t(x), 3, 1, 1, dilation=2),
     ),
     # ResNet's stem pooling at odd sizes
     "maxpool2d": (
