@@ -78,7 +78,14 @@ def test_rule_choice(name, target):
 def test_rules_skip_gpu_targets():
     func = _prim_funcs(_module(CASES["softmax"][0], (4, 32)), tvm_fusion.host_target())[0]
     gpu = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
-    for rule in (cpu.Matmul(), cpu.RowReduction(), cpu.Injective(), cpu.Fallback()):
+    rules = (
+        cpu.Matmul(),
+        cpu.RowReduction(),
+        cpu.Injective(),
+        cpu.WindowReduction(),
+        cpu.Fallback(),
+    )
+    for rule in rules:
         assert rule.apply(func, gpu, False) is None
 
 

@@ -42,7 +42,14 @@ def default_rules(target: Target) -> list[dl.ScheduleRule]:
             dl.gpu.GeneralReduction(),
             dl.gpu.Fallback(),
         ]
-    return [cpu.GateFusion(), cpu.Matmul(), cpu.RowReduction(), cpu.Injective(), cpu.Fallback()]
+    return [
+        cpu.GateFusion(),
+        cpu.Matmul(),
+        cpu.RowReduction(),
+        cpu.Injective(),
+        cpu.WindowReduction(),
+        cpu.Fallback(),
+    ]
 
 
 def default_schedule_pass(target: Target) -> tvm.transform.Pass:

@@ -5,5 +5,6 @@ from .gate_fusion import GateFusion
 from .injective import Injective
 from .matmul import Matmul
 from .reduction import RowReduction
+from .window import WindowReduction
 
-__all__ = ["Fallback", "GateFusion", "Injective", "Matmul", "RowReduction"]
+__all__ = ["Fallback", "GateFusion", "Injective", "Matmul", "RowReduction", "WindowReduction"]
