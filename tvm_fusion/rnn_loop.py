@@ -148,6 +148,22 @@ def loop_kernel(
             return x
         return T.max(T.min(x, T.float32(clip)), T.float32(-clip))
 
+    @T.macro
+    def store_y(y, hs, s, seq, n, jb):
+        """``Y`` of step ``s`` (time reversed in a reverse direction), row ``n``, unit block
+        ``jb``: the new hidden state; the units past ``hidden`` of the last block not written."""
+        if hidden % lanes == 0:  # whole blocks: one vector store
+            for v in T.vectorized(lanes):
+                y[s + rev * (seq - 1 - 2 * s), n, jb * lanes + v] = hs[
+                    (s + 1) % 2, n, jb * lanes + v
+                ]
+        else:
+            for v in range(lanes):
+                if jb * lanes + v < hidden:
+                    y[s + rev * (seq - 1 - 2 * s), n, jb * lanes + v] = hs[
+                        (s + 1) % 2, n, jb * lanes + v
+                    ]
+
     if kind == "LSTM":
 
         @T.prim_func(private=True, s_tir=True)
@@ -249,21 +265,7 @@ def loop_kernel(
                                             )
                                         )
                                     ) * _tanh(cs[bo * rows + r, jb * lanes + v])
-                                if hidden % lanes == 0:  # whole blocks: one vector store
-                                    for v in T.vectorized(lanes):
-                                        y[
-                                            s + rev * (seq - 1 - 2 * s),
-                                            bo * rows + r,
-                                            jb * lanes + v,
-                                        ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
-                                else:
-                                    for v in range(lanes):
-                                        if jb * lanes + v < hidden:
-                                            y[
-                                                s + rev * (seq - 1 - 2 * s),
-                                                bo * rows + r,
-                                                jb * lanes + v,
-                                            ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                                store_y(y, hs, s, seq, bo * rows + r, jb)
             for n, j in T.grid(batch, hidden):
                 ht[n, j] = hs[seq % 2, n, j]
                 ct[n, j] = cs[n, j]
@@ -360,21 +362,7 @@ def loop_kernel(
                                     ) + gz[bo * rows + r, jb * lanes + v] * hs[
                                         s % 2, bo * rows + r, jb * lanes + v
                                     ]
-                                if hidden % lanes == 0:  # whole blocks: one vector store
-                                    for v in T.vectorized(lanes):
-                                        y[
-                                            s + rev * (seq - 1 - 2 * s),
-                                            bo * rows + r,
-                                            jb * lanes + v,
-                                        ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
-                                else:
-                                    for v in range(lanes):
-                                        if jb * lanes + v < hidden:
-                                            y[
-                                                s + rev * (seq - 1 - 2 * s),
-                                                bo * rows + r,
-                                                jb * lanes + v,
-                                            ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                                store_y(y, hs, s, seq, bo * rows + r, jb)
             for n, j in T.grid(batch, hidden):
                 ht[n, j] = hs[seq % 2, n, j]
 
@@ -436,19 +424,7 @@ def loop_kernel(
                                         )
                                     )
                                 )
-                            if hidden % lanes == 0:  # whole blocks: one vector store
-                                for v in T.vectorized(lanes):
-                                    y[
-                                        s + rev * (seq - 1 - 2 * s), bo * rows + r, jb * lanes + v
-                                    ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
-                            else:
-                                for v in range(lanes):
-                                    if jb * lanes + v < hidden:
-                                        y[
-                                            s + rev * (seq - 1 - 2 * s),
-                                            bo * rows + r,
-                                            jb * lanes + v,
-                                        ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                            store_y(y, hs, s, seq, bo * rows + r, jb)
         for n, j in T.grid(batch, hidden):
             ht[n, j] = hs[seq % 2, n, j]
 
