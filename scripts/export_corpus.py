@@ -120,21 +120,7 @@ def bert_mlm():
         attention_probs_dropout_prob=0.0,
         attn_implementation="eager",
     )
-    model = BertForMaskedLM(cfg).eval()
-
-    class Wrap(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, input_ids, attention_mask, labels):
-            out = self.m(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                labels=labels,
-                return_dict=False,
-            )
-            return out[0], out[1]
+    model = _masked_lm(BertForMaskedLM(cfg).eval())
 
     def inputs(b, s):
         labels = _tokens(b, s)
@@ -145,14 +131,31 @@ def bert_mlm():
 
     dyn = {0: "batch", 1: "seq"}
     axes = {"input_ids": dyn, "attention_mask": dyn, "labels": dyn, "logits": dyn}
-    return Wrap(), inputs, ["loss", "logits"], axes, ["fuse_cross_entropy (MLM loss)"]
+    return model, inputs, ["loss", "logits"], axes, ["fuse_cross_entropy (MLM loss)"]
 
 
-def distilbert():
+def _masked_lm(model):
+    """A transformers masked LM as (input_ids, attention_mask, labels) -> (loss, logits)."""
     import torch
-    from transformers import DistilBertConfig, DistilBertModel
 
-    cfg = DistilBertConfig(
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask, labels):
+            out = self.m(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_dict=False
+            )
+            return out[0], out[1]
+
+    return Wrap()
+
+
+def _distilbert_config():
+    from transformers import DistilBertConfig
+
+    return DistilBertConfig(
         vocab_size=S.vocab,
         dim=S.hidden,
         n_layers=S.layers,
@@ -163,6 +166,13 @@ def distilbert():
         attention_dropout=0.0,
         attn_implementation="eager",
     )
+
+
+def distilbert():
+    import torch
+    from transformers import DistilBertModel
+
+    cfg = _distilbert_config()
     model = DistilBertModel(cfg).eval()
 
     class Wrap(torch.nn.Module):
@@ -699,32 +709,10 @@ def whisper_encoder():
 
 
 def distilbert_labels():
-    import torch
-    from transformers import DistilBertConfig, DistilBertForMaskedLM
+    from transformers import DistilBertForMaskedLM
 
-    cfg = DistilBertConfig(
-        vocab_size=S.vocab,
-        dim=S.hidden,
-        n_layers=S.layers,
-        n_heads=S.heads,
-        hidden_dim=S.inner,
-        max_position_embeddings=S.max_pos,
-        dropout=0.0,
-        attention_dropout=0.0,
-        attn_implementation="eager",
-    )
-    model = DistilBertForMaskedLM(cfg).eval()
-
-    class Wrap(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, input_ids, attention_mask, labels):
-            out = self.m(
-                input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_dict=False
-            )
-            return out[0], out[1]
+    cfg = _distilbert_config()
+    model = _masked_lm(DistilBertForMaskedLM(cfg).eval())
 
     def inputs(b, s):
         labels = _tokens(b, s)
@@ -733,7 +721,7 @@ def distilbert_labels():
 
     dyn = {0: "batch", 1: "seq"}
     axes = {"input_ids": dyn, "attention_mask": dyn, "labels": dyn, "logits": dyn}
-    return Wrap(), inputs, ["loss", "logits"], axes, ["fuse_cross_entropy (MLM loss)"]
+    return model, inputs, ["loss", "logits"], axes, ["fuse_cross_entropy (MLM loss)"]
 
 
 MODELS.update(

@@ -125,7 +125,6 @@ def bart():
 
 
 def roberta_mlm():
-    import torch
     from transformers import RobertaConfig, RobertaForMaskedLM
 
     S = corpus.S
@@ -140,18 +139,7 @@ def roberta_mlm():
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    model = RobertaForMaskedLM(cfg).eval()
-
-    class Wrap(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, input_ids, attention_mask, labels):
-            out = self.m(
-                input_ids=input_ids, attention_mask=attention_mask, labels=labels, return_dict=False
-            )
-            return out[0], out[1]
+    model = corpus._masked_lm(RobertaForMaskedLM(cfg).eval())
 
     def inputs(b, s):
         labels = _tokens(b, s)
@@ -160,7 +148,7 @@ def roberta_mlm():
         return {"input_ids": ids, "attention_mask": corpus._padded_mask(b, s), "labels": labels}
 
     axes = {"input_ids": DYN, "attention_mask": DYN, "labels": DYN}
-    return Wrap(), inputs, ["loss", "logits"], axes, ["fuse_cross_entropy (MLM loss)"]
+    return model, inputs, ["loss", "logits"], axes, ["fuse_cross_entropy (MLM loss)"]
 
 
 def albert():
@@ -204,13 +192,22 @@ def mobilebert():
     return _encoder(MobileBertModel(cfg).eval(), patterns=["bottlenecks, NoNorm"])
 
 
+def _decoder_lm(config_cls, model_cls, pattern: str, left_pad=False, **kw):
+    """A decoder-only LM from ``corpus._lm_config(config_cls, **kw)``, with its pattern."""
+    cfg = corpus._lm_config(config_cls, **kw)
+    wrap = corpus._causal_lm(model_cls(cfg).eval(), left_pad=left_pad)
+    return (*wrap[:4], [pattern])
+
+
 def gemma():
     """Gemma: GeGLU with the tanh GELU, RMSNorm (1 + w), embeddings scaled by sqrt(hidden)."""
     from transformers import GemmaConfig, GemmaForCausalLM
 
     S = corpus.S
-    cfg = corpus._lm_config(
+    return _decoder_lm(
         GemmaConfig,
+        GemmaForCausalLM,
+        "fuse_split_gates (GeGLU, tanh GELU, sibling linears)",
         hidden_size=S.hidden,
         intermediate_size=S.inner,
         num_hidden_layers=S.layers,
@@ -219,32 +216,33 @@ def gemma():
         head_dim=10,
         hidden_activation="gelu_pytorch_tanh",
     )
-    wrap = corpus._causal_lm(GemmaForCausalLM(cfg).eval(), left_pad=False)
-    return (*wrap[:4], ["fuse_split_gates (GeGLU, tanh GELU, sibling linears)"])
 
 
 def bloom():
     from transformers import BloomConfig, BloomForCausalLM
 
     S = corpus.S
-    cfg = corpus._lm_config(
+    return _decoder_lm(
         BloomConfig,
+        BloomForCausalLM,
+        "ALiBi from a cumsum of the mask",
+        left_pad=True,
         hidden_size=S.hidden,
         n_layer=S.layers,
         n_head=S.heads,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    wrap = corpus._causal_lm(BloomForCausalLM(cfg).eval(), left_pad=True)
-    return (*wrap[:4], ["ALiBi from a cumsum of the mask"])
 
 
 def gptj():
     from transformers import GPTJConfig, GPTJForCausalLM
 
     S = corpus.S
-    cfg = corpus._lm_config(
+    return _decoder_lm(
         GPTJConfig,
+        GPTJForCausalLM,
+        "interleaved rotary, parallel attention + MLP",
         n_embd=S.hidden,
         n_inner=S.inner,
         n_layer=S.layers,
@@ -255,8 +253,6 @@ def gptj():
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    wrap = corpus._causal_lm(GPTJForCausalLM(cfg).eval(), left_pad=False)
-    return (*wrap[:4], ["interleaved rotary, parallel attention + MLP"])
 
 
 def _vision(model_cls, config, size):
@@ -285,7 +281,7 @@ def convnext():
     return _vision(ConvNextModel, cfg, 36)
 
 
-def _mlp_model(forward_gate, gates: int):
+def _mlp_model(forward_gate, gates: int, pattern: str):
     import torch
 
     S = corpus.S
@@ -302,7 +298,7 @@ def _mlp_model(forward_gate, gates: int):
     def inputs(b, s):
         return {"x": torch.randn(b, s, S.hidden)}
 
-    return MLP().eval(), inputs, ["y"], {"x": DYN}, []
+    return MLP().eval(), inputs, ["y"], {"x": DYN}, [pattern]
 
 
 def geglu_split():
@@ -313,8 +309,7 @@ def geglu_split():
         a, b = h.split(corpus.S.inner, dim=-1)
         return torch.nn.functional.gelu(a) * b
 
-    model = _mlp_model(gate, 2)
-    return (*model[:4], ["fuse_split_gates (GeGLU erf, split)"])
+    return _mlp_model(gate, 2, "fuse_split_gates (GeGLU erf, split)")
 
 
 def geglu_tanh_unbind():
@@ -325,8 +320,7 @@ def geglu_tanh_unbind():
         a, b = h.unflatten(-1, (2, corpus.S.inner)).unbind(-2)
         return torch.nn.functional.gelu(a, approximate="tanh") * b
 
-    model = _mlp_model(gate, 2)
-    return (*model[:4], ["fuse_split_gates (GeGLU tanh, unbind)"])
+    return _mlp_model(gate, 2, "fuse_split_gates (GeGLU tanh, unbind)")
 
 
 def swiglu_sigmoid():
@@ -337,8 +331,7 @@ def swiglu_sigmoid():
         a, b = h.chunk(2, dim=-1)
         return a * torch.sigmoid(a) * b
 
-    model = _mlp_model(gate, 2)
-    return (*model[:4], ["fuse_split_gates (x * sigmoid(x) * y)"])
+    return _mlp_model(gate, 2, "fuse_split_gates (x * sigmoid(x) * y)")
 
 
 def ce_head():

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import re
+import shutil
 
 import numpy as np
+import pytest
 import tvm
 
 from tvm_fusion import engine
 from tvm_fusion.target import host_target
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
 
 def run(mod: tvm.IRModule, inputs, pipeline: str = "tvm_fusion", target=None, **options):
@@ -49,6 +53,52 @@ def run_kernel(func: tvm.tirx.PrimFunc, args: list[np.ndarray]) -> list[np.ndarr
     tensors = [tvm.runtime.tensor(a) for a in args]
     lib["main"](*tensors)
     return [t.numpy() for t in tensors]
+
+
+def assert_computes_the_same(func, scheduled, rows: int, scale=1.0, tol=1e-5) -> None:
+    """``scheduled`` (a schedule of ``func``), its thread loops run serially
+    (:func:`sequential`), gives the numbers of the unscheduled ``func`` on llvm: float32
+    arguments drawn standard normal times ``scale``, symbolic dims at ``rows``."""
+    rng = np.random.default_rng(0)
+    args = []
+    for param in func.params:
+        shape = [int(d) if isinstance(d, tvm.tirx.IntImm) else rows for d in param.shape]
+        args.append((rng.standard_normal(shape) * scale).astype("float32"))
+    ours = run_kernel(sequential(scheduled), args)
+    plain = run_kernel(func, args)
+    for a, b in zip(ours, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+def assert_gate_tile_fits(tile, gemm_gates: list[int], elem: int = 4) -> None:
+    """A tile of the CUDA gate rule within its budgets: accumulators per thread, static shared
+    memory (``elem``-byte elements), 32 to 256 threads."""
+    from tvm_fusion.schedule.cuda.gate_fusion import ACC_BUDGET, SMEM_BUDGET, TU, _smem_bytes
+
+    assert sum(gemm_gates) * tile.tm * TU <= ACC_BUDGET, tile
+    assert _smem_bytes(tile, gemm_gates, elem) <= SMEM_BUDGET, tile
+    assert 32 <= tile.threads <= 256, tile
+
+
+def gate_kernel_check(compiled, scopes=("shared", "local")):
+    """The ``cuda_check`` report of the one kernel GateFusion scheduled in a CUDA build,
+    asserting that there is one (one kernel per gate group) and that it allocates buffers in
+    ``scopes`` only (no ``(rows, gates, D)`` buffer in global memory)."""
+    from tvm_fusion import cuda_check, tir_util
+
+    gate_funcs = {
+        gv.name_hint: f
+        for gv, f in compiled.lowered.functions_items()
+        if isinstance(f, tvm.tirx.PrimFunc)
+        and f.attrs.get("tvm_fusion.schedule_rule") == "GateFusion"
+    }
+    assert len(gate_funcs) == 1, list(gate_funcs)
+    (func,) = gate_funcs.values()
+    for buf in tir_util.allocated_buffers(func):
+        assert buf.scope() in scopes, buf
+    checks = {k.name: k for k in cuda_check.check(compiled)}
+    (gate,) = [k for n, k in checks.items() if n.startswith(next(iter(gate_funcs)))]
+    return gate
 
 
 class Base:

@@ -390,6 +390,18 @@ def _workload_list(spec: str | None) -> list[str] | None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _add_model(p: argparse.ArgumentParser) -> None:
+    """The model argument and ``--shape`` of compile, explain and tune."""
+    p.add_argument("model", help="MODEL.onnx, MODEL.pt2 (torch.export.save) or a workload name")
+    p.add_argument(
+        "--shape",
+        action="append",
+        type=_shape_arg,
+        metavar="NAME=D1,D2",
+        help="input shape: dims 1..2**31-1 or names of symbolic dims",
+    )
+
+
 def _add_common(p: argparse.ArgumentParser, with_passes: bool = True) -> None:
     p.add_argument(
         "--target",
@@ -433,28 +445,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("compile", help="compile an ONNX model to a shared library")
-    p.add_argument("model", help="MODEL.onnx, MODEL.pt2 (torch.export.save) or a workload name")
+    _add_model(p)
     p.add_argument("-o", "--output", required=True, help="output .so")
-    p.add_argument(
-        "--shape",
-        action="append",
-        type=_shape_arg,
-        metavar="NAME=D1,D2",
-        help="input shape: dims 1..2**31-1 or names of symbolic dims",
-    )
     p.add_argument("--dump-dir", default=None, help="write the IR after every phase here")
     _add_common(p)
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("explain", help="fusion report: groups stock vs ours, rewrites per pass")
-    p.add_argument("model", help="MODEL.onnx, MODEL.pt2 (torch.export.save) or a workload name")
-    p.add_argument(
-        "--shape",
-        action="append",
-        type=_shape_arg,
-        metavar="NAME=D1,D2",
-        help="input shape: dims 1..2**31-1 or names of symbolic dims",
-    )
+    _add_model(p)
     p.add_argument("--dot", default=None, metavar="FILE", help="write the fused graph as DOT")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
@@ -467,14 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("tune", help="MetaSchedule tuning run over the fused groups")
-    p.add_argument("model", help="MODEL.onnx, MODEL.pt2 (torch.export.save) or a workload name")
-    p.add_argument(
-        "--shape",
-        action="append",
-        type=_shape_arg,
-        metavar="NAME=D1,D2",
-        help="input shape: dims 1..2**31-1 or names of symbolic dims",
-    )
+    _add_model(p)
     p.add_argument("--size", default="seed", choices=["seed", "small"], help="workload size")
     p.add_argument(
         "--trials", type=_positive_int, default=64, help="measurements in all (resumable)"

@@ -650,31 +650,40 @@ def _shape_chains(rng):
     return g.model(), feeds, " ".join(str(c) for c in chains)
 
 
-_BUILDERS: dict[str, Callable] = {
-    "gates": _gates,
-    "gemms": _gemms,
-    "range_gather": _range_gather,
-    "views": _views,
-    "cross_entropy": _cross_entropy,
-    "shape_chains": _shape_chains,
-}
+def family_builders(scope: dict) -> dict[str, Callable]:
+    """The builder of each family in a fuzzer module: ``scope["_" + family]`` (its globals)."""
+    return {family: scope[f"_{family}"] for family in FAMILIES}
+
+
+def draw(
+    builders: dict[str, Callable], family: str, seed: int, stream=0, before=None, what="graph"
+):
+    """``builders[family](rng)`` for ``seed``, deterministic: the generator is seeded by
+    ``(stream + the family's index, seed)`` and the builder called again (at most 100 times)
+    while it raises :class:`InvalidCase`; ``before()`` runs before each call."""
+    if family not in builders:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    rng = np.random.default_rng([stream + FAMILIES.index(family), seed])
+    for _ in range(100):
+        if before is not None:
+            before()
+        try:
+            return builders[family](rng)
+        except InvalidCase:
+            continue
+    raise RuntimeError(f"{family} seed {seed}: no valid {what} in 100 draws")
+
+
+_BUILDERS = family_builders(globals())
 
 
 def generate(family: str, seed: int) -> Case:
     """The case of ``family`` for ``seed``: deterministic; redraws until the graph is valid."""
     import onnx
 
-    if family not in _BUILDERS:
-        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
-    rng = np.random.default_rng([FAMILIES.index(family), seed])
-    for _ in range(100):
-        try:
-            model, feeds, note = _BUILDERS[family](rng)
-        except InvalidCase:
-            continue
-        onnx.checker.check_model(model, full_check=True)
-        return Case(family, seed, model, feeds, note)
-    raise RuntimeError(f"{family} seed {seed}: no valid graph in 100 draws")
+    model, feeds, note = draw(_BUILDERS, family, seed)
+    onnx.checker.check_model(model, full_check=True)
+    return Case(family, seed, model, feeds, note)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,9 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .fuzz import SIZES, InvalidCase, compare
+from .fuzz import FAMILIES, SIZES, InvalidCase, compare, draw, family_builders
 
-FAMILIES = ("gates", "gemms", "range_gather", "views", "cross_entropy", "shape_chains")
 RUNNER = "tvm_fusion.fuzz_torch:run_case"
 LOADER = "tvm_fusion.fuzz_torch:load_case"
 # the size dynamic dims are exported at: none of SIZES, so no feed is the traced size and no
@@ -669,30 +668,17 @@ def _shape_chains(rng) -> Spec:
     return Spec(_module(fwd, **kids), inputs, note, rng.random() < 0.7)
 
 
-_BUILDERS: dict[str, Callable] = {
-    "gates": _gates,
-    "gemms": _gemms,
-    "range_gather": _range_gather,
-    "views": _views,
-    "cross_entropy": _cross_entropy,
-    "shape_chains": _shape_chains,
-}
+_BUILDERS = family_builders(globals())
 
 
 def build(family: str, seed: int) -> Spec:
     """The module of ``family`` for ``seed``: deterministic (weights included)."""
     import torch
 
-    if family not in _BUILDERS:
-        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
-    rng = np.random.default_rng([100 + FAMILIES.index(family), seed])
-    for _ in range(100):
+    def reseed():
         torch.manual_seed(seed)
-        try:
-            return _BUILDERS[family](rng)
-        except InvalidCase:
-            continue
-    raise RuntimeError(f"{family} seed {seed}: no valid module in 100 draws")
+
+    return draw(_BUILDERS, family, seed, stream=100, before=reseed, what="module")
 
 
 def generate(family: str, seed: int) -> TorchCase:

@@ -148,6 +148,44 @@ def loop_kernel(
             return x
         return T.max(T.min(x, T.float32(clip)), T.float32(-clip))
 
+    def gate_in(proj, s, seq, n, g, jb, v):
+        """The input projection of gate ``g`` at step ``s`` (time reversed in a reverse
+        direction), row ``n``, unit ``jb * lanes + v`` (clamped into the projection)."""
+        unit = jb * lanes + v if g == 0 else g * hidden + jb * lanes + v
+        return _at(proj, s + rev * (seq - 1 - 2 * s), n, T.min(unit, width - 1), batch_major)
+
+    @T.macro
+    def accumulate(acc, w, b, hs, s, batch, bo, jb):
+        """``acc`` (rows, gates, lanes) = ``Rb`` + the previous hidden state of rows ``bo *
+        rows ...`` (the rows past the batch read its last row) times the unit block ``jb`` of
+        the blocked weight."""
+        for r, g, v in T.grid(rows, gates, lanes):
+            acc[r, g, v] = b[g, jb * lanes + v]
+        for k in range(hidden):
+            for r in T.unroll(rows):
+                for g in T.unroll(gates):
+                    for v in T.vectorized(lanes):
+                        acc[r, g, v] = (
+                            acc[r, g, v]
+                            + hs[s % 2, T.min(bo * rows + r, batch - 1), k] * w[jb, k, g, v]
+                        )
+
+    @T.macro
+    def store_y(y, hs, s, seq, n, jb):
+        """``Y`` of step ``s`` (time reversed in a reverse direction), row ``n``, unit block
+        ``jb``: the new hidden state; the units past ``hidden`` of the last block not written."""
+        if hidden % lanes == 0:  # whole blocks: one vector store
+            for v in T.vectorized(lanes):
+                y[s + rev * (seq - 1 - 2 * s), n, jb * lanes + v] = hs[
+                    (s + 1) % 2, n, jb * lanes + v
+                ]
+        else:
+            for v in range(lanes):
+                if jb * lanes + v < hidden:
+                    y[s + rev * (seq - 1 - 2 * s), n, jb * lanes + v] = hs[
+                        (s + 1) % 2, n, jb * lanes + v
+                    ]
+
     if kind == "LSTM":
 
         @T.prim_func(private=True, s_tir=True)
@@ -189,81 +227,33 @@ def loop_kernel(
                 for jb in blocks_loop(blocks):
                     for bo in range((batch + rows - 1) // rows):
                         acc = T.decl_buffer((rows, gates, lanes), "float32", scope="local")
-                        for r, g, v in T.grid(rows, gates, lanes):
-                            acc[r, g, v] = b[g, jb * lanes + v]
-                        for k in range(hidden):
-                            for r in T.unroll(rows):
-                                for g in T.unroll(gates):
-                                    for v in T.vectorized(lanes):
-                                        acc[r, g, v] = (
-                                            acc[r, g, v]
-                                            + hs[s % 2, T.min(bo * rows + r, batch - 1), k]
-                                            * w[jb, k, g, v]
-                                        )
+                        accumulate(acc, w, b, hs, s, batch, bo, jb)
                         for r in range(rows):
                             if bo * rows + r < batch:
                                 for v in T.vectorized(lanes):
                                     cs[bo * rows + r, jb * lanes + v] = _sigmoid(
                                         clipped(
                                             acc[r, 2, v]
-                                            + _at(
-                                                proj,
-                                                s + rev * (seq - 1 - 2 * s),
-                                                bo * rows + r,
-                                                T.min(2 * hidden + jb * lanes + v, width - 1),
-                                                batch_major,
-                                            )
+                                            + gate_in(proj, s, seq, bo * rows + r, 2, jb, v)
                                         )
                                     ) * cs[bo * rows + r, jb * lanes + v] + _sigmoid(
                                         clipped(
                                             acc[r, 0, v]
-                                            + _at(
-                                                proj,
-                                                s + rev * (seq - 1 - 2 * s),
-                                                bo * rows + r,
-                                                T.min(jb * lanes + v, width - 1),
-                                                batch_major,
-                                            )
+                                            + gate_in(proj, s, seq, bo * rows + r, 0, jb, v)
                                         )
                                     ) * _tanh(
                                         clipped(
                                             acc[r, 3, v]
-                                            + _at(
-                                                proj,
-                                                s + rev * (seq - 1 - 2 * s),
-                                                bo * rows + r,
-                                                T.min(3 * hidden + jb * lanes + v, width - 1),
-                                                batch_major,
-                                            )
+                                            + gate_in(proj, s, seq, bo * rows + r, 3, jb, v)
                                         )
                                     )
                                     hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = _sigmoid(
                                         clipped(
                                             acc[r, 1, v]
-                                            + _at(
-                                                proj,
-                                                s + rev * (seq - 1 - 2 * s),
-                                                bo * rows + r,
-                                                T.min(hidden + jb * lanes + v, width - 1),
-                                                batch_major,
-                                            )
+                                            + gate_in(proj, s, seq, bo * rows + r, 1, jb, v)
                                         )
                                     ) * _tanh(cs[bo * rows + r, jb * lanes + v])
-                                if hidden % lanes == 0:  # whole blocks: one vector store
-                                    for v in T.vectorized(lanes):
-                                        y[
-                                            s + rev * (seq - 1 - 2 * s),
-                                            bo * rows + r,
-                                            jb * lanes + v,
-                                        ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
-                                else:
-                                    for v in range(lanes):
-                                        if jb * lanes + v < hidden:
-                                            y[
-                                                s + rev * (seq - 1 - 2 * s),
-                                                bo * rows + r,
-                                                jb * lanes + v,
-                                            ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                                store_y(y, hs, s, seq, bo * rows + r, jb)
             for n, j in T.grid(batch, hidden):
                 ht[n, j] = hs[seq % 2, n, j]
                 ct[n, j] = cs[n, j]
@@ -305,17 +295,7 @@ def loop_kernel(
                 for jb in blocks_loop(blocks):
                     for bo in range((batch + rows - 1) // rows):
                         acc = T.decl_buffer((rows, gates, lanes), "float32", scope="local")
-                        for r, g, v in T.grid(rows, gates, lanes):
-                            acc[r, g, v] = b[g, jb * lanes + v]
-                        for k in range(hidden):
-                            for r in T.unroll(rows):
-                                for g in T.unroll(gates):
-                                    for v in T.vectorized(lanes):
-                                        acc[r, g, v] = (
-                                            acc[r, g, v]
-                                            + hs[s % 2, T.min(bo * rows + r, batch - 1), k]
-                                            * w[jb, k, g, v]
-                                        )
+                        accumulate(acc, w, b, hs, s, batch, bo, jb)
                         for r in range(rows):
                             if bo * rows + r < batch:
                                 for v in T.vectorized(lanes):
@@ -323,36 +303,18 @@ def loop_kernel(
                                     gz[bo * rows + r, jb * lanes + v] = _sigmoid(
                                         clipped(
                                             acc[r, 0, v]
-                                            + _at(
-                                                proj,
-                                                s + rev * (seq - 1 - 2 * s),
-                                                bo * rows + r,
-                                                T.min(jb * lanes + v, width - 1),
-                                                batch_major,
-                                            )
+                                            + gate_in(proj, s, seq, bo * rows + r, 0, jb, v)
                                         )
                                     )
                                     hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = (
                                         T.float32(1) - gz[bo * rows + r, jb * lanes + v]
                                     ) * _tanh(
                                         clipped(
-                                            _at(
-                                                proj,
-                                                s + rev * (seq - 1 - 2 * s),
-                                                bo * rows + r,
-                                                T.min(2 * hidden + jb * lanes + v, width - 1),
-                                                batch_major,
-                                            )
+                                            gate_in(proj, s, seq, bo * rows + r, 2, jb, v)
                                             + _sigmoid(
                                                 clipped(
                                                     acc[r, 1, v]
-                                                    + _at(
-                                                        proj,
-                                                        s + rev * (seq - 1 - 2 * s),
-                                                        bo * rows + r,
-                                                        T.min(hidden + jb * lanes + v, width - 1),
-                                                        batch_major,
-                                                    )
+                                                    + gate_in(proj, s, seq, bo * rows + r, 1, jb, v)
                                                 )
                                             )
                                             * acc[r, 2, v]
@@ -360,21 +322,7 @@ def loop_kernel(
                                     ) + gz[bo * rows + r, jb * lanes + v] * hs[
                                         s % 2, bo * rows + r, jb * lanes + v
                                     ]
-                                if hidden % lanes == 0:  # whole blocks: one vector store
-                                    for v in T.vectorized(lanes):
-                                        y[
-                                            s + rev * (seq - 1 - 2 * s),
-                                            bo * rows + r,
-                                            jb * lanes + v,
-                                        ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
-                                else:
-                                    for v in range(lanes):
-                                        if jb * lanes + v < hidden:
-                                            y[
-                                                s + rev * (seq - 1 - 2 * s),
-                                                bo * rows + r,
-                                                jb * lanes + v,
-                                            ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                                store_y(y, hs, s, seq, bo * rows + r, jb)
             for n, j in T.grid(batch, hidden):
                 ht[n, j] = hs[seq % 2, n, j]
 
@@ -410,45 +358,17 @@ def loop_kernel(
             for jb in blocks_loop(blocks):
                 for bo in range((batch + rows - 1) // rows):
                     acc = T.decl_buffer((rows, gates, lanes), "float32", scope="local")
-                    for r, g, v in T.grid(rows, gates, lanes):
-                        acc[r, g, v] = b[g, jb * lanes + v]
-                    for k in range(hidden):
-                        for r in T.unroll(rows):
-                            for g in T.unroll(gates):
-                                for v in T.vectorized(lanes):
-                                    acc[r, g, v] = (
-                                        acc[r, g, v]
-                                        + hs[s % 2, T.min(bo * rows + r, batch - 1), k]
-                                        * w[jb, k, g, v]
-                                    )
+                    accumulate(acc, w, b, hs, s, batch, bo, jb)
                     for r in range(rows):
                         if bo * rows + r < batch:
                             for v in T.vectorized(lanes):
                                 hs[(s + 1) % 2, bo * rows + r, jb * lanes + v] = _tanh(
                                     clipped(
                                         acc[r, 0, v]
-                                        + _at(
-                                            proj,
-                                            s + rev * (seq - 1 - 2 * s),
-                                            bo * rows + r,
-                                            T.min(jb * lanes + v, width - 1),
-                                            batch_major,
-                                        )
+                                        + gate_in(proj, s, seq, bo * rows + r, 0, jb, v)
                                     )
                                 )
-                            if hidden % lanes == 0:  # whole blocks: one vector store
-                                for v in T.vectorized(lanes):
-                                    y[
-                                        s + rev * (seq - 1 - 2 * s), bo * rows + r, jb * lanes + v
-                                    ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
-                            else:
-                                for v in range(lanes):
-                                    if jb * lanes + v < hidden:
-                                        y[
-                                            s + rev * (seq - 1 - 2 * s),
-                                            bo * rows + r,
-                                            jb * lanes + v,
-                                        ] = hs[(s + 1) % 2, bo * rows + r, jb * lanes + v]
+                            store_y(y, hs, s, seq, bo * rows + r, jb)
         for n, j in T.grid(batch, hidden):
             ht[n, j] = hs[seq % 2, n, j]
 

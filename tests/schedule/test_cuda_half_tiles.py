@@ -8,16 +8,9 @@ benchmark sizes.
 from __future__ import annotations
 
 import pytest
+from helpers import assert_gate_tile_fits
 
-from tvm_fusion.schedule.cuda.gate_fusion import (
-    ACC_BUDGET,
-    SMEM_BUDGET,
-    SMS,
-    TU,
-    _smem_bytes,
-    blocks,
-    choose_tile,
-)
+from tvm_fusion.schedule.cuda.gate_fusion import SMS, _smem_bytes, blocks, choose_tile
 
 
 @pytest.mark.parametrize(
@@ -26,8 +19,7 @@ from tvm_fusion.schedule.cuda.gate_fusion import (
 def test_half_tiles_fit_the_budgets(rows, units, gemm_gates, k):
     tile = choose_tile(rows, units, 32 if units % 32 == 0 else 16, gemm_gates, k, elem=2)
     assert tile.bk == 64 and tile.bn % 8 == 0, tile  # 128-byte rows of x, 16-byte vectors
-    assert sum(gemm_gates) * tile.tm * TU <= ACC_BUDGET and 32 <= tile.threads <= 256
-    assert _smem_bytes(tile, gemm_gates, 2) <= SMEM_BUDGET
+    assert_gate_tile_fits(tile, gemm_gates, elem=2)
     assert _smem_bytes(tile, gemm_gates, 2) == _smem_bytes(tile, gemm_gates) // 2
     if rows * units >= SMS * 32 * 8:
         assert blocks(tile, rows, units) >= SMS, tile

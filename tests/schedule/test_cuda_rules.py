@@ -17,12 +17,11 @@
 from __future__ import annotations
 
 import re
-import shutil
 
 import numpy as np
 import pytest
 import tvm
-from helpers import run_kernel, sequential
+from helpers import assert_computes_the_same, assert_gate_tile_fits, gate_kernel_check, needs_nvcc
 from tvm import relax
 from tvm.relax import op as R
 
@@ -30,17 +29,7 @@ from tvm_fusion import cuda_check, engine, models, pipeline, tir_util
 from tvm_fusion import target as _target
 from tvm_fusion.errors import UsageError
 from tvm_fusion.schedule import cuda
-from tvm_fusion.schedule.cuda.gate_fusion import (
-    ACC_BUDGET,
-    SMEM_BUDGET,
-    SMS,
-    TU,
-    _smem_bytes,
-    blocks,
-    choose_tile,
-)
-
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+from tvm_fusion.schedule.cuda.gate_fusion import SMS, blocks, choose_tile
 
 
 def test_cuda_target_is_complete():
@@ -72,9 +61,8 @@ def test_tune_cuda_without_device_stops_with_one_line(tmp_path):
 )
 def test_tile_fits_budgets_and_fills_the_sms(rows, units, gemm_gates, k):
     tile = choose_tile(rows, units, 32, gemm_gates, k)
-    assert sum(gemm_gates) * tile.tm * TU <= ACC_BUDGET
-    assert _smem_bytes(tile, gemm_gates) <= SMEM_BUDGET
-    assert 32 <= tile.threads <= 256 and tile.bn <= 32
+    assert_gate_tile_fits(tile, gemm_gates)
+    assert tile.bn <= 32
     if rows * units >= SMS * 32 * 8:  # enough work for a block of one warp x 8 rows per SM
         assert blocks(tile, rows, units) >= SMS, tile
     assert choose_tile(tirx_var(), units, 32, gemm_gates, k) is not None
@@ -138,15 +126,7 @@ def test_schedule_computes_the_same(case):
     assert ("software_pipeline_stage" in scheduled.script()) == tiled
     names = [b.name for b in tir_util.allocated_buffers(scheduled)]
     assert any("rf" in name for name in names) == (not tiled), names
-    rng = np.random.default_rng(0)
-    args = []
-    for param in func.params:
-        shape = [int(d) if isinstance(d, tvm.tirx.IntImm) else rows for d in param.shape]
-        args.append((rng.standard_normal(shape) * 0.1).astype("float32"))  # exp stays small
-    ours = run_kernel(sequential(scheduled), args)
-    plain = run_kernel(func, args)
-    for a, b in zip(ours, plain, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert_computes_the_same(func, scheduled, rows, scale=0.1)  # exp stays small
 
 
 @needs_nvcc
@@ -174,18 +154,7 @@ BENCH = {  # workload: (tiled, gate kernels)
 def test_gate_kernels_at_benchmark_size(name):
     inst = models.build(name, "seed")
     compiled = engine.compile_module(inst.mod, _target.cuda_target(), "tvm_fusion")
-    gate_funcs = {
-        gv.name_hint: f
-        for gv, f in compiled.lowered.functions_items()
-        if isinstance(f, tvm.tirx.PrimFunc)
-        and f.attrs.get("tvm_fusion.schedule_rule") == "GateFusion"
-    }
-    assert len(gate_funcs) == 1, list(gate_funcs)  # one kernel per gate group
-    (func,) = gate_funcs.values()
-    for buf in tir_util.allocated_buffers(func):  # no (rows, gates, D) buffer in global memory
-        assert buf.scope() in ("shared", "local"), buf
-    checks = {k.name: k for k in cuda_check.check(compiled)}
-    (gate,) = [k for n, k in checks.items() if n.startswith(next(iter(gate_funcs)))]
+    gate = gate_kernel_check(compiled)
     assert gate.spill_stores == gate.spill_loads == 0, gate.to_text()
     assert gate.registers <= 128 and gate.smem <= 48 * 1024, gate.to_text()
     assert gate.blocks >= SMS, gate.to_text()

@@ -202,7 +202,18 @@ class GatesBase(Base):
     transform = FuseSplitGates(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
 
 
-class TestViewsAroundGemmFold(GatesBase):
+class FusesAsExpected(GatesBase):
+    """``Expected`` is ``Before`` in the form it must fuse as: the pass gives both the same
+    module, and a fused gate group."""
+
+    def test_compare(self):
+        after = self.transform(self.Before)
+        expected = self.transform(self.Expected)
+        tvm.ir.assert_structural_equal(after, expected, map_free_vars=True)
+        assert "fused_gates" in after.script()
+
+
+class TestViewsAroundGemmFold(FusesAsExpected):
     """The frontend's 3-D Linear: the views around the GEMM fold, the gate group then fuses
     (compared with the same module written on N-D rows)."""
 
@@ -237,14 +248,8 @@ class TestViewsAroundGemmFold(GatesBase):
                 R.output(out)
             return out
 
-    def test_compare(self):
-        after = self.transform(self.Before)
-        expected = self.transform(self.Expected)
-        tvm.ir.assert_structural_equal(after, expected, map_free_vars=True)
-        assert "fused_gates" in after.script()
 
-
-class TestUnbindPiecesAreChunks(GatesBase):
+class TestUnbindPiecesAreChunks(FusesAsExpected):
     """torch's ``y.unflatten(-1, (2, D)).unbind(-2)`` as the frontend writes it (reshape, unit
     slices of the new axis, squeezes) fuses as the ``chunk`` of ``y`` does (symbolic rows)."""
 
@@ -275,12 +280,6 @@ class TestUnbindPiecesAreChunks(GatesBase):
                 out = R.multiply(R.nn.gelu_tanh(gate), up)
                 R.output(out)
             return out
-
-    def test_compare(self):
-        after = self.transform(self.Before)
-        expected = self.transform(self.Expected)
-        tvm.ir.assert_structural_equal(after, expected, map_free_vars=True)
-        assert "fused_gates" in after.script()
 
 
 class TestInterleavedUnbindLeftAlone(GatesBase):
@@ -354,7 +353,7 @@ class TestViewMovesTheSplitAxis(GatesBase):
     Expected = Before
 
 
-class TestSiblingViewsFold(GatesBase):
+class TestSiblingViewsFold(FusesAsExpected):
     """Sibling linear layers on 3-D rows, each wrapped in views: both fold onto ``x``, then
     join into one GEMM that fuses (compared with the module written on N-D rows)."""
 
@@ -388,12 +387,6 @@ class TestSiblingViewsFold(GatesBase):
                 out = R.multiply(R.nn.silu(g), u)
                 R.output(out)
             return out
-
-    def test_compare(self):
-        after = self.transform(self.Before)
-        expected = self.transform(self.Expected)
-        tvm.ir.assert_structural_equal(after, expected, map_free_vars=True)
-        assert "fused_gates" in after.script()
 
 
 def _addend_module(addend_shape, y_also_output=False):

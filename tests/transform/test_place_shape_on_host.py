@@ -13,9 +13,11 @@ over a dynamic axis gathered, reversed included.
 """
 
 import numpy as np
+import onnx
 import pytest
 import tvm
 from helpers import Base
+from onnx import TensorProto, helper
 from tvm import relax, tirx
 from tvm.script import ir as I
 from tvm.script import relax as R
@@ -23,6 +25,7 @@ from tvm.script import tirx as T
 
 from tvm_fusion import analysis, engine, host_target, load_onnx
 from tvm_fusion.models import shape_idioms
+from tvm_fusion.models._build import onnx_input, onnx_model
 from tvm_fusion.transform import PlaceShapeOnHost, collect_rewrites
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
@@ -596,10 +599,6 @@ def test_llama_block_export():
 def test_constant_of_shape_empty_is_a_scalar():
     """ConstantOfShape of an empty shape (transformers' mask code) is a scalar; stock's
     importer fails on it."""
-    from onnx import TensorProto, helper
-
-    from tvm_fusion.models._build import onnx_input, onnx_model
-
     model = onnx_model(
         [
             helper.make_node(
@@ -620,75 +619,43 @@ def test_constant_of_shape_empty_is_a_scalar():
     np.testing.assert_array_equal(out.outputs()[0], x - 3.5)
 
 
-# The two halves of an axis, bounds from Shape (issue #27). Run in a subprocess: a crash in
+# Issue #27 cases built here, compiled and run against ONNX Runtime in a subprocess: a crash in
 # compiled code (a shape that overflows int64) must fail the test, not kill pytest.
-_HALVES = """
+_CHECK_WITH_ORT = """
 import sys
 import numpy as np
+import onnx
 import onnxruntime as ort
-from onnx import helper
 
 from tvm_fusion import engine, host_target, load_onnx
-from tvm_fusion.models._build import onnx_input, onnx_model
 
-dim, scalar, add, sizes = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4:]
-dim = int(dim) if dim.isdigit() else dim
-index = np.array(1, "int64") if scalar else np.array([1], "int64")
-nodes = [
-    helper.make_node("Shape", ["x"], ["shp"]),
-    helper.make_node("Gather", ["shp", "index"], ["n"], axis=0),
-    helper.make_node("Div", ["n", "two"], ["half0"]),
-    helper.make_node("Unsqueeze", ["half0", "zero"], ["half"])
-    if scalar
-    else helper.make_node("Identity", ["half0"], ["half"]),
-    helper.make_node("Slice", ["x", "zero", "half", "one"], ["a"]),
-    helper.make_node("Slice", ["x", "half", "end", "one"], ["b"]),
-]
-outputs = [onnx_input("a", "float32", [3, "p"]), onnx_input("b", "float32", [3, "q"])]
-if add:
-    nodes.append(helper.make_node("Add", ["a", "b"], ["y"]))
-    outputs = [onnx_input("y", "float32", [3, "p"])]
-inits = {
-    "index": index,
-    "two": np.array(2, "int64"),
-    "zero": np.array([0], "int64"),
-    "one": np.array([1], "int64"),
-    "end": np.array([2**63 - 1], "int64"),
-}
-model = onnx_model(nodes, [onnx_input("x", "float32", [3, dim])], outputs, inits, opset=17)
+model = onnx.load(sys.argv[1])
+saved = np.load(sys.argv[2])
 compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
 session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-for size in map(int, sizes):
-    x = np.random.default_rng(size).standard_normal((3, size)).astype("float32")
-    want = session.run(None, {"x": x})
-    got = engine.TvmRunner(compiled, [x]).outputs()
-    assert [w.shape for w in want] == [g.shape for g in got], (size, want, got)
+for i in range(int(sys.argv[3])):
+    feed = {v.name: saved[f"{i}/{v.name}"] for v in model.graph.input}
+    want = session.run(None, feed)
+    got = engine.TvmRunner(compiled, list(feed.values())).outputs()
+    assert [w.shape for w in want] == [g.shape for g in got], (i, want, got)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
 print("OK")
 """
 
 
-@pytest.mark.parametrize(
-    "dim, add, sizes",
-    [(8, True, [8]), (8, False, [8]), (7, False, [7]), ("n", False, [8, 7, 1])],
-)
-@pytest.mark.parametrize("scalar", [True, False], ids=["scalar_index", "vector_index"])
-def test_halves_of_an_axis_match_onnxruntime(dim, scalar, add, sizes):
-    """``x[:, :n // 2]`` and ``x[:, n // 2:INT64_MAX]`` with ``n = Shape(x)[1]``: the importer
-    declared the second slice ``INT64_MAX - n // 2`` long (assume_inbound with the INT64_MAX
-    end), which overflowed; the end is now cut to the axis. Static and symbolic axes, odd
-    sizes (floor division), a gather index as a scalar or a 1-element vector."""
-    _run_script(_HALVES, dim, int(scalar), int(add), *sizes)
-
-
-def _run_script(script: str, *args) -> None:
+def _check_with_ort(tmp_path, model, feeds: list[dict]) -> None:
+    """``model`` built by our pipeline on llvm gives ONNX Runtime's outputs, each of ``feeds``
+    (checked in a subprocess)."""
     import subprocess
     import sys
 
     pytest.importorskip("onnxruntime")
+    path, saved = tmp_path / "model.onnx", tmp_path / "feeds.npz"
+    onnx.save(model, path)
+    np.savez(saved, **{f"{i}/{k}": a for i, feed in enumerate(feeds) for k, a in feed.items()})
     proc = subprocess.run(
-        [sys.executable, "-c", script, *map(str, args)],
+        [sys.executable, "-c", _CHECK_WITH_ORT, str(path), str(saved), str(len(feeds))],
         capture_output=True,
         text=True,
         timeout=600,
@@ -696,55 +663,80 @@ def _run_script(script: str, *args) -> None:
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
-_START_FROM_OTHER = """
-import numpy as np
-import onnxruntime as ort
-from onnx import helper
-
-from tvm_fusion import engine, host_target, load_onnx
-from tvm_fusion.models._build import onnx_input, onnx_model
-
-nodes = [
-    helper.make_node("Shape", ["y"], ["shp"]),
-    helper.make_node("Gather", ["shp", "index"], ["m0"], axis=0),
-    helper.make_node("Unsqueeze", ["m0", "zero"], ["m"]),
-    helper.make_node("Slice", ["x", "m", "end", "one"], ["b"]),
-]
-inits = {
-    "index": np.array(0, "int64"),
-    "zero": np.array([0], "int64"),
-    "one": np.array([1], "int64"),
-    "end": np.array([2**63 - 1], "int64"),
-}
-inputs = [onnx_input("x", "float32", [3, "n"]), onnx_input("y", "float32", ["m"])]
-model = onnx_model(nodes, inputs, [onnx_input("b", "float32", [3, "q"])], inits, opset=17)
-compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
-session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-for n, m in [(8, 3), (5, 5), (4, 6)]:
-    x = np.random.default_rng(n).standard_normal((3, n)).astype("float32")
-    y = np.zeros(m, "float32")
-    want = session.run(None, {"x": x, "y": y})[0]
-    got = engine.TvmRunner(compiled, [x, y]).outputs()[0]
-    assert want.shape == got.shape, (n, m, want.shape, got.shape)
-    np.testing.assert_array_equal(got, want)
-print("OK")
-"""
+def _halves_model(dim, scalar: bool, add: bool):
+    index = np.array(1, "int64") if scalar else np.array([1], "int64")
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shp"]),
+        helper.make_node("Gather", ["shp", "index"], ["n"], axis=0),
+        helper.make_node("Div", ["n", "two"], ["half0"]),
+        helper.make_node("Unsqueeze", ["half0", "zero"], ["half"])
+        if scalar
+        else helper.make_node("Identity", ["half0"], ["half"]),
+        helper.make_node("Slice", ["x", "zero", "half", "one"], ["a"]),
+        helper.make_node("Slice", ["x", "half", "end", "one"], ["b"]),
+    ]
+    outputs = [onnx_input("a", "float32", [3, "p"]), onnx_input("b", "float32", [3, "q"])]
+    if add:
+        nodes.append(helper.make_node("Add", ["a", "b"], ["y"]))
+        outputs = [onnx_input("y", "float32", [3, "p"])]
+    inits = {
+        "index": index,
+        "two": np.array(2, "int64"),
+        "zero": np.array([0], "int64"),
+        "one": np.array([1], "int64"),
+        "end": np.array([2**63 - 1], "int64"),
+    }
+    return onnx_model(nodes, [onnx_input("x", "float32", [3, dim])], outputs, inits, opset=17)
 
 
-def test_slice_start_of_unknown_range_matches_onnxruntime():
+@pytest.mark.parametrize(
+    "dim, add, sizes",
+    [(8, True, [8]), (8, False, [8]), (7, False, [7]), ("n", False, [8, 7, 1])],
+)
+@pytest.mark.parametrize("scalar", [True, False], ids=["scalar_index", "vector_index"])
+def test_halves_of_an_axis_match_onnxruntime(dim, scalar, add, sizes, tmp_path):
+    """``x[:, :n // 2]`` and ``x[:, n // 2:INT64_MAX]`` with ``n = Shape(x)[1]``: the importer
+    declared the second slice ``INT64_MAX - n // 2`` long (assume_inbound with the INT64_MAX
+    end), which overflowed; the end is now cut to the axis. Static and symbolic axes, odd
+    sizes (floor division), a gather index as a scalar or a 1-element vector."""
+    feeds = [
+        {"x": np.random.default_rng(size).standard_normal((3, size)).astype("float32")}
+        for size in sizes
+    ]
+    _check_with_ort(tmp_path, _halves_model(dim, scalar, add), feeds)
+
+
+def test_slice_start_of_unknown_range_matches_onnxruntime(tmp_path):
     """``x[:, len(y):]``: a start that may pass the end of the axis cannot be assumed in
     bounds; the slice clamps it (an empty result where ``len(y) >= n``), as ONNX Runtime."""
-    _run_script(_START_FROM_OTHER)
+    nodes = [
+        helper.make_node("Shape", ["y"], ["shp"]),
+        helper.make_node("Gather", ["shp", "index"], ["m0"], axis=0),
+        helper.make_node("Unsqueeze", ["m0", "zero"], ["m"]),
+        helper.make_node("Slice", ["x", "m", "end", "one"], ["b"]),
+    ]
+    inits = {
+        "index": np.array(0, "int64"),
+        "zero": np.array([0], "int64"),
+        "one": np.array([1], "int64"),
+        "end": np.array([2**63 - 1], "int64"),
+    }
+    inputs = [onnx_input("x", "float32", [3, "n"]), onnx_input("y", "float32", ["m"])]
+    model = onnx_model(nodes, inputs, [onnx_input("b", "float32", [3, "q"])], inits, opset=17)
+    feeds = [
+        {
+            "x": np.random.default_rng(n).standard_normal((3, n)).astype("float32"),
+            "y": np.zeros(m, "float32"),
+        }
+        for n, m in [(8, 3), (5, 5), (4, 6)]
+    ]
+    _check_with_ort(tmp_path, model, feeds)
 
 
 def _range_gather(start, limit, delta: int, reshape: bool, vector_index: bool = False):
     """``Gather(x, Range(start, limit, delta), axis=1)`` over x (b, n), n dynamic; ``start`` and
     ``limit`` are ``(k, c)``: ``k * n + c`` with ``n = Shape(x)[1]``, gathered at the scalar
     index 1 or (``vector_index``) at ``[1]`` then squeezed."""
-    from onnx import helper
-
-    from tvm_fusion.models._build import onnx_input, onnx_model
-
     nodes = [helper.make_node("Shape", ["x"], ["shp"])]
     if vector_index:
         nodes.append(helper.make_node("Gather", ["shp", "one"], ["len1"], axis=0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.ir.expr import Call, TensorLoad
+from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
@@ -156,6 +157,26 @@ def try_inline_safe(sch: s_tir.Schedule, infos: list) -> list:
             remaining.remove(info)
             progress = True
     return remaining
+
+
+def gate_blocks(func: tirx.PrimFunc):
+    """A new schedule of a gate kernel with the blocks that can be inlined inlined, and its
+    blocks: ``(sch, reductions, finals, inner)``, ``finals`` the blocks that write parameters
+    (the results), ``inner`` the others left; None where there is no reduction or no other
+    block."""
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    if infos is None:
+        return None
+    reductions = [i.block_rv for i in infos if is_reduction(sch, i.block_rv)]
+    others = [i for i in infos if not is_reduction(sch, i.block_rv)]
+    if not reductions or not others:
+        return None
+    remaining = [i.block_rv for i in try_inline_safe(sch, others)]
+    params = set(func.params)
+    finals = [b for b in remaining if any(w.source in params for w in sch.get(b).writes)]
+    inner = [b for b in remaining if b not in finals]
+    return sch, reductions, finals, inner
 
 
 def is_vectorized(sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV) -> bool:

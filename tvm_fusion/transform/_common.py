@@ -94,6 +94,21 @@ def static_shape(expr: relax.Expr) -> list[tirx.Expr] | None:
     return list(sinfo.shape.values)
 
 
+def shape_dims(shape: relax.Expr) -> list[tirx.Expr] | None:
+    """The dims of a shape value: a ``ShapeExpr``, ``shape_of`` a tensor of known shape, or an
+    expression typed as a shape of known dims; None when unknown."""
+    if isinstance(shape, relax.ShapeExpr):
+        return list(shape.values)
+    if op_name(shape) == "relax.shape_of":
+        sinfo = shape.args[0].ty
+        if isinstance(sinfo, relax.TensorType) and isinstance(sinfo.shape, relax.ShapeExpr):
+            return list(sinfo.shape.values)
+    sinfo = getattr(shape, "ty", None)
+    if isinstance(sinfo, relax.ShapeType) and sinfo.values is not None:
+        return list(sinfo.values)
+    return None
+
+
 def const_int(value: tirx.Expr | int) -> int | None:
     if isinstance(value, int):
         return value

@@ -130,6 +130,34 @@ def _n_linear(value: dict, uses: dict, r_var, r_value) -> tuple | None:
     return x, mm, bias, bias_first
 
 
+def _block_maps(block: relax.DataflowBlock) -> tuple[dict, set, dict]:
+    """(the value bound to each var, the block's outputs, the vars whose values read each var)."""
+    value = {b.var: b.value for b in block.bindings if isinstance(b, relax.VarBinding)}
+    outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
+    users: dict = {}
+    for b in block.bindings:
+        for v in vars_in(b.value):
+            users.setdefault(v, []).append(b.var)
+    return value, outputs, users
+
+
+def _rewrite_planned(rewriter: PyExprMutator, plan_of) -> IRModule:
+    """``rewriter.mod`` with each Relax function that ``plan_of(func)`` plans a rewrite in
+    visited by ``rewriter`` (``rewriter.plan`` set to that plan); ``rewriter.mod`` itself when
+    none has one."""
+    changed = False
+    for gv, func in rewriter.mod.functions_items():
+        if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
+            continue
+        rewriter.plan = plan_of(func)
+        if not rewriter.plan:
+            continue
+        new_func = rewriter.visit_expr(func)
+        changed = True
+        rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
+    return rewriter.builder_.get() if changed else rewriter.mod
+
+
 @mutator
 class _FoldRowViews(PyExprMutator):
     def __init__(self, mod: IRModule):
@@ -138,32 +166,17 @@ class _FoldRowViews(PyExprMutator):
         self.plan: dict = {}
 
     def transform(self) -> IRModule:
-        changed = False
-        for gv, func in self.mod.functions_items():
-            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
-                continue
-            self.plan = {}
-            self._plan(func)
-            if not self.plan:
-                continue
-            new_func = self.visit_expr(func)
-            changed = True
-            self.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
-        return self.builder_.get() if changed else self.mod
+        return _rewrite_planned(self, self._plan)
 
-    def _plan(self, func: relax.Function) -> None:
+    def _plan(self, func: relax.Function) -> dict:
         from .fuse_split_gates import _ELEMENTWISE
 
+        plan: dict = {}
         uses = use_counts(func)
         for block in func.body.blocks:
             if not isinstance(block, relax.DataflowBlock):
                 continue
-            value = {b.var: b.value for b in block.bindings if isinstance(b, relax.VarBinding)}
-            outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
-            users: dict = {}
-            for b in block.bindings:
-                for v in vars_in(b.value):
-                    users.setdefault(v, []).append(b.var)
+            value, outputs, users = _block_maps(block)
             split_fed, elementwise_fed = {}, {}
             for var, val in value.items():
                 if op_name(val) != "relax.reshape" or var in outputs:
@@ -181,10 +194,11 @@ class _FoldRowViews(PyExprMutator):
             by_x: dict = {}
             for var, found in elementwise_fed.items():
                 by_x.setdefault(found[0], []).append(var)
-            self.plan.update(split_fed)
+            plan.update(split_fed)
             for members in by_x.values():
                 if len(members) > 1:
-                    self.plan.update({m: elementwise_fed[m] for m in members})
+                    plan.update({m: elementwise_fed[m] for m in members})
+        return plan
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         found = self.plan.get(binding.var)
@@ -261,31 +275,18 @@ class _UnbindToSlices(PyExprMutator):
         self.plan: dict = {}
 
     def transform(self) -> IRModule:
-        changed = False
-        for gv, func in self.mod.functions_items():
-            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
-                continue
-            self.plan = {}
-            for block in func.body.blocks:
-                if isinstance(block, relax.DataflowBlock):
-                    self._plan(block)
-            if not self.plan:
-                continue
-            new_func = self.visit_expr(func)
-            changed = True
-            self.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
-        return self.builder_.get() if changed else self.mod
+        return _rewrite_planned(self, self._plan)
 
-    def _plan(self, block: relax.DataflowBlock) -> None:
-        value = {b.var: b.value for b in block.bindings if isinstance(b, relax.VarBinding)}
-        outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
-        users: dict = {}
-        for b in block.bindings:
-            for v in vars_in(b.value):
-                users.setdefault(v, []).append(b.var)
-        for var, val in value.items():
-            if op_name(val) == "relax.reshape":
-                self.plan.update(_unbind_plan(value, users, outputs, var, val))
+    def _plan(self, func: relax.Function) -> dict:
+        plan: dict = {}
+        for block in func.body.blocks:
+            if not isinstance(block, relax.DataflowBlock):
+                continue
+            value, outputs, users = _block_maps(block)
+            for var, val in value.items():
+                if op_name(val) == "relax.reshape":
+                    plan.update(_unbind_plan(value, users, outputs, var, val))
+        return plan
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         found = self.plan.get(binding.var)

@@ -56,7 +56,7 @@ from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._common import as_i64 as _i64
-from ._common import get_logger, op_name, record_rewrite, skip
+from ._common import get_logger, op_name, record_rewrite, shape_dims, skip
 
 logger = get_logger(__name__)
 NAME = "GatherToSlice"
@@ -141,17 +141,7 @@ class _Values:
         expr = self.resolve(expr)
         if op_name(expr) != "relax.shape_to_tensor":
             return None
-        shape = self.resolve(expr.args[0])
-        if isinstance(shape, relax.ShapeExpr):
-            return list(shape.values)
-        if op_name(shape) == "relax.shape_of":
-            sinfo = shape.args[0].ty
-            if isinstance(sinfo, relax.TensorType) and isinstance(sinfo.shape, relax.ShapeExpr):
-                return list(sinfo.shape.values)
-        sinfo = getattr(shape, "ty", None)
-        if isinstance(sinfo, relax.ShapeType) and sinfo.values is not None:
-            return list(sinfo.values)
-        return None
+        return shape_dims(self.resolve(expr.args[0]))
 
     def progression(self, expr, analyzer) -> Progression | None:
         expr = self.resolve(expr)

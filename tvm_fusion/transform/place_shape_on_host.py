@@ -61,7 +61,7 @@ from tvm.ir import PrimType
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import at_most, get_logger, op_name, record_rewrite, skip
+from ._common import at_most, get_logger, op_name, record_rewrite, shape_dims, skip
 
 logger = get_logger(__name__)
 NAME = "PlaceShapeOnHost"
@@ -336,17 +336,8 @@ class _Evaluator:
         return _Value([_i64(int(v)) for v in arr.reshape(-1)], arr.ndim)
 
     def shape_values(self, shape) -> list | None:
-        shape = self.resolve(shape)
-        if isinstance(shape, relax.ShapeExpr):
-            return list(shape.values)
-        if op_name(shape) == "relax.shape_of":
-            sinfo = shape.args[0].ty
-            if isinstance(sinfo, relax.TensorType) and isinstance(sinfo.shape, relax.ShapeExpr):
-                return list(sinfo.shape.values)
-        sinfo = getattr(shape, "ty", None)
-        if isinstance(sinfo, relax.ShapeType) and sinfo.values is not None:
-            return list(sinfo.values)
-        return self.fail("shape with unknown dims")
+        dims = shape_dims(self.resolve(shape))
+        return dims if dims is not None else self.fail("shape with unknown dims")
 
     def _shape_to_tensor(self, expr) -> _Value | None:
         values = self.shape_values(expr.args[0])

@@ -20,20 +20,18 @@ from __future__ import annotations
 import logging
 
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
 from ... import target as _target
 from .._common import (
     CPURule,
     extent,
+    gate_blocks,
     inline_padding,
-    is_reduction,
     is_static,
     parallelize_outer,
     same_blocks,
     schedule_copy,
-    try_inline_safe,
     vectorize_innermost,
 )
 
@@ -121,18 +119,10 @@ class GateFusion(CPURule):
         return sch
 
     def _schedule(self, func, target: Target, block: int, gates: int, pad: bool):
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
+        found = gate_blocks(func)
+        if found is None:
             return None
-        reductions = [i.block_rv for i in infos if is_reduction(sch, i.block_rv)]
-        others = [i for i in infos if not is_reduction(sch, i.block_rv)]
-        if not reductions or not others:
-            return None
-        remaining = [i.block_rv for i in try_inline_safe(sch, others)]
-        params = set(func.params)
-        finals = [b for b in remaining if any(w.source in params for w in sch.get(b).writes)]
-        inner = [b for b in remaining if b not in finals]
+        sch, reductions, finals, inner = found
         lanes = _target.vector_lanes(target, "float32")
         regs = 32 if _target.vector_bits(target) >= 512 else 16
 

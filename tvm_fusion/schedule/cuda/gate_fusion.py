@@ -63,7 +63,7 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from ... import target as _target
-from .._common import extent, is_reduction, is_static, try_inline_safe
+from .._common import extent, gate_blocks, is_reduction, is_static, try_inline_safe
 from . import gate_tensor_core
 
 GATE_ATTR = "tvm_fusion.gate_fusion"
@@ -261,18 +261,11 @@ class GateFusion(ScheduleRule):
         if tensor_core is not None:
             return tensor_core
         block = int(func.attrs[GATE_ATTR]["block"])
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
+        found = gate_blocks(func)
+        if found is None:
             return None
-        reductions = [i.block_rv for i in infos if is_reduction(sch, i.block_rv)]
-        others = [i for i in infos if not is_reduction(sch, i.block_rv)]
-        if not reductions or not others:
-            return None
-        remaining = [i.block_rv for i in try_inline_safe(sch, others)]
+        sch, reductions, finals, inner = found
         params = set(func.params)
-        finals = [b for b in remaining if any(w.source in params for w in sch.get(b).writes)]
-        inner = [b for b in remaining if b not in finals]
         if not finals:
             return None
         *row_loops, _ = sch.get_loops(finals[0])
@@ -286,15 +279,7 @@ class GateFusion(ScheduleRule):
                 if tiled is not None:
                     return tiled
                 # not the expected form: the few-rows schedule, from the unscheduled function
-                sch = s_tir.Schedule(func)
-                infos = normalize_prim_func(sch)
-                reductions = [i.block_rv for i in infos if is_reduction(sch, i.block_rv)]
-                others = [i for i in infos if not is_reduction(sch, i.block_rv)]
-                remaining = [i.block_rv for i in try_inline_safe(sch, others)]
-                finals = [
-                    b for b in remaining if any(w.source in params for w in sch.get(b).writes)
-                ]
-                inner = [b for b in remaining if b not in finals]
+                sch, reductions, finals, inner = gate_blocks(func)
         if (not row_loops or is_static(rows)) and block % TU == 0:
             gemv = _gemv_or_none(func, params, tunable)
             if gemv is not None:
