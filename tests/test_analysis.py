@@ -89,3 +89,23 @@ def test_dot(target):
     assert dot.startswith('digraph "g"') and dot.rstrip().endswith("}")
     assert dot.count("->") >= 2
     assert isinstance(grouped, tvm.IRModule)
+
+
+def test_unscheduled_kernels_count_as_fallback(target):
+    """A kernel no rule took (non-global adaptive pooling: TVM's block analysis cannot read
+    its position-dependent window, so every CPU rule declines) carries no rule name; it is
+    listed with the fallback kernels, not hidden."""
+    from tvm import relax
+
+    from tvm_fusion import engine
+
+    x = relax.Var("x", relax.TensorType((2, 4, 7, 7), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.adaptive_avg_pool2d(x, (3, 3)))
+        bb.emit_func_output(out)
+    ours = engine.compile_module(bb.get(), target, "tvm_fusion")
+    infos = {i.name: i for i in analysis.schedule_info(ours.lowered)}
+    assert [i.rule for i in infos.values()] == [None], infos
+    assert analysis.fallback_kernels(ours.lowered) == list(infos)

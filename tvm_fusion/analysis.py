@@ -208,10 +208,16 @@ def _rule_of(func: tirx.PrimFunc) -> str | None:
 
 
 def fallback_kernels(mod: tvm.IRModule) -> list[str]:
-    """Kernels of a lowered module that only a rule of last resort scheduled (``Fallback``)."""
+    """Kernels of a lowered module that only a rule of last resort scheduled (``Fallback``), or
+    that no rule scheduled at all (no rule name and not marked scheduled: e.g. a non-global
+    ``adaptive_avg_pool2d``, which TVM's block analysis cannot read, so every rule declines)."""
     from .schedule import FALLBACK_RULES
 
-    return [info.name for info in schedule_info(mod) if info.rule in FALLBACK_RULES]
+    return [
+        info.name
+        for info in schedule_info(mod)
+        if info.rule in FALLBACK_RULES or (info.rule is None and not info.scheduled)
+    ]
 
 
 def peak_bytes(lowered: tvm.IRModule, function: str = "main") -> int | None:
