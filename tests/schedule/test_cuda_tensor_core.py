@@ -10,15 +10,17 @@
   ``tensorize`` itself checks that each block it replaces is the intrinsic's description, and
   the tensorized schedule of the same kernel must exist. 64 rows x 48 units x K = 128 (SwiGLU),
   float16 and bfloat16; padded: 77 rows x K = 100 and symbolic rows (run with 37), also built
-  for sm_90; 97 rows x K = 389 (gate_2890's gates) is only built for sm_90 (its serial copy
-  fails TVM's use-before-def check on llvm);
+  for sm_90; GeGLU (erf) at 37 x 48 x K = 100; a GRU cell (two GEMMs, one accumulator buffer)
+  at 37 rows x 48 units, K = 40 and 48, float16 and bfloat16; 97 rows x K = 389 (gate_2890's
+  gates) is only built for sm_90 (its serial copy fails TVM's use-before-def check on llvm);
 - float32 kernels, sm_75 and 5 rows are left to the CUDA-core schedules;
-- at the benchmark sizes of gate_2890 (64 x 3 x 1024 x 1024) and SwiGLU's gate+up (64 x 2 x
-  5632 x 2048) in float16 and bfloat16, built for sm_90 with nvcc
+- at the benchmark sizes of gate_2890 (64 x 3 x 1024 x 1024), SwiGLU's and GeGLU's gate+up
+  (64 x 2 x 5632 x 2048) and a GRU cell (64 rows, 2 x 3 x 1024 x 1024) in float16 and bfloat16,
+  built for sm_90 with nvcc
   (skipped without it): one gate kernel, ``mma.sync.m16n8k16`` with float32 accumulators in its
   PTX, 16-byte ``cp.async`` copies and ``bar.sync`` in the reduction loop, ptxas without spills
-  within 128 registers and 48 KB of static shared memory, >= 132 blocks, no global (rows,
-  gates, D) buffer;
+  or stack within 128 registers and 48 KB of static shared memory, >= 132 blocks, no global
+  (rows, gates, D) buffer;
 - a float16 and a bfloat16 gate model still compile and fuse on llvm, with the numbers of NumPy.
 """
 
@@ -173,6 +175,7 @@ CASES = {  # name: (module, rows): the padded cases run with 37 rows for a symbo
     "64x48x128_silu_f16": (lambda: _gate_module(64, 128, 48, "float16", "silu"), 64),
     "77x48x100_silu_f16": (lambda: _gate_module(77, 100, 48, "float16", "silu"), 77),
     "nx48x128_silu_bf16": (lambda: _gate_module("n", 128, 48, "bfloat16", "silu"), 37),
+    "37x48x100_gelu_f16": (lambda: _gate_module(37, 100, 48, "float16", "gelu"), 37),
     "37x48x40_gru_f16": (lambda: _gate_module(37, 40, 48, "float16", "gru"), 37),
     "37x48x40_gru_bf16": (lambda: _gate_module(37, 40, 48, "bfloat16", "gru"), 37),
 }
@@ -236,6 +239,7 @@ def test_padded_kernels_build(rows, k, act, dtype):
 BENCH = {  # name: (rows, K, D, act)
     "gate_2890": (64, 1024, 1024, "2890"),
     "swiglu": (64, 2048, 5632, "silu"),
+    "geglu": (64, 2048, 5632, "gelu"),  # gelu's erf inlined into the result block
     "gru_cell": (64, 1024, 1024, "gru"),  # models.gates.gru_cell's weights, 64 rows
 }
 

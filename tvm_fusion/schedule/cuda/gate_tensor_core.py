@@ -52,9 +52,10 @@ schedule is unchanged), mixed operand dtypes, more than ``MAX_GEMMS`` GEMMs or G
 gates, weight blocks or ``V`` differ, rows on several axes, fewer than ``MIN_ROWS`` static
 rows, a symbolic ``K``, ``V`` not a multiple of 16 or a single weight block (``D == V``: its
 unit iterator is dropped), gate blocks that are not inlined into the result block,
-architectures before sm_80, and any schedule step that fails (logged at debug level). GeGLU's
-gelu (erf) stays a block of its own at SwiGLU's size: GeGLU takes the CUDA-core schedule (not
-changed here).
+architectures before sm_80, and any schedule step that fails (logged at debug level). GeGLU
+takes this schedule: its gelu (``R.nn.gelu``, ``gelu_tanh``, or ``0.5 * g * (1 + erf(g /
+sqrt 2))`` written out) is inlined into the result block like SwiGLU's silu, at SwiGLU's size
+too (the erf on the block's shared result tile, 40 registers at 64 x 5632 x 2048).
 """
 
 from __future__ import annotations
