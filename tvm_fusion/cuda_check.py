@@ -3,8 +3,9 @@
 For a module compiled for CUDA (``engine.compile_module(..., cuda_target())``) this reports per
 kernel what ``nvcc -Xptxas -v`` and the PTX say, and the launch shape the schedule gave:
 
-- ``registers``, ``spill_stores``/``spill_loads`` (bytes), ``smem`` (static shared bytes) from
-  ptxas for ``arch``;
+- ``registers``, ``spill_stores``/``spill_loads`` (bytes), ``stack`` (stack frame bytes: local
+  arrays ptxas could not put in registers, which it does not count as spills), ``smem``
+  (static shared bytes) from ptxas for ``arch``;
 - ``vector_loads`` (128-bit global loads: ``ld.global[.nc].v4`` of 32-bit types, or
   ``.v2`` of 64-bit ones), ``cp_async``, ``shared_loads`` and ``barriers`` (``bar.sync``), counted
   in the kernel's PTX;
@@ -32,6 +33,7 @@ from .tir_util import iter_stmts
 
 _PTXAS_FUNC = re.compile(r"Function properties for (\S+)")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame")
 _PTXAS_USED = re.compile(r"Used (\d+) registers.*?(?:, (\d+) bytes smem)?$")
 _ENTRY = re.compile(r"\.entry\s+(\S+?)\s*\(")
 
@@ -42,6 +44,7 @@ class KernelCheck:
     registers: int = 0
     spill_stores: int = 0
     spill_loads: int = 0
+    stack: int = 0
     smem: int = 0
     vector_loads: int = 0
     cp_async: int = 0
@@ -55,7 +58,9 @@ class KernelCheck:
         launch = f"{self.blocks} blocks x {self.threads} threads" if self.blocks else "symbolic"
         return (
             f"{self.name}: {launch}, {self.registers} registers, "
-            f"{self.spill_stores + self.spill_loads} B spilled, {self.smem} B shared, "
+            f"{self.spill_stores + self.spill_loads} B spilled, "
+            + (f"{self.stack} B stack, " if self.stack else "")
+            + f"{self.smem} B shared, "
             f"{self.vector_loads} 128-bit global loads, {self.cp_async} cp.async, "
             f"{self.shared_loads} shared loads, {self.barriers} bar.sync"
             + (f", {self.mma_f32} mma.sync" if self.mma_f32 else "")
@@ -99,6 +104,9 @@ def check(compiled, arch: str = "sm_90") -> list[KernelCheck]:
             continue
         if current is None:
             continue
+        stack = _PTXAS_STACK.search(line)
+        if stack:
+            current.stack = int(stack.group(1))
         spill = _PTXAS_SPILL.search(line)
         if spill:
             current.spill_stores, current.spill_loads = int(spill.group(1)), int(spill.group(2))

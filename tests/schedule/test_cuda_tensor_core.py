@@ -10,15 +10,17 @@
   ``tensorize`` itself checks that each block it replaces is the intrinsic's description, and
   the tensorized schedule of the same kernel must exist. 64 rows x 48 units x K = 128 (SwiGLU),
   float16 and bfloat16; padded: 77 rows x K = 100 and symbolic rows (run with 37), also built
-  for sm_90; 97 rows x K = 389 (gate_2890's gates) is only built for sm_90 (its serial copy
-  fails TVM's use-before-def check on llvm);
+  for sm_90; GeGLU (erf) at 37 x 48 x K = 100; a GRU cell (two GEMMs, one accumulator buffer)
+  at 37 rows x 48 units, K = 40 and 48, float16 and bfloat16; 97 rows x K = 389 (gate_2890's
+  gates) is only built for sm_90 (its serial copy fails TVM's use-before-def check on llvm);
 - float32 kernels, sm_75 and 5 rows are left to the CUDA-core schedules;
-- at the benchmark sizes of gate_2890 (64 x 3 x 1024 x 1024) and SwiGLU's gate+up (64 x 2 x
-  5632 x 2048) in float16 and bfloat16, built for sm_90 with nvcc
+- at the benchmark sizes of gate_2890 (64 x 3 x 1024 x 1024), SwiGLU's and GeGLU's gate+up
+  (64 x 2 x 5632 x 2048) and a GRU cell (64 rows, 2 x 3 x 1024 x 1024) in float16 and bfloat16,
+  built for sm_90 with nvcc
   (skipped without it): one gate kernel, ``mma.sync.m16n8k16`` with float32 accumulators in its
   PTX, 16-byte ``cp.async`` copies and ``bar.sync`` in the reduction loop, ptxas without spills
-  within 128 registers and 48 KB of static shared memory, >= 132 blocks, no global (rows,
-  gates, D) buffer;
+  or stack within 128 registers and 48 KB of static shared memory, >= 132 blocks, no global
+  (rows, gates, D) buffer;
 - a float16 and a bfloat16 gate model still compile and fuse on llvm, with the numbers of NumPy.
 """
 
@@ -49,8 +51,12 @@ def _np(dtype: str):
 
 
 def _gate_module(rows, k: int, d: int, dtype: str, act: str = "2890") -> tvm.IRModule:
-    """gate_2890's graph (``act="2890"``: bias, split(3), sigmoid + tanh * exp) or a GLU's
-    (``silu`` / ``gelu``: split(2), act(gate) * up) in ``dtype``; ``rows`` an int or a name."""
+    """gate_2890's graph (``act="2890"``: bias, split(3), sigmoid + tanh * exp), a GLU's
+    (``silu`` / ``gelu``: split(2), act(gate) * up) or a GRU cell's (``gru``: two GEMMs, of
+    ``x`` and of ``h`` (rows x d), r * (W_hn h + b_hn)) in ``dtype``; ``rows`` an int or a
+    name."""
+    if act == "gru":
+        return _gru_module(rows, k, d, dtype)
     gen = np.random.default_rng(26)
     gates = 3 if act == "2890" else 2
     w = (gen.standard_normal((gates * d, k)) * k**-0.5).astype(_np(dtype))
@@ -71,6 +77,38 @@ def _gate_module(rows, k: int, d: int, dtype: str, act: str = "2890") -> tvm.IRM
             else:
                 g = bb.emit(R.nn.silu(p[0]) if act == "silu" else R.nn.gelu(p[0]))
                 out = bb.emit_output(R.multiply(g, p[1]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _gru_module(rows, k: int, d: int, dtype: str) -> tvm.IRModule:
+    """One GRU step (torch's GRUCell, as models.gates.gru_cell) in ``dtype``."""
+    gen = np.random.default_rng(2014)
+
+    def const(*shape, scale=1.0):
+        return relax.const((gen.standard_normal(shape) * scale).astype(_np(dtype)), dtype)
+
+    n = tvm.tirx.Var(rows, "int64") if isinstance(rows, str) else rows
+    x = relax.Var("x", relax.TensorType((n, k), dtype))
+    h = relax.Var("h", relax.TensorType((n, d), dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, h]):
+        with bb.dataflow():
+
+            def gates(a, width):
+                w = bb.emit(R.permute_dims(const(3 * d, width, scale=width**-0.5)))
+                y = bb.emit(R.add(bb.emit(R.matmul(a, w)), const(3 * d, scale=0.1)))
+                parts = bb.emit(R.split(y, 3, axis=-1))
+                return [bb.emit(relax.TupleGetItem(parts, i)) for i in range(3)]
+
+            i_r, i_z, i_n = gates(x, k)
+            h_r, h_z, h_n = gates(h, d)
+            r = bb.emit(R.sigmoid(bb.emit(R.add(i_r, h_r))))
+            z = bb.emit(R.sigmoid(bb.emit(R.add(i_z, h_z))))
+            cand = bb.emit(R.tanh(bb.emit(R.add(i_n, bb.emit(R.multiply(r, h_n))))))
+            keep = bb.emit(R.subtract(relax.const(1.0, dtype), z))
+            new = R.add(bb.emit(R.multiply(keep, cand)), bb.emit(R.multiply(z, h)))
+            out = bb.emit_output(new)
         bb.emit_func_output(out)
     return bb.get()
 
@@ -137,6 +175,9 @@ CASES = {  # name: (module, rows): the padded cases run with 37 rows for a symbo
     "64x48x128_silu_f16": (lambda: _gate_module(64, 128, 48, "float16", "silu"), 64),
     "77x48x100_silu_f16": (lambda: _gate_module(77, 100, 48, "float16", "silu"), 77),
     "nx48x128_silu_bf16": (lambda: _gate_module("n", 128, 48, "bfloat16", "silu"), 37),
+    "37x48x100_gelu_f16": (lambda: _gate_module(37, 100, 48, "float16", "gelu"), 37),
+    "37x48x40_gru_f16": (lambda: _gate_module(37, 40, 48, "float16", "gru"), 37),
+    "37x48x40_gru_bf16": (lambda: _gate_module(37, 40, 48, "bfloat16", "gru"), 37),
 }
 
 
@@ -191,13 +232,15 @@ def test_padded_kernels_build(rows, k, act, dtype):
     )
     (gate,) = [kc for kc in cuda_check.check(compiled) if kc.name.startswith("fused_gates")]
     assert gate.mma_f32 > 0 and gate.cp_async > 0, gate.to_text()
-    assert gate.spill_stores == gate.spill_loads == 0, gate.to_text()
+    assert gate.spill_stores == gate.spill_loads == gate.stack == 0, gate.to_text()
     assert gate.registers <= 128 and gate.smem <= 48 * 1024, gate.to_text()
 
 
 BENCH = {  # name: (rows, K, D, act)
     "gate_2890": (64, 1024, 1024, "2890"),
     "swiglu": (64, 2048, 5632, "silu"),
+    "geglu": (64, 2048, 5632, "gelu"),  # gelu's erf inlined into the result block
+    "gru_cell": (64, 1024, 1024, "gru"),  # models.gates.gru_cell's weights, 64 rows
 }
 
 
@@ -223,7 +266,7 @@ def test_tensor_core_kernels_at_benchmark_size(name, dtype):
     (gate,) = [kc for n, kc in checks.items() if n.startswith(next(iter(gate_funcs)))]
     assert gate.mma_f32 > 0, gate.to_text()  # mma.sync ... .f32.{b,}f16.{b,}f16.f32
     assert gate.cp_async > 0 and gate.barriers >= 2, gate.to_text()
-    assert gate.spill_stores == gate.spill_loads == 0, gate.to_text()
+    assert gate.spill_stores == gate.spill_loads == gate.stack == 0, gate.to_text()
     assert gate.registers <= 128 and gate.smem <= 48 * 1024, gate.to_text()
     assert gate.blocks >= gtc.SMS, gate.to_text()
     source = cuda_check.cuda_source(compiled.executable.mod)

@@ -24,6 +24,15 @@ reduction the accumulators go to a float32 ``(gates, BM, BN)`` tile in shared me
 threads of the block run the gate math from it and write each result once: no ``rows x gates x
 D`` buffer exists outside the block.
 
+Two GEMMs (GRU: ``x @ W_i`` and ``h @ W_h``, whose ``n`` gate needs ``r * (W_hn h + b_hn)``
+apart from ``W_in x``): the same warps run them one after the other, each over its own ``K``
+with its own staging buffers and result tile, and store the first GEMM's accumulators to its
+tile before the second starts. Both GEMMs accumulate in one warp buffer (TVM 0.27 lowers only
+a kernel's first warp-scope buffer to registers; :func:`_one_accumulator`), and their ``K``
+loops carry ``disable_unroll`` (``#pragma unroll 1``): nvcc unrolled both 16-step loops in full
+and took 168 registers at 64 x 1024 x 1024; with both, 66 registers, no spills, no stack,
+28 KB shared, 256 blocks x 96 threads (sm_90, float16).
+
 The tile: of the ``WR x WU`` (at most ``MAX_WARPS`` warps) whose shared memory (both stages and
 the result tile) fits ``SMEM_BUDGET``, the one with the most warps that still gives ``SMS``
 thread blocks; when none does, the one with the most blocks (gate_2890, 64 x 3 x 1024: 3 warps
@@ -39,14 +48,14 @@ computes 16 / rows times the work, and without a split of ``K`` it has ``D / 16`
 which a 16-unit mma tile cannot read. Not timed on a GPU (none lent).
 
 Skipped (None, the CUDA-core schedules of ``gate_fusion`` then run): float32 kernels (their
-schedule is unchanged), mixed operand dtypes, several GEMMs in one kernel (GRU: both GEMMs
-scheduled one after the other by the same warps, ``MAX_GEMMS = 2``, passed the numerical check
-at 37 x 40 x 48, but built for sm_90 at 64 x 1024 x 1024 it took 168 registers; off until that
-is brought under 128), rows on several axes, fewer than ``MIN_ROWS`` static rows, a symbolic
-``K``, ``V`` not a multiple of 16 or a single weight block (``D == V``: its unit iterator is
-dropped), gate blocks that are not inlined into the result block, architectures before sm_80,
-and any schedule step that fails (logged at debug level). GeGLU's gelu (erf) stays a block of
-its own at SwiGLU's size: GeGLU takes the CUDA-core schedule (not changed here).
+schedule is unchanged), mixed operand dtypes, more than ``MAX_GEMMS`` GEMMs or GEMMs whose
+gates, weight blocks or ``V`` differ, rows on several axes, fewer than ``MIN_ROWS`` static
+rows, a symbolic ``K``, ``V`` not a multiple of 16 or a single weight block (``D == V``: its
+unit iterator is dropped), gate blocks that are not inlined into the result block,
+architectures before sm_80, and any schedule step that fails (logged at debug level). GeGLU
+takes this schedule: its gelu (``R.nn.gelu``, ``gelu_tanh``, or ``0.5 * g * (1 + erf(g /
+sqrt 2))`` written out) is inlined into the result block like SwiGLU's silu, at SwiGLU's size
+too (the erf on the block's shared result tile, 40 registers at 64 x 5632 x 2048).
 """
 
 from __future__ import annotations
@@ -67,7 +76,7 @@ logger = logging.getLogger(__name__)
 
 MIN_ROWS = 16  # static rows from which tensor cores are used (the split-K GEMV below)
 SYMBOLIC_ROWS = 64  # symbolic rows are tiled as this many static rows would be
-MAX_GEMMS = 1  # GEMMs per kernel; 2 (GRU) schedules but took 168 registers at 64 x 1024: off
+MAX_GEMMS = 2  # GEMMs per kernel (GRU: the input and the hidden projection)
 MMA = 16  # a warp's tile: 16 rows x 16 units x 16 k (two m16n8k16 mma.sync)
 WARP = 32
 ELEM = 2  # bytes per operand element
@@ -399,6 +408,10 @@ def _schedule(sch, func, reductions, infos, dtype: str, tensorize: bool):
         for red, pad, form in zip(reductions, pads, forms, strict=True)
     ]
     warp_blocks = [_warp_tiles(sch, *loops) for loops in staged]
+    if len(reductions) > 1:
+        for loops in staged:  # nvcc unrolled both K loops in full: 168 registers at 64 x 1024
+            sch.annotate(loops[1], "disable_unroll", 1)
+        sch, warp_blocks = _one_accumulator(sch, warp_blocks)
     if tensorize:
         for blocks in warp_blocks:
             _tensorize(sch, names, *blocks)
@@ -494,3 +507,35 @@ def _tensorize(sch, names, a_warp, b_warp, outer, init, c_warp) -> None:
     sch.tensorize(sch.get_loops(inner)[-3], names["compute"])
     sch.tensorize(sch.get_loops(init_inner)[-2], names["init"])
     sch.tensorize(sch.get_loops(c_warp)[-2], names["store"])
+
+
+def _one_accumulator(sch, warp_blocks: list) -> tuple:
+    """``sch`` with every GEMM's warp accumulators in the first GEMM's buffer, and the blocks
+    of :func:`_warp_tiles` in it (the GEMMs run one after the other, each storing its
+    accumulators to its result tile before the next one starts).
+
+    TVM 0.27's ``LowerWarpMemory`` turns only the first warp-scope allocation of a kernel into
+    per-thread registers (its ``SeqStmt`` visitor stops after it): a second accumulator buffer
+    stays a 256-element array per thread in local memory (1072 B of stack at GRU's 64 x 1024).
+    No schedule primitive merges two buffers, so the function is printed and parsed back with
+    the later accumulators renamed to the first (before ``tensorize``: TVM 0.27 does not parse
+    back what it prints of the mma intrinsics)."""
+    import tvm
+
+    first, *others = [sch.get(blocks[-1]).reads[0].source for blocks in warp_blocks]
+    text = sch.mod["main"].script()
+    for other in others:
+        if [str(d) for d in other.shape] != [str(d) for d in first.shape]:
+            raise ValueError(f"accumulators {first.shape} and {other.shape} differ")
+        alloc = rf"^\s*{other.name} = T\.sblock_alloc_buffer\(.*\)\n"
+        text, found = re.subn(alloc, "", text, flags=re.M)
+        if found != 1:
+            raise ValueError(f"{other.name} is not allocated once in the printed function")
+        text = re.sub(rf'(?<![\w"]){other.name}(?![\w"])', first.name, text)
+    parsed = tvm.script.from_source(text)
+    merged = s_tir.Schedule(parsed if isinstance(parsed, tirx.PrimFunc) else parsed["main"])
+    blocks = [
+        tuple(merged.get_sblock(sch.get(block).name_hint) for block in group)
+        for group in warp_blocks
+    ]
+    return merged, blocks
