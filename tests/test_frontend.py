@@ -279,6 +279,29 @@ def test_exported_repeat_by_a_symbolic_count():
         np.testing.assert_array_equal(g, w)
 
 
+def test_exported_view_to_symbolic_sizes():
+    """``k.view(b, s, -1, 20)`` of a ``(b, 1, s, 40)`` key (GPT-BigCode's multi-query
+    attention): stock's identity check compared ``1`` with the symbolic ``s`` as a truth value
+    (the import failed). An identity view with symbolic sizes is still dropped."""
+    torch = pytest.importorskip("torch")
+
+    class View(torch.nn.Module):
+        def forward(self, k):
+            b, _, s, _ = k.shape
+            return k.view(b, s, -1, 20) * 2.0, k.reshape(b, 1, s, 40) + 1.0
+
+    batch, seq = torch.export.Dim("batch", max=8), torch.export.Dim("seq", max=64)
+    k = torch.randn(2, 1, 5, 40)
+    program = torch.export.export(View(), (k,), dynamic_shapes=({0: batch, 2: seq},))
+    mod = tvm_fusion.frontend.import_exported_program(program)
+    assert mod["main"].script().count("R.reshape") == 1
+    k = torch.randn(3, 1, 7, 40)
+    want = [t.numpy() for t in View()(k)]
+    got, _ = run(mod, [k.numpy()], "tvm_fusion")
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_exported_float_arithmetic_imports_as_stock():
     """Operands that already have torch's result dtype take stock's converters unchanged."""
     torch = pytest.importorskip("torch")

@@ -37,6 +37,12 @@ Passed as its ``custom_convert_map`` by :func:`tvm_fusion.frontend.import_export
   integers only (the import failed). Emitted as a reshape that puts a unit axis before each
   axis, ``broadcast_to`` the counts on those, and a reshape that merges each pair (a view, a
   broadcast, a view). Integer counts go to stock's ``tile``.
+- ``view.default`` / ``reshape.default`` to symbolic sizes (found by the held-out GPT-BigCode,
+  whose multi-query attention views a ``(b, 1, s, 40)`` key as ``(b, s, -1, 20)``): stock's
+  identity check compares the two shapes as lists, and an integer size against a symbolic one
+  is a TIR expression whose truth value raises (the import failed). Compared size by size
+  (integers by value, symbolic sizes structurally; a mix is not an identity) before stock's
+  reshape is emitted. Targets of integers only go to stock's converter.
 
 Every other form goes to stock's converter as it is.
 """
@@ -46,6 +52,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.ir import PrimType
 
@@ -314,6 +321,34 @@ def _repeat(node, importer) -> relax.Var:
     return bb.emit(relax.op.reshape(spread, [c * d for c, d in pairs]))
 
 
+def _same_size(a, b) -> bool:
+    """``a`` and ``b`` are the same size: integers by value, symbolic ones structurally."""
+    if isinstance(a, int | tirx.IntImm) and isinstance(b, int | tirx.IntImm):
+        return int(a) == int(b)
+    if isinstance(a, int | tirx.IntImm) or isinstance(b, int | tirx.IntImm):
+        return False
+    return bool(tvm_ffi.structural_equal(a, b))
+
+
+def _reshape(name: str):
+    """``x.view(*sizes)`` / ``x.reshape(*sizes)`` to symbolic sizes without stock's list ``==``."""
+
+    def convert(node, importer) -> relax.Var:
+        import torch
+
+        args = importer.retrieve_args(node)
+        x = args[0]
+        dims = list(args[1] if isinstance(args[1], torch.Size | tuple | list) else args[1:])
+        shape = importer.shape_of(x)
+        if shape is None or all(isinstance(d, int) for d in dims):
+            return _stock(importer, name)(node)
+        if len(shape) == len(dims) and all(map(_same_size, shape, dims)):
+            return x
+        return importer._emit_torch_reshape(x, dims)
+
+    return convert
+
+
 _KINDS = ("Tensor", "Scalar")
 # ops whose computation dtype is torch's result dtype (promoted from integer / bool operands)
 _PROMOTED = (
@@ -336,6 +371,8 @@ CONVERTERS = {
     "cross_entropy_loss.default": _cross_entropy_loss,
     "div.Tensor_mode": _div_mode,
     "repeat.default": _repeat,
+    "view.default": _reshape("view.default"),
+    "reshape.default": _reshape("reshape.default"),
     **{name: _promoted(name) for name in _PROMOTED},
 }
 
