@@ -407,6 +407,28 @@ def test_group_returning_a_split_regression(target):
     compare_pipelines(bb.get(), [xs], reference=[flat[:4] * 2, flat[8:] + flat[4:8]])
 
 
+def test_dynamic_group_returning_a_split_regression(target):
+    """expand_dims -> split over a symbolic batch (GPT-BigCode's fused c_attn split into q, k,
+    v): the returned tuple names the group's own ``n``, so it did not compare equal to the
+    call's and the call site zipped 1 returned value with 3 fields (the compile failed)."""
+    from tvm import relax, tirx
+    from tvm.relax import op as ops
+
+    n = tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((n, 80), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            parts = bb.emit(ops.split(bb.emit(ops.expand_dims(x, [1])), [40, 60], axis=-1))
+            a = bb.emit(ops.multiply(relax.TupleGetItem(parts, 0), relax.const(2.0)))
+            c = bb.emit(ops.add(relax.TupleGetItem(parts, 2), relax.TupleGetItem(parts, 1)))
+            out = bb.emit_output(relax.Tuple([a, c]))
+        bb.emit_func_output(out)
+    xs = np.random.default_rng(0).standard_normal((3, 80)).astype("float32")[:, None]
+    want = [xs[..., :40] * 2, xs[..., 60:] + xs[..., 40:60]]
+    compare_pipelines(bb.get(), [xs[:, 0]], reference=want)
+
+
 def test_no_copy_kernel_for_views_after_lowering(target):
     """The peeled reshapes lower to vm.builtin.reshape (metadata only), not kernels."""
     compiled = engine.compile_module(TestBookends.Before, target, "tvm_fusion")

@@ -320,9 +320,12 @@ class _CallSiteRewriter(PyExprMutator):
         new_call = relax.Call(self.new_gvs[call.op], new_args)
         original = call.ty
         returned = plan.trail_outputs
-        if len(returned) == 1 and _same(returned[0][0], original):
-            # no trailing view (also a group returning one tuple-typed value, e.g. a split):
-            # the caller's binding takes the call as it is
+        if len(returned) == 1 and (
+            isinstance(returned[0][0], relax.TupleType) or _same(returned[0][0], original)
+        ):
+            # no trailing view (also a group returning one tuple-typed value, e.g. a split,
+            # which is never peeled; its type names the group's own symbolic dims, so it need
+            # not compare equal to the call's): the caller's binding takes the call as it is
             return new_call
         result = self.builder_.emit(new_call)
         if isinstance(original, relax.TupleType):
