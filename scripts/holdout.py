@@ -364,6 +364,235 @@ def ce_head():
     return Head().eval(), inputs, ["loss"], axes, ["fuse_cross_entropy (smoothing, ignore, sum)"]
 
 
+# --- branch holdout36: more held-out architectures ---
+
+
+def swin():
+    """Swin: window attention with a shifted window (roll), padding to the window size."""
+    from transformers import SwinConfig, SwinModel
+
+    cfg = SwinConfig(
+        image_size=36,
+        patch_size=4,
+        embed_dim=12,
+        depths=[2, 1],
+        num_heads=[2, 2],
+        window_size=4,
+        mlp_ratio=2.0,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        drop_path_rate=0.0,
+    )
+    return _vision(SwinModel, cfg, 36)
+
+
+def mobilenet_v2():
+    """MobileNetV2: depthwise convolutions, inverted residuals, ReLU6, odd image size."""
+    import torch
+    from transformers import MobileNetV2Config, MobileNetV2Model
+
+    cfg = MobileNetV2Config(image_size=37, depth_multiplier=0.35, classifier_dropout_prob=0.0)
+    model, inputs, outs, axes, patterns = _vision(MobileNetV2Model, cfg, 37)
+    # transformers' init (std 0.02) shrinks the activations to ~1e-30 over 17 blocks; He init
+    # keeps them near 1, so that the comparison with torch means something
+    for module in model.m.modules():
+        if isinstance(module, torch.nn.Conv2d):
+            torch.nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
+    return model, inputs, outs, axes, patterns
+
+
+def segformer():
+    """SegFormer: overlapping patch embeddings, efficient (reduced) attention, Mix-FFN."""
+    from transformers import SegformerConfig, SegformerModel
+
+    cfg = SegformerConfig(
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[12, 20],
+        num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2],
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        drop_path_rate=0.0,
+    )
+    return _vision(SegformerModel, cfg, 37)
+
+
+def wav2vec2():
+    """Wav2Vec2: conv feature extractor with group norm, positional grouped conv, encoder."""
+    import torch
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    S = corpus.S
+    cfg = _cfg(
+        Wav2Vec2Config,
+        hidden_size=S.hidden,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        intermediate_size=S.inner,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=6,
+        num_conv_pos_embedding_groups=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        feat_proj_dropout=0.0,
+        layerdrop=0.0,
+        apply_spec_augment=False,
+    )
+    wrap = corpus._hidden_only(Wav2Vec2Model(cfg).eval(), ["input_values"])
+
+    def inputs(b, _s):
+        return {"input_values": torch.randn(b, 267)}  # a fixed length: 52 then 26 frames
+
+    axes = {"input_values": {0: "batch"}}
+    return wrap, inputs, ["hidden"], axes, ["conv feature extractor, group norm, pos conv"]
+
+
+def llama_gqa5():
+    """Llama with grouped-query attention at an odd head count: 5 query heads, 1 KV head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    S = corpus.S
+    return _decoder_lm(
+        LlamaConfig,
+        LlamaForCausalLM,
+        "GQA 5:1, odd head count",
+        hidden_size=S.hidden,
+        intermediate_size=S.inner,
+        num_hidden_layers=S.layers,
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+
+
+def marian():
+    """Marian: encoder-decoder with sinusoidal positions, scaled embeddings."""
+    from transformers import MarianConfig, MarianModel
+
+    S = corpus.S
+    cfg = _cfg(
+        MarianConfig,
+        vocab_size=S.vocab,
+        decoder_vocab_size=S.vocab,
+        d_model=S.hidden,
+        encoder_layers=S.layers,
+        decoder_layers=S.layers,
+        encoder_attention_heads=S.heads,
+        decoder_attention_heads=S.heads,
+        encoder_ffn_dim=S.inner,
+        decoder_ffn_dim=S.inner,
+        max_position_embeddings=S.max_pos,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+        use_cache=False,
+    )
+    names = ("input_ids", "attention_mask", "decoder_input_ids")
+    return _encoder(MarianModel(cfg).eval(), names, ["encoder-decoder, sinusoidal positions"])
+
+
+def electra():
+    """ELECTRA discriminator: embedding size below hidden (projection), GELU."""
+    from transformers import ElectraConfig, ElectraModel
+
+    S = corpus.S
+    cfg = _cfg(
+        ElectraConfig,
+        vocab_size=S.vocab,
+        embedding_size=24,
+        hidden_size=S.hidden,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        intermediate_size=S.inner,
+        max_position_embeddings=S.max_pos,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return _encoder(ElectraModel(cfg).eval(), patterns=["embedding projection"])
+
+
+def gpt_bigcode():
+    """GPT-BigCode: multi-query attention with a fused c_attn, learned positions."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    S = corpus.S
+    return _decoder_lm(
+        GPTBigCodeConfig,
+        GPTBigCodeForCausalLM,
+        "multi-query attention, fused c_attn",
+        n_embd=S.hidden,
+        n_inner=S.inner,
+        n_layer=S.layers,
+        n_head=S.heads,
+        n_positions=S.max_pos,
+        multi_query=True,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+
+
+def stablelm():
+    """StableLM: partial rotary (40%: 8 of 20 head dims), LayerNorm, SwiGLU."""
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    S = corpus.S
+    return _decoder_lm(
+        StableLmConfig,
+        StableLmForCausalLM,
+        "partial rotary, LayerNorm",
+        hidden_size=S.hidden,
+        intermediate_size=S.inner,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        num_key_value_heads=S.kv_heads,
+        partial_rotary_factor=0.4,
+    )
+
+
+def olmo():
+    """OLMo: LayerNorm without affine parameters, SwiGLU, RoPE."""
+    from transformers import OlmoConfig, OlmoForCausalLM
+
+    S = corpus.S
+    return _decoder_lm(
+        OlmoConfig,
+        OlmoForCausalLM,
+        "non-parametric LayerNorm",
+        hidden_size=S.hidden,
+        intermediate_size=S.inner,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        num_key_value_heads=S.kv_heads,
+    )
+
+
+def persimmon():
+    """Persimmon: qk LayerNorm, partial rotary (50%), squared ReLU, fused qkv."""
+    from transformers import PersimmonConfig, PersimmonForCausalLM
+
+    S = corpus.S
+    return _decoder_lm(
+        PersimmonConfig,
+        PersimmonForCausalLM,
+        "qk LayerNorm, partial rotary, relu2",
+        hidden_size=S.hidden,
+        intermediate_size=S.inner,
+        num_hidden_layers=S.layers,
+        num_attention_heads=S.heads,
+        partial_rotary_factor=0.5,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
 NEW = {
     "bart": bart,
     "roberta_mlm": roberta_mlm,
@@ -378,6 +607,17 @@ NEW = {
     "geglu_tanh_unbind": geglu_tanh_unbind,
     "swiglu_sigmoid": swiglu_sigmoid,
     "ce_head": ce_head,
+    "swin": swin,
+    "mobilenet_v2": mobilenet_v2,
+    "segformer": segformer,
+    "wav2vec2": wav2vec2,
+    "llama_gqa5": llama_gqa5,
+    "marian": marian,
+    "electra": electra,
+    "gpt_bigcode": gpt_bigcode,
+    "stablelm": stablelm,
+    "olmo": olmo,
+    "persimmon": persimmon,
 }
 MODELS = {**corpus.MODELS, **NEW}
 
