@@ -35,6 +35,18 @@ Families (:data:`FAMILIES`, the ONNX fuzzer's kinds in torch's spellings):
   to (b * s, h), halves ``x[:, :s // 2]``, GPT-2's shift ``x[:, 1:] - x[:, :-1]``, masks of
   ``new_ones((b, s))``, ``arange(s)`` positions, cumsum positions into a table, ``F.pad`` up to
   a multiple, ``repeat``, a second input of ``2 * s`` rows.
+- ``dtypes`` (torch only, not in the ONNX fuzzer): integer, boolean and mixed-float
+  arithmetic as models write it, on a float (b, s, h) input, int64 / int32 ids in
+  [-scale, scale] and a 0 / 1 mask (int64, int32, bool or float32; each row's first 1), and
+  a float16 / float32 input for the mixed chains: T5's and DeBERTa-v2's relative-position
+  buckets (abs, sign, log, ceil, ``.to(long)``, ``min``, ``where``; bucket parameters whose
+  boundaries are no exact floats), a mask made a float bias (``(1 - mask) * -1e4``,
+  ``finfo.min``, ``masked_fill``, ``~mask.bool()``, ``where``), index arithmetic (``//``,
+  ``%``, ``div`` with a rounding mode, ``remainder`` / ``fmod``, ``int / k``, ``int * 0.5``),
+  position ids (RoBERTa's ``cumsum(mask) * mask``, ``arange * k``, ``pid / s``), float16 with
+  float32 / int / mask operands, 0-dim tensors of another dtype (``torch.tensor(0.5,
+  dtype=float64)``), ``sum`` / ``mean`` of bool / int (with ``dtype=``), and comparisons of
+  int / bool tensors with floats (``ids < 2.5``, ``x[..., -1]``, ``maximum(int, float)``).
 
 Outcomes as :mod:`tvm_fusion.fuzz`: ``discarded`` when torch itself cannot run or export the
 module (or accepts no two feed sizes); ``refused`` when we fail with a one-line error where
