@@ -318,6 +318,42 @@ def test_exported_last_index_scalar_comparisons_and_where_of_scalars():
             np.testing.assert_allclose(g, w, rtol=1e-6, err_msg=f"{decompose} output {i}")
 
 
+def test_exported_integer_clamp_cumsum_and_power():
+    """More of the ``dtypes`` family's finds: stock clipped an integer tensor to +-infinity for
+    a missing bound (LegalizeOps failed), kept ``clamp(int, min=0.5)`` an integer, read
+    ``clamp_max``'s bound from the wrong argument (no clamp), summed ``cumsum`` of int32 / bool
+    in the input's dtype (torch: int64; bool failed to build) and failed on ``2 ** ids``
+    (``power`` of integers)."""
+    torch = pytest.importorskip("torch")
+
+    class Ints(torch.nn.Module):
+        def forward(self, ids, x):
+            keep = ids % 3 != 0
+            return (
+                ids.clamp(max=2),
+                torch.clamp(ids, min=0.5),
+                torch.clamp_max(x, 0.25),
+                torch.clamp_min(ids, -1),
+                torch.cumsum(keep, 1),
+                torch.cumsum(ids.int(), -1),
+                2 ** ids.clamp(0, 8),
+                ids.clamp(0, 3) ** ids.clamp(0, 4),
+            )
+
+    seq = torch.export.Dim("seq", max=16)
+    program = torch.export.export(
+        Ints(), (torch.arange(8).reshape(2, 4), torch.randn(2, 4)), dynamic_shapes=({1: seq},) * 2
+    )
+    ids, x = torch.arange(-7, 7).reshape(2, 7), torch.randn(2, 7)
+    want = [t.numpy() for t in Ints()(ids, x)]
+    for decompose in (True, False):
+        mod = tvm_fusion.frontend.import_exported_program(program, decompose=decompose)
+        got, _ = run(mod, [ids.numpy(), x.numpy()], "tvm_fusion")
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            assert g.dtype == w.dtype, (decompose, i, g.dtype, w.dtype)
+            np.testing.assert_array_equal(g, w, err_msg=f"{decompose} output {i}")
+
+
 def test_exported_float_arithmetic_imports_as_stock():
     """Operands that already have torch's result dtype take stock's converters unchanged."""
     torch = pytest.importorskip("torch")

@@ -708,6 +708,7 @@ DTYPE_CHAINS = (
     "zero_dim",
     "reductions",
     "compare",
+    "misc",
 )
 
 
@@ -864,6 +865,14 @@ def _dtypes(rng) -> Spec:
                 outs.append(torch.maximum(ids, x[..., -1]) if p(0, 2) else torch.clamp(ids, -2, 5))
                 outs.append(torch.min(ids, torch.full_like(ids, k)))
                 outs.append((ids == mask) if p(1, 2) else (ids >= mask.float() * 2))
+            elif chain == "misc":
+                keep = mask.bool()
+                outs.append(torch.clamp(ids, min=0.5) if p(0, 2) else ids.clamp(max=k))
+                outs.append(torch.cumsum(keep, 1) if p(1, 2) else torch.cumsum(ids, -1))
+                outs.append(torch.where(keep, ids, 0.5) if p(2, 2) else torch.where(keep, 1, 0.0))
+                outs.append(torch.sign(ids) * torch.abs(ids) + ids**2)
+                outs.append(ids.to(torch.float16) * 0.5 if p(3, 2) else keep * 1.5)
+                outs.append(2 ** ids.clamp(0, 8) if p(4, 2) else x.argmax(-1) + ids)
         return tuple(outs)
 
     note = f"{' '.join(chains)} on ({b}, {s}, {h}), ids {ids_dtype}, mask {mask_dtype}"

@@ -50,6 +50,19 @@ Passed as its ``custom_convert_map`` by :func:`tvm_fusion.frontend.import_export
   emits a float comparison (``fcmp``) for ``equal`` of two booleans (the build failed).
 - Arithmetic of a float tensor and a symbolic size (``x / x.shape[1]``): stock passes the
   int64 size as it is (the import failed on mixed dtypes); it is cast to the result dtype.
+- ``clamp`` with one scalar bound, or a bound that promotes (``ids.clamp(max=5)``,
+  ``torch.clamp(ids, min=0.5)``), and ``clamp_max``: stock fills a missing bound with an
+  infinity (an integer tensor's ``clip`` failed in LegalizeOps: "Cannot convert infinity to
+  BigInt"), keeps the operand's dtype (``clamp(int, min=0.5)`` is float in torch) and reads
+  ``clamp_max``'s bound from the wrong argument (it clamped nothing, silently). Emitted as
+  ``maximum`` / ``minimum`` with constants in torch's result dtype; two scalar bounds on an
+  operand of that dtype keep stock's ``clip``.
+- ``cumsum`` of a boolean or int32 tensor (``cumsum(mask.bool(), 1)`` for position ids):
+  torch sums in int64, stock in the input's dtype (int32: the wrong dtype; bool: the build
+  failed). The input is cast to torch's result dtype first.
+- ``pow`` with an integer result and a tensor exponent (``2 ** ids``, ``ids ** ids``):
+  0.27's ``power`` takes floats only (LegalizeOps failed). Computed in float64, rounded and
+  cast back (exact below 2 ** 53); a constant non-negative exponent keeps stock's products.
 - ``where.ScalarOther`` / ``where.ScalarSelf`` / ``where.Scalar`` (``torch.where(c, x, 0.0)``
   imported without decompositions): not in stock's table (the import failed). Emitted as
   ``where`` with the scalar a constant of torch's result dtype (tensor operands cast to it).
@@ -409,8 +422,43 @@ def _where_scalar(node, importer) -> relax.Var:
     return bb.emit(relax.op.where(cond, *branches))
 
 
+def _clamp(name: str):
+    """``clamp`` / ``clamp_min`` / ``clamp_max`` with scalar bounds as ``maximum`` /
+    ``minimum`` in torch's result dtype (see the docstring); both bounds on an operand of
+    that dtype go to stock's ``clip``."""
+
+    def convert(node, importer) -> relax.Var:
+        import torch
+
+        if name == "clamp_max.default":
+            low, high = None, _arg(node, 1, "max", None)
+        else:
+            low = _arg(node, 1, "min", None)
+            high = _arg(node, 2, "max", None) if name == "clamp.default" else None
+        x = importer.env.get(node.args[0])
+        have, want = _tensor_dtype(x), _result_dtype(node)
+        bounds = [v for v in (low, high) if v is not None]
+        if (
+            have is None
+            or want is None
+            or any(isinstance(v, torch.fx.Node) or not isinstance(v, int | float) for v in bounds)
+            or (name == "clamp.default" and len(bounds) == 2 and have == want)
+        ):
+            return _stock(importer, name)(node)
+        bb = importer.block_builder
+        y = x if have == want else bb.emit(relax.op.astype(x, want))
+        if low is not None:
+            y = bb.emit(relax.op.maximum(y, relax.const(low, want)))
+        if high is not None:
+            y = bb.emit(relax.op.minimum(y, relax.const(high, want)))
+        return y
+
+    return convert
+
+
 _KINDS = ("Tensor", "Scalar")
 _COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+_POW_KINDS = ("Scalar", "Tensor_Scalar", "Tensor_Tensor")
 # ops whose computation dtype is torch's result dtype (promoted from integer / bool operands)
 _PROMOTED = (
     *(f"{op}.{kind}" for op in ("add", "sub", "mul", "div", "rsub") for kind in _KINDS),
@@ -427,17 +475,60 @@ _PROMOTED = (
     ),
 )  # fmt: skip
 
+
+def _integer_pow(name: str):
+    """``pow`` whose result torch makes an integer (``2 ** ids``, ``ids ** ids``) in float64,
+    rounded and cast back (exact below 2 ** 53); other forms as before."""
+    promoted = _promoted(name) if name in _PROMOTED else _stock_of(name)
+
+    def convert(node, importer) -> relax.Var:
+        import torch
+
+        want = _result_dtype(node)
+        exponent = node.args[1]
+        if (
+            want is None
+            or not want.startswith(("int", "uint"))
+            or (name == "pow.Tensor_Scalar" and isinstance(exponent, int) and exponent >= 0)
+        ):
+            return promoted(node, importer)  # a constant exponent: stock multiplies
+        bb = importer.block_builder
+        operands = []
+        for arg in node.args[:2]:
+            if isinstance(arg, torch.fx.Node):
+                expr = importer.env[arg]
+                if _tensor_dtype(expr) is None:
+                    return promoted(node, importer)
+                operands.append(bb.emit(relax.op.astype(expr, "float64")))
+            elif isinstance(arg, bool | int):
+                operands.append(relax.const(arg, "float64"))
+            else:
+                return promoted(node, importer)
+        logger.debug("%s: integer power computed in float64", node)
+        power = bb.emit(relax.op.round(bb.emit(relax.op.power(*operands))))
+        return bb.emit(relax.op.astype(power, want))
+
+    return convert
+
+
+def _stock_of(name: str):
+    return lambda node, importer: _stock(importer, name)(node)
+
+
 CONVERTERS = {
     "arange.start_step": _arange,
     "cross_entropy_loss.default": _cross_entropy_loss,
     "div.Tensor_mode": _div_mode,
     "repeat.default": _repeat,
     "select.int": _select,
+    **{name: _clamp(name) for name in ("clamp.default", "clamp_min.default", "clamp_max.default")},
     "where.ScalarOther": _where_scalar,
     "where.ScalarSelf": _where_scalar,
     "where.Scalar": _where_scalar,
     **{name: _promoted(name) for name in _PROMOTED},
     **{f"{op}.Scalar": _scalar_compare(f"{op}.Scalar") for op in _COMPARISONS},
+    **{f"pow.{kind}": _integer_pow(f"pow.{kind}") for kind in _POW_KINDS},
+    "cumsum.default": _promoted("cumsum.default"),
 }
 
 
