@@ -323,7 +323,7 @@ def test_exported_integer_clamp_cumsum_and_power():
     a missing bound (LegalizeOps failed), kept ``clamp(int, min=0.5)`` an integer, read
     ``clamp_max``'s bound from the wrong argument (no clamp), summed ``cumsum`` of int32 / bool
     in the input's dtype (torch: int64; bool failed to build) and failed on ``2 ** ids``
-    (``power`` of integers)."""
+    (``power`` of integers) and on ``1 - ids`` (an int32 constant minus int64)."""
     torch = pytest.importorskip("torch")
 
     class Ints(torch.nn.Module):
@@ -338,6 +338,7 @@ def test_exported_integer_clamp_cumsum_and_power():
                 torch.cumsum(ids.int(), -1),
                 2 ** ids.clamp(0, 8),
                 ids.clamp(0, 3) ** ids.clamp(0, 4),
+                1 - ids,
             )
 
     seq = torch.export.Dim("seq", max=16)

@@ -63,6 +63,9 @@ Passed as its ``custom_convert_map`` by :func:`tvm_fusion.frontend.import_export
 - ``pow`` with an integer result and a tensor exponent (``2 ** ids``, ``ids ** ids``):
   0.27's ``power`` takes floats only (LegalizeOps failed). Computed in float64, rounded and
   cast back (exact below 2 ** 53); a constant non-negative exponent keeps stock's products.
+- ``rsub`` with a scalar (``1 - mask``, the float-bias idiom, on int64): stock makes the
+  scalar an int32 / float32 constant whatever the tensor's dtype (the import failed on int64,
+  float16, float64). Emitted as ``subtract`` of a constant of torch's result dtype.
 - ``where.ScalarOther`` / ``where.ScalarSelf`` / ``where.Scalar`` (``torch.where(c, x, 0.0)``
   imported without decompositions): not in stock's table (the import failed). Emitted as
   ``where`` with the scalar a constant of torch's result dtype (tensor operands cast to it).
@@ -515,6 +518,31 @@ def _stock_of(name: str):
     return lambda node, importer: _stock(importer, name)(node)
 
 
+def _rsub(name: str):
+    """``other - x`` (``rsub``) with a scalar ``other`` as a constant of torch's result dtype."""
+    promoted = _promoted(name)
+
+    def convert(node, importer) -> relax.Var:
+        import torch
+
+        want = _result_dtype(node)
+        x, other = node.args[0], node.args[1]
+        expr = importer.env.get(x) if isinstance(x, torch.fx.Node) else None
+        if (
+            want is None
+            or _tensor_dtype(expr) is None
+            or not isinstance(other, bool | int | float)
+            or _arg(node, 2, "alpha", 1) != 1
+        ):
+            return promoted(node, importer)
+        bb = importer.block_builder
+        if _tensor_dtype(expr) != want:
+            expr = bb.emit(relax.op.astype(expr, want))
+        return bb.emit(relax.op.subtract(relax.const(other, want), expr))
+
+    return convert
+
+
 CONVERTERS = {
     "arange.start_step": _arange,
     "cross_entropy_loss.default": _cross_entropy_loss,
@@ -529,6 +557,7 @@ CONVERTERS = {
     **{f"{op}.Scalar": _scalar_compare(f"{op}.Scalar") for op in _COMPARISONS},
     **{f"pow.{kind}": _integer_pow(f"pow.{kind}") for kind in _POW_KINDS},
     "cumsum.default": _promoted("cumsum.default"),
+    **{f"rsub.{kind}": _rsub(f"rsub.{kind}") for kind in _KINDS},
 }
 
 
