@@ -91,21 +91,41 @@ def test_dot(target):
     assert isinstance(grouped, tvm.IRModule)
 
 
-def test_unscheduled_kernels_count_as_fallback(target):
-    """A kernel no rule took (non-global adaptive pooling: TVM's block analysis cannot read
-    its position-dependent window, so every CPU rule declines) carries no rule name; it is
-    listed with the fallback kernels, not hidden."""
+def test_adaptive_pooling_takes_the_fallback_and_unscheduled_kernels_are_listed(
+    target, monkeypatch
+):
+    """Non-global adaptive pooling: TVM's block analysis cannot read its position-dependent
+    window, so every rule but the fallback's outer-loop path declines. It runs in parallel and
+    right; with the fallback rule removed it is left unscheduled, carries no rule name, and is
+    still listed with the fallback kernels, not hidden."""
+    import numpy as np
+    import torch
+    from helpers import run
     from tvm import relax
 
-    from tvm_fusion import engine
+    from tvm_fusion import engine, schedule
 
-    x = relax.Var("x", relax.TensorType((2, 4, 7, 7), "float32"))
+    x = relax.Var("x", relax.TensorType((2, 8, 13, 11), "float32"))
     bb = relax.BlockBuilder()
     with bb.function("main", [x]):
         with bb.dataflow():
-            out = bb.emit_output(relax.op.nn.adaptive_avg_pool2d(x, (3, 3)))
+            out = bb.emit_output(relax.op.nn.adaptive_avg_pool2d(x, (3, 5)))
         bb.emit_func_output(out)
-    ours = engine.compile_module(bb.get(), target, "tvm_fusion")
-    infos = {i.name: i for i in analysis.schedule_info(ours.lowered)}
-    assert [i.rule for i in infos.values()] == [None], infos
-    assert analysis.fallback_kernels(ours.lowered) == list(infos)
+    data = np.random.default_rng(0).standard_normal((2, 8, 13, 11)).astype("float32")
+    got, ours = run(bb.get(), [data], "tvm_fusion")
+    want = torch.nn.functional.adaptive_avg_pool2d(torch.from_numpy(data), (3, 5)).numpy()
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
+    (info,) = analysis.schedule_info(ours.lowered)
+    assert info.rule == "Fallback" and info.parallel, info
+    assert analysis.fallback_kernels(ours.lowered) == [info.name]
+
+    original = schedule.default_rules
+    monkeypatch.setattr(
+        schedule,
+        "default_rules",
+        lambda tgt: [r for r in original(tgt) if type(r).__name__ != "Fallback"],
+    )
+    bare = engine.compile_module(bb.get(), target, "tvm_fusion")
+    (info,) = analysis.schedule_info(bare.lowered)
+    assert info.rule is None and not info.scheduled, info
+    assert analysis.fallback_kernels(bare.lowered) == [info.name]

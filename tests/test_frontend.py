@@ -279,6 +279,82 @@ def test_exported_repeat_by_a_symbolic_count():
         np.testing.assert_array_equal(g, w)
 
 
+def test_exported_last_index_scalar_comparisons_and_where_of_scalars():
+    """Found by the fuzzer's ``dtypes`` family (``tvm_fusion/torch_ops.py``): stock read
+    ``x[:, -1]`` out of bounds (``take`` of -1 in fast mode), compared ``ids < 2.5`` as
+    ``ids < 2`` and ``ids == -0.5`` as ``ids == 0``, failed to build ``bool_mask == 0`` (an
+    ``fcmp`` of booleans), to import ``h / h.shape[1]`` (a float tensor and an int64 size) and,
+    without decompositions, ``torch.where(c, x, 0.0)``. Values and dtypes must be torch's,
+    on both imports, with a dynamic batch and sequence."""
+    torch = pytest.importorskip("torch")
+
+    class Mixed(torch.nn.Module):
+        def forward(self, h, ids, mask):
+            return (
+                h[:, -1],  # the last token: an axis of symbolic length
+                h[..., -2],  # an axis of static length
+                ids < 2.5,
+                ids == -0.5,
+                ids >= -0.5,
+                mask == 0,
+                torch.zeros_like(h).masked_fill((mask == 0)[..., None], -1e4),
+                torch.where(ids > -0.5, h[..., 0], 0.0),
+                h / h.shape[1],
+            )
+
+    batch, seq = torch.export.Dim("batch", max=8), torch.export.Dim("seq", max=16)
+    h, ids = torch.randn(2, 5, 3), torch.arange(-5, 5).reshape(2, 5)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 0, 0, 1, 1]]).bool()
+    dims = ({0: batch, 1: seq},) * 3
+    program = torch.export.export(Mixed(), (h, ids, mask), dynamic_shapes=dims)
+    h, ids = torch.randn(3, 7, 3), torch.arange(-10, 11).reshape(3, 7)
+    mask = ids % 3 != 0
+    want = [t.numpy() for t in Mixed()(h, ids, mask)]
+    for decompose in (True, False):
+        mod = tvm_fusion.frontend.import_exported_program(program, decompose=decompose)
+        got, _ = run(mod, [h.numpy(), ids.numpy(), mask.numpy()], "tvm_fusion")
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            assert g.dtype == w.dtype, (decompose, i, g.dtype, w.dtype)
+            np.testing.assert_allclose(g, w, rtol=1e-6, err_msg=f"{decompose} output {i}")
+
+
+def test_exported_integer_clamp_cumsum_and_power():
+    """More of the ``dtypes`` family's finds: stock clipped an integer tensor to +-infinity for
+    a missing bound (LegalizeOps failed), kept ``clamp(int, min=0.5)`` an integer, read
+    ``clamp_max``'s bound from the wrong argument (no clamp), summed ``cumsum`` of int32 / bool
+    in the input's dtype (torch: int64; bool failed to build) and failed on ``2 ** ids``
+    (``power`` of integers) and on ``1 - ids`` (an int32 constant minus int64)."""
+    torch = pytest.importorskip("torch")
+
+    class Ints(torch.nn.Module):
+        def forward(self, ids, x):
+            keep = ids % 3 != 0
+            return (
+                ids.clamp(max=2),
+                torch.clamp(ids, min=0.5),
+                torch.clamp_max(x, 0.25),
+                torch.clamp_min(ids, -1),
+                torch.cumsum(keep, 1),
+                torch.cumsum(ids.int(), -1),
+                2 ** ids.clamp(0, 8),
+                ids.clamp(0, 3) ** ids.clamp(0, 4),
+                1 - ids,
+            )
+
+    seq = torch.export.Dim("seq", max=16)
+    program = torch.export.export(
+        Ints(), (torch.arange(8).reshape(2, 4), torch.randn(2, 4)), dynamic_shapes=({1: seq},) * 2
+    )
+    ids, x = torch.arange(-7, 7).reshape(2, 7), torch.randn(2, 7)
+    want = [t.numpy() for t in Ints()(ids, x)]
+    for decompose in (True, False):
+        mod = tvm_fusion.frontend.import_exported_program(program, decompose=decompose)
+        got, _ = run(mod, [ids.numpy(), x.numpy()], "tvm_fusion")
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            assert g.dtype == w.dtype, (decompose, i, g.dtype, w.dtype)
+            np.testing.assert_array_equal(g, w, err_msg=f"{decompose} output {i}")
+
+
 def test_exported_view_to_symbolic_sizes():
     """``k.view(b, s, -1, 20)`` of a ``(b, 1, s, 40)`` key (GPT-BigCode's multi-query
     attention): stock's identity check compared ``1`` with the symbolic ``s`` as a truth value

@@ -179,6 +179,24 @@ def test_torch_fixed_seeds_run(family, seed):
     assert fuzz_torch.run_case(family, seed) == ("ok", "")
 
 
+@pytest.mark.parametrize(
+    "seed",
+    [
+        0,  # DeBERTa buckets, integer clamp / cumsum / power, // and %; not decomposed
+        22,  # comparisons with float bounds, a bool mask made a bias (mask == 0)
+    ],
+)
+def test_torch_dtypes_seeds_run(seed):
+    """The ``dtypes`` family (torch only): integer, boolean and mixed-float arithmetic as
+    models write it, which found the importer's ``x[:, -1]``, ``int < 2.5``, ``bool == 0``,
+    ``h / h.shape[1]``, clamp, cumsum and integer power bugs (tests in ``test_frontend.py``)."""
+    pytest.importorskip("torch")
+    from tvm_fusion import fuzz_torch
+
+    assert "dtypes" in fuzz_torch.FAMILIES and "dtypes" not in fuzz.FAMILIES
+    assert fuzz_torch.run_case("dtypes", seed) == ("ok", "")
+
+
 def test_torch_negative_step_arange_gathers_the_right_columns():
     """``x[:, arange(n - 1, n - 3, -1)]`` (range_gather seed 3): 0.27's importer declared the
     arange 4 long (ceil-division as for a positive step) and computed 4 columns; it is

@@ -650,20 +650,21 @@ def _shape_chains(rng):
     return g.model(), feeds, " ".join(str(c) for c in chains)
 
 
-def family_builders(scope: dict) -> dict[str, Callable]:
-    """The builder of each family in a fuzzer module: ``scope["_" + family]`` (its globals)."""
-    return {family: scope[f"_{family}"] for family in FAMILIES}
+def family_builders(scope: dict, families=FAMILIES) -> dict[str, Callable]:
+    """The builder of each of ``families`` in a fuzzer module: ``scope["_" + family]`` (its
+    globals)."""
+    return {family: scope[f"_{family}"] for family in families}
 
 
 def draw(
     builders: dict[str, Callable], family: str, seed: int, stream=0, before=None, what="graph"
 ):
     """``builders[family](rng)`` for ``seed``, deterministic: the generator is seeded by
-    ``(stream + the family's index, seed)`` and the builder called again (at most 100 times)
-    while it raises :class:`InvalidCase`; ``before()`` runs before each call."""
+    ``(stream + the family's index in builders, seed)`` and the builder called again (at most
+    100 times) while it raises :class:`InvalidCase`; ``before()`` runs before each call."""
     if family not in builders:
-        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
-    rng = np.random.default_rng([stream + FAMILIES.index(family), seed])
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(builders)}")
+    rng = np.random.default_rng([stream + list(builders).index(family), seed])
     for _ in range(100):
         if before is not None:
             before()

@@ -37,6 +37,39 @@ Passed as its ``custom_convert_map`` by :func:`tvm_fusion.frontend.import_export
   integers only (the import failed). Emitted as a reshape that puts a unit axis before each
   axis, ``broadcast_to`` the counts on those, and a reshape that merges each pair (a view, a
   broadcast, a view). Integer counts go to stock's ``tile``.
+
+- ``select.int`` with a negative index (``x[..., -1]``, ``hidden[:, -1]``: the last token):
+  stock emits ``take`` of the index as it is in ``fast`` mode, which reads out of bounds
+  (wrong numbers, silently; found by the fuzzer's ``dtypes`` family). The index is counted
+  from the end at import where the axis has a static length, else taken in ``wrap`` mode.
+- Comparisons of an integer or boolean tensor with a float scalar (``ids > 2.5``,
+  ``ids == -0.5``, ``pos < 0.5``): stock makes the scalar a constant of the tensor's dtype
+  (``2.5`` becomes ``2``, so ``2 < 2.5`` is false). The tensor is cast to torch's default
+  float dtype first, as torch compares. A boolean tensor compared with an integer
+  (``mask == 0``, ``masked_fill``'s condition) is cast to int64: 0.27's LLVM code generator
+  emits a float comparison (``fcmp``) for ``equal`` of two booleans (the build failed).
+- Arithmetic of a float tensor and a symbolic size (``x / x.shape[1]``): stock passes the
+  int64 size as it is (the import failed on mixed dtypes); it is cast to the result dtype.
+- ``clamp`` with one scalar bound, or a bound that promotes (``ids.clamp(max=5)``,
+  ``torch.clamp(ids, min=0.5)``), and ``clamp_max``: stock fills a missing bound with an
+  infinity (an integer tensor's ``clip`` failed in LegalizeOps: "Cannot convert infinity to
+  BigInt"), keeps the operand's dtype (``clamp(int, min=0.5)`` is float in torch) and reads
+  ``clamp_max``'s bound from the wrong argument (it clamped nothing, silently). Emitted as
+  ``maximum`` / ``minimum`` with constants in torch's result dtype; two scalar bounds on an
+  operand of that dtype keep stock's ``clip``.
+- ``cumsum`` of a boolean or int32 tensor (``cumsum(mask.bool(), 1)`` for position ids):
+  torch sums in int64, stock in the input's dtype (int32: the wrong dtype; bool: the build
+  failed). The input is cast to torch's result dtype first.
+- ``pow`` with an integer result and a tensor exponent (``2 ** ids``, ``ids ** ids``):
+  0.27's ``power`` takes floats only (LegalizeOps failed). Computed in float64, rounded and
+  cast back (exact below 2 ** 53); a constant non-negative exponent keeps stock's products.
+- ``rsub`` with a scalar (``1 - mask``, the float-bias idiom, on int64): stock makes the
+  scalar an int32 / float32 constant whatever the tensor's dtype (the import failed on int64,
+  float16, float64). Emitted as ``subtract`` of a constant of torch's result dtype.
+- ``where.ScalarOther`` / ``where.ScalarSelf`` / ``where.Scalar`` (``torch.where(c, x, 0.0)``
+  imported without decompositions): not in stock's table (the import failed). Emitted as
+  ``where`` with the scalar a constant of torch's result dtype (tensor operands cast to it).
+
 - ``view.default`` / ``reshape.default`` to symbolic sizes (found by the held-out GPT-BigCode,
   whose multi-query attention views a ``(b, 1, s, 40)`` key as ``(b, s, -1, 20)``): stock's
   identity check compares the two shapes as lists, and an integer size against a symbolic one
@@ -252,6 +285,14 @@ def _promoted(name: str):
                 if not isinstance(arg, torch.fx.Node) or arg in saved:
                     continue
                 expr = importer.env.get(arg)
+                ty = getattr(expr, "ty", None)
+                if isinstance(ty, PrimType):
+                    if str(ty.dtype) == want:
+                        continue
+                    # a symbolic size (``x / x.shape[1]``): stock's operand is the int64 size
+                    saved[arg] = expr
+                    importer.env[arg] = tirx.Cast(want, expr)
+                    continue
                 have = _tensor_dtype(expr)
                 if have is not None and have != want:
                     saved[arg] = expr
@@ -321,6 +362,111 @@ def _repeat(node, importer) -> relax.Var:
     return bb.emit(relax.op.reshape(spread, [c * d for c, d in pairs]))
 
 
+def _static_length(x, axis: int) -> int | None:
+    shape = x.ty.shape if isinstance(getattr(x, "ty", None), relax.TensorType) else None
+    values = getattr(shape, "values", None)
+    if values is None:
+        return None
+    length = values[axis]
+    return int(length) if isinstance(length, int | tirx.IntImm) else None
+
+
+def _select(node, importer) -> relax.Var:
+    """``select(x, dim, i)`` with a negative ``i`` counted from the end (see the docstring)."""
+    x, dim, index = importer.env[node.args[0]], node.args[1], node.args[2]
+    if not isinstance(index, int) or index >= 0 or not isinstance(x.ty, relax.TensorType):
+        return _stock(importer, "select.int")(node)
+    dim = dim + x.ty.ndim if dim < 0 else dim
+    length = _static_length(x, dim)
+    bb = importer.block_builder
+    if length is not None:
+        return bb.emit(relax.op.take(x, relax.const(index + length, "int64"), dim))
+    logger.debug("select: index %d on an axis of symbolic length, taken in wrap mode", index)
+    return bb.emit(relax.op.take(x, relax.const(index, "int64"), dim, mode="wrap"))
+
+
+def _scalar_compare(name: str):
+    """Stock's comparison ``name`` of a tensor with a scalar, the tensor cast to the dtype
+    torch compares in where stock would go wrong: an integer / bool tensor with a float scalar
+    (to the default float dtype), a bool tensor with an integer one (to int64)."""
+
+    def convert(node, importer) -> relax.Var:
+        import torch
+
+        a, b = node.args[0], node.args[1]
+        expr = importer.env.get(a) if isinstance(a, torch.fx.Node) else None
+        have = _tensor_dtype(expr)
+        if have is None or have.startswith("float") or not isinstance(b, bool | int | float):
+            return _stock(importer, name)(node)
+        if isinstance(b, float):
+            want = str(torch.get_default_dtype()).removeprefix("torch.")
+        elif have == "bool":
+            want = "int64"
+        else:
+            return _stock(importer, name)(node)
+        logger.debug("%s: %s tensor cast to %s to compare with %s", node, have, want, b)
+        importer.env[a] = importer.block_builder.emit(relax.op.astype(expr, want))
+        try:
+            return _stock(importer, name)(node)
+        finally:
+            importer.env[a] = expr
+
+    return convert
+
+
+def _where_scalar(node, importer) -> relax.Var:
+    """``where(c, x, y)`` where ``x`` and / or ``y`` is a Python scalar."""
+    import torch
+
+    want = _result_dtype(node)
+    cond = importer.env[node.args[0]]
+    bb = importer.block_builder
+    branches = []
+    for arg in node.args[1:3]:
+        if isinstance(arg, torch.fx.Node):
+            expr = importer.env[arg]
+            if want is not None and _tensor_dtype(expr) not in (None, want):
+                expr = bb.emit(relax.op.astype(expr, want))
+        else:
+            expr = relax.const(arg, want or "float32")
+        branches.append(expr)
+    return bb.emit(relax.op.where(cond, *branches))
+
+
+def _clamp(name: str):
+    """``clamp`` / ``clamp_min`` / ``clamp_max`` with scalar bounds as ``maximum`` /
+    ``minimum`` in torch's result dtype (see the docstring); both bounds on an operand of
+    that dtype go to stock's ``clip``."""
+
+    def convert(node, importer) -> relax.Var:
+        import torch
+
+        if name == "clamp_max.default":
+            low, high = None, _arg(node, 1, "max", None)
+        else:
+            low = _arg(node, 1, "min", None)
+            high = _arg(node, 2, "max", None) if name == "clamp.default" else None
+        x = importer.env.get(node.args[0])
+        have, want = _tensor_dtype(x), _result_dtype(node)
+        bounds = [v for v in (low, high) if v is not None]
+        if (
+            have is None
+            or want is None
+            or any(isinstance(v, torch.fx.Node) or not isinstance(v, int | float) for v in bounds)
+            or (name == "clamp.default" and len(bounds) == 2 and have == want)
+        ):
+            return _stock(importer, name)(node)
+        bb = importer.block_builder
+        y = x if have == want else bb.emit(relax.op.astype(x, want))
+        if low is not None:
+            y = bb.emit(relax.op.maximum(y, relax.const(low, want)))
+        if high is not None:
+            y = bb.emit(relax.op.minimum(y, relax.const(high, want)))
+        return y
+
+    return convert
+
+
 def _same_size(a, b) -> bool:
     """``a`` and ``b`` are the same size: integers by value, symbolic ones structurally."""
     if isinstance(a, int | tirx.IntImm) and isinstance(b, int | tirx.IntImm):
@@ -350,6 +496,8 @@ def _reshape(name: str):
 
 
 _KINDS = ("Tensor", "Scalar")
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+_POW_KINDS = ("Scalar", "Tensor_Scalar", "Tensor_Tensor")
 # ops whose computation dtype is torch's result dtype (promoted from integer / bool operands)
 _PROMOTED = (
     *(f"{op}.{kind}" for op in ("add", "sub", "mul", "div", "rsub") for kind in _KINDS),
@@ -366,6 +514,71 @@ _PROMOTED = (
     ),
 )  # fmt: skip
 
+
+def _integer_pow(name: str):
+    """``pow`` whose result torch makes an integer (``2 ** ids``, ``ids ** ids``) in float64,
+    rounded and cast back (exact below 2 ** 53); other forms as before."""
+    promoted = _promoted(name) if name in _PROMOTED else _stock_of(name)
+
+    def convert(node, importer) -> relax.Var:
+        import torch
+
+        want = _result_dtype(node)
+        exponent = node.args[1]
+        if (
+            want is None
+            or not want.startswith(("int", "uint"))
+            or (name == "pow.Tensor_Scalar" and isinstance(exponent, int) and exponent >= 0)
+        ):
+            return promoted(node, importer)  # a constant exponent: stock multiplies
+        bb = importer.block_builder
+        operands = []
+        for arg in node.args[:2]:
+            if isinstance(arg, torch.fx.Node):
+                expr = importer.env[arg]
+                if _tensor_dtype(expr) is None:
+                    return promoted(node, importer)
+                operands.append(bb.emit(relax.op.astype(expr, "float64")))
+            elif isinstance(arg, bool | int):
+                operands.append(relax.const(arg, "float64"))
+            else:
+                return promoted(node, importer)
+        logger.debug("%s: integer power computed in float64", node)
+        power = bb.emit(relax.op.round(bb.emit(relax.op.power(*operands))))
+        return bb.emit(relax.op.astype(power, want))
+
+    return convert
+
+
+def _stock_of(name: str):
+    return lambda node, importer: _stock(importer, name)(node)
+
+
+def _rsub(name: str):
+    """``other - x`` (``rsub``) with a scalar ``other`` as a constant of torch's result dtype."""
+    promoted = _promoted(name)
+
+    def convert(node, importer) -> relax.Var:
+        import torch
+
+        want = _result_dtype(node)
+        x, other = node.args[0], node.args[1]
+        expr = importer.env.get(x) if isinstance(x, torch.fx.Node) else None
+        if (
+            want is None
+            or _tensor_dtype(expr) is None
+            or not isinstance(other, bool | int | float)
+            or _arg(node, 2, "alpha", 1) != 1
+        ):
+            return promoted(node, importer)
+        bb = importer.block_builder
+        if _tensor_dtype(expr) != want:
+            expr = bb.emit(relax.op.astype(expr, want))
+        return bb.emit(relax.op.subtract(relax.const(other, want), expr))
+
+    return convert
+
+
 CONVERTERS = {
     "arange.start_step": _arange,
     "cross_entropy_loss.default": _cross_entropy_loss,
@@ -373,7 +586,16 @@ CONVERTERS = {
     "repeat.default": _repeat,
     "view.default": _reshape("view.default"),
     "reshape.default": _reshape("reshape.default"),
+    "select.int": _select,
+    **{name: _clamp(name) for name in ("clamp.default", "clamp_min.default", "clamp_max.default")},
+    "where.ScalarOther": _where_scalar,
+    "where.ScalarSelf": _where_scalar,
+    "where.Scalar": _where_scalar,
     **{name: _promoted(name) for name in _PROMOTED},
+    **{f"{op}.Scalar": _scalar_compare(f"{op}.Scalar") for op in _COMPARISONS},
+    **{f"pow.{kind}": _integer_pow(f"pow.{kind}") for kind in _POW_KINDS},
+    "cumsum.default": _promoted("cumsum.default"),
+    **{f"rsub.{kind}": _rsub(f"rsub.{kind}") for kind in _KINDS},
 }
 
 
