@@ -27,7 +27,7 @@ from helpers import run_kernel, sequential
 from tvm import relax
 from tvm.relax import op as R
 
-from tvm_fusion import cuda_check, engine, models, pipeline, tir_util
+from tvm_fusion import analysis, cuda_check, engine, models, pipeline, tir_util
 from tvm_fusion import target as _target
 from tvm_fusion.schedule import default_rules
 from tvm_fusion.schedule.cuda import SkinnyMatmul
@@ -192,6 +192,23 @@ def test_schedule_computes_the_same(case):
         np.testing.assert_allclose(a.astype("float32"), b.astype("float32"), rtol=tol, atol=tol)
 
 
+def _checked_split_k(compiled):
+    """The partial-sum and total kernels of the one SkinnyMatmul GEMM of ``compiled``, checked
+    against the budgets: no spills, <= 128 registers, <= 48 KB shared, >= SMS partial blocks
+    staging through shared memory (``cp.async``, barriers)."""
+    rules = {info.name: info.rule for info in analysis.schedule_info(compiled.lowered)}
+    (gemm,) = [name for name, rule in rules.items() if rule == "SkinnyMatmul"]
+    checks = {k.name: k for k in cuda_check.check(compiled)}
+    partials, total = checks[f"{gemm}_kernel"], checks[f"{gemm}_kernel_1"]
+    for kc in (partials, total):
+        assert kc.spill_stores == kc.spill_loads == 0, kc.to_text()
+        assert kc.registers <= 128 and kc.smem <= 48 * 1024, kc.to_text()
+    assert partials.blocks >= SMS, partials.to_text()
+    assert partials.cp_async > 0 and partials.shared_loads > 0, partials.to_text()
+    assert partials.barriers > 0, partials.to_text()
+    return partials, total
+
+
 @needs_nvcc
 def test_swiglu_down_projection_at_benchmark_size():
     """64 x 2048 x 5632: dlight's 64 blocks become 256 blocks of partial sums (K in 8 slices
@@ -199,20 +216,7 @@ def test_swiglu_down_projection_at_benchmark_size():
     compiled = engine.compile_module(
         models.build("swiglu", "seed").mod, _target.cuda_target(), "tvm_fusion"
     )
-    rules = {
-        gv.name_hint: f.attrs.get("tvm_fusion.schedule_rule")
-        for gv, f in compiled.lowered.functions_items()
-        if isinstance(f, tvm.tirx.PrimFunc) and not f.attrs.get("tirx.is_host_func", False)
-    }
-    (down,) = [name for name, rule in rules.items() if rule == "SkinnyMatmul"]
-    checks = {k.name: k for k in cuda_check.check(compiled)}
-    partials, total = checks[f"{down}_kernel"], checks[f"{down}_kernel_1"]
-    for kc in (partials, total):
-        assert kc.spill_stores == kc.spill_loads == 0, kc.to_text()
-        assert kc.registers <= 128 and kc.smem <= 48 * 1024, kc.to_text()
-    assert partials.blocks >= SMS, partials.to_text()
-    assert partials.cp_async > 0 and partials.shared_loads > 0, partials.to_text()
-    assert partials.barriers > 0, partials.to_text()
+    partials, total = _checked_split_k(compiled)
     assert total.blocks * total.threads >= 64 * 2048, total.to_text()  # a thread per result
 
 
@@ -226,19 +230,6 @@ def test_half_down_projection_at_benchmark_size(rows, dtype):
     compiled = engine.compile_module(
         _linear(rows, 5632, 2048, dtype=dtype), _target.cuda_target(), "tvm_fusion"
     )
-    rules = {
-        gv.name_hint: f.attrs.get("tvm_fusion.schedule_rule")
-        for gv, f in compiled.lowered.functions_items()
-        if isinstance(f, tvm.tirx.PrimFunc) and not f.attrs.get("tirx.is_host_func", False)
-    }
-    (gemm,) = [name for name, rule in rules.items() if rule == "SkinnyMatmul"]
-    checks = {k.name: k for k in cuda_check.check(compiled)}
-    partials, total = checks[f"{gemm}_kernel"], checks[f"{gemm}_kernel_1"]
-    for kc in (partials, total):
-        assert kc.spill_stores == kc.spill_loads == 0, kc.to_text()
-        assert kc.registers <= 128 and kc.smem <= 48 * 1024, kc.to_text()
-    assert partials.blocks >= SMS, partials.to_text()
-    assert partials.cp_async > 0 and partials.shared_loads > 0, partials.to_text()
-    assert partials.barriers > 0, partials.to_text()
+    partials, total = _checked_split_k(compiled)
     assert "cp.async.cg.shared.global" in cuda_check.cuda_source(compiled.executable.mod)
     assert total.blocks * total.threads >= rows * 2048, total.to_text()
