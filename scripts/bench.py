@@ -28,7 +28,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    from tvm_fusion.cli import main as cli_main
+    from tvm_fusion.tools.cli import main as cli_main
 
     forwarded = [
         "bench",

@@ -42,7 +42,7 @@ import numpy as np
 
 
 def _time(run, repeat: int, budget: float) -> float:
-    from tvm_fusion.engine import time_runs
+    from tvm_fusion.build.engine import time_runs
 
     return time_runs(run, repeat=repeat, budget_s=budget)["median_ms"]
 
@@ -50,7 +50,8 @@ def _time(run, repeat: int, budget: float) -> float:
 def bench_take(target, repeat: int, budget: float, size: str) -> list[dict]:
     from tvm import relax
 
-    from tvm_fusion import analysis, engine, models
+    from tvm_fusion import analysis, models
+    from tvm_fusion.build import engine
     from tvm_fusion.models.take_arange import xlnet_loss
 
     inst = models.build("take_arange", size)
@@ -78,7 +79,7 @@ def _torch_take(inst, backward: bool, repeat: int, budget: float) -> float | Non
         import torch
     except ImportError:
         return None
-    from tvm_fusion.engine import time_runs
+    from tvm_fusion.build.engine import time_runs
 
     torch.set_num_threads(_threads())
     bd, ac = (torch.from_numpy(a) for a in inst.input_list())
@@ -109,7 +110,8 @@ def bench_cross_entropy(target, repeat: int, budget: float, size: str) -> list[d
     forward, and forward+backward (d loss / d logits), with peak extra memory."""
     from tvm import relax
 
-    from tvm_fusion import analysis, engine, models
+    from tvm_fusion import analysis, models
+    from tvm_fusion.build import engine
     from tvm_fusion.models.cross_entropy import nll_module
     from tvm_fusion.transform import FuseCrossEntropy
 
@@ -144,7 +146,7 @@ def _torch_ce(x, t, backward: bool, repeat: int, budget: float) -> float | None:
         import torch
     except ImportError:
         return None
-    from tvm_fusion.engine import time_runs
+    from tvm_fusion.build.engine import time_runs
 
     torch.set_num_threads(_threads())
     xt, tt = torch.from_numpy(x), torch.from_numpy(t)
@@ -171,8 +173,9 @@ def bench_linear_ce(target, repeat: int, budget: float, size: str) -> list[dict]
     import tvm
     from tvm import relax
 
-    from tvm_fusion import analysis, engine, models
-    from tvm_fusion.pipeline import fusion_passes
+    from tvm_fusion import analysis, models
+    from tvm_fusion.build import engine
+    from tvm_fusion.build.pipeline import fusion_passes
 
     inst = models.build("linear_cross_entropy", size)
     inputs = inst.input_list()
@@ -218,7 +221,7 @@ def _ort_time(inst, repeat: int, budget: float) -> float | None:
         import onnxruntime  # noqa: F401
     except ImportError:
         return None
-    from tvm_fusion import engine
+    from tvm_fusion.build import engine
 
     run = engine.onnxruntime_runner(inst.onnx_model, inst.inputs, _threads())
     return _time(run, repeat, budget)
@@ -229,7 +232,7 @@ def _torch_linear_ce(inputs, backward: bool, repeat: int, budget: float) -> floa
         import torch
     except ImportError:
         return None
-    from tvm_fusion.engine import time_runs
+    from tvm_fusion.build.engine import time_runs
 
     torch.set_num_threads(_threads())
     h, w, t = (torch.from_numpy(a) for a in inputs)
@@ -291,7 +294,8 @@ def _single_op_module(shape, make):
 
 
 def _compare_two(case, mod, plain, inputs, target, repeat, budget, plain_inputs=None) -> dict:
-    from tvm_fusion import analysis, engine
+    from tvm_fusion import analysis
+    from tvm_fusion.build import engine
 
     a = engine.compile_module(mod, target, "tvm_fusion")
     b = engine.compile_module(plain, target, "tvm_fusion")
@@ -315,7 +319,7 @@ def _compare_two(case, mod, plain, inputs, target, repeat, budget, plain_inputs=
 
 
 def bench_gates(target, repeat: int, budget: float, size: str) -> list[dict]:
-    from tvm_fusion.bench import run_bench
+    from tvm_fusion.tools.bench import run_bench
 
     results = run_bench(
         ["lstm_cell", "gate_2890", "swiglu", "gru_cell", "geglu"],
@@ -369,8 +373,9 @@ def bench_tuned(target, repeat: int, budget: float, size: str) -> list[dict]:
 
 
 def _tuned_row(target, workload, label, ours_db, stock_db, repeat, budget, size) -> dict:
-    from tvm_fusion import engine, models
-    from tvm_fusion.tuning import trials_spent
+    from tvm_fusion import models
+    from tvm_fusion.build import engine
+    from tvm_fusion.build.tuning import trials_spent
 
     inst = models.build(workload, size)
     reference = inst.reference(*inst.input_list())
@@ -433,7 +438,8 @@ def bench_shapes(target, repeat: int, budget: float, size: str) -> list[dict]:
     end-to-end time of stock, ours and ONNX Runtime."""
     import tvm
 
-    from tvm_fusion import analysis, engine, load_onnx
+    from tvm_fusion import analysis, load_onnx
+    from tvm_fusion.build import engine
     from tvm_fusion.models import shape_idioms
 
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
@@ -465,7 +471,7 @@ def bench_shapes(target, repeat: int, budget: float, size: str) -> list[dict]:
                 row[label] = None
                 row[label.replace("ms", "kernels")] = "fails"
         try:
-            from tvm_fusion.engine import onnxruntime_runner
+            from tvm_fusion.build.engine import onnxruntime_runner
 
             row["onnxruntime ms"] = _time(
                 onnxruntime_runner(idiom.model, idiom.inputs, _threads()), repeat, budget
@@ -541,7 +547,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import tvm_fusion
-    from tvm_fusion.bench import machine_info
+    from tvm_fusion.tools.bench import machine_info
 
     target = tvm_fusion.host_target()
     out = Path(args.output)

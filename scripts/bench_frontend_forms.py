@@ -56,7 +56,8 @@ def bench_gate(name: str, args, target) -> dict:
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
-    from tvm_fusion import analysis, engine
+    from tvm_fusion import analysis
+    from tvm_fusion.build import engine
 
     torch.manual_seed(0)
     module = _gate_modules(torch)[name]().eval()
@@ -116,7 +117,8 @@ def bench_ce(args, target, threads: int) -> dict:
     import numpy as np
 
     import tvm_fusion
-    from tvm_fusion import analysis, engine
+    from tvm_fusion import analysis
+    from tvm_fusion.build import engine
 
     model = _ce_model()
     mod = tvm_fusion.load_onnx(model)
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default="bench/frontend_forms.json")
     args = parser.parse_args(argv)
     import tvm_fusion
-    from tvm_fusion.bench import machine_info
+    from tvm_fusion.tools.bench import machine_info
 
     warnings.simplefilter("ignore")
     threads = int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))

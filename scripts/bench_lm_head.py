@@ -56,7 +56,7 @@ def _head(torch, hidden: int, vocab: int):
 def _rewrites(mod, target) -> dict:
     import tvm
 
-    from tvm_fusion.pipeline import fusion_passes
+    from tvm_fusion.build.pipeline import fusion_passes
     from tvm_fusion.transform import collect_rewrites
 
     with collect_rewrites() as counts:
@@ -65,7 +65,8 @@ def _rewrites(mod, target) -> dict:
 
 
 def _peaks(mod, target) -> dict:
-    from tvm_fusion import analysis, engine
+    from tvm_fusion import analysis
+    from tvm_fusion.build import engine
 
     out, compiled = {}, {}
     for name in ("stock", "tvm_fusion"):
@@ -107,8 +108,8 @@ def main(argv=None) -> int:
     from tvm.relax.frontend.torch import from_exported_program
 
     import tvm_fusion
-    from tvm_fusion import engine
-    from tvm_fusion.bench import machine_info
+    from tvm_fusion.build import engine
+    from tvm_fusion.tools.bench import machine_info
 
     threads = int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))
     torch.set_num_threads(threads)

@@ -53,8 +53,9 @@ def main(argv=None) -> int:
     import onnx
 
     import tvm_fusion
-    from tvm_fusion import analysis, engine
-    from tvm_fusion.bench import machine_info
+    from tvm_fusion import analysis
+    from tvm_fusion.build import engine
+    from tvm_fusion.tools.bench import machine_info
     from tvm_fusion.transform import collect_rewrites
 
     warnings.simplefilter("ignore")

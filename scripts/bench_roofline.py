@@ -71,7 +71,7 @@ def _ours_matmul(m: int, k: int, n: int, target):
     import numpy as np
     from tvm import relax
 
-    from tvm_fusion import engine
+    from tvm_fusion.build import engine
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((k, n)).astype("float32")
@@ -103,8 +103,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     import tvm_fusion
-    from tvm_fusion import engine
-    from tvm_fusion.bench import machine_info
+    from tvm_fusion.build import engine
+    from tvm_fusion.tools.bench import machine_info
 
     warnings.simplefilter("ignore")
     threads = int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Shape sweep: single-op ONNX models at awkward sizes, tvm_fusion against ONNX Runtime.
 
-Writes ``bench/sweep.json`` and ``bench/sweep.md`` (see :mod:`tvm_fusion.sweep`).
+Writes ``bench/sweep.json`` and ``bench/sweep.md`` (see :mod:`tvm_fusion.tools.sweep`).
 
     python scripts/bench_sweep.py                       # every case, about 10 minutes here
     python scripts/bench_sweep.py --family gemm,softmax --output /tmp/sweep.json
@@ -28,10 +28,10 @@ def _parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    from tvm_fusion import sweep
-    from tvm_fusion.bench import machine_info
     from tvm_fusion.errors import UsageError
     from tvm_fusion.target import parse_target
+    from tvm_fusion.tools import sweep
+    from tvm_fusion.tools.bench import machine_info
 
     try:
         target = parse_target(args.target)

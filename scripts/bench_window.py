@@ -89,7 +89,8 @@ def without_window_rule():
 
 
 def run_case(name: str, target, repeat: int, budget: float) -> dict:
-    from tvm_fusion import analysis, engine
+    from tvm_fusion import analysis
+    from tvm_fusion.build import engine
     from tvm_fusion.frontend import load_onnx
 
     op, shape, attrs = CASES[name]
@@ -139,8 +140,8 @@ def markdown(rows: list[dict], machine: dict) -> str:
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    from tvm_fusion.bench import machine_info
     from tvm_fusion.target import parse_target
+    from tvm_fusion.tools.bench import machine_info
 
     target = parse_target(args.target)
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())

@@ -22,7 +22,7 @@ def main() -> int:
     import tvm
 
     import tvm_fusion
-    from tvm_fusion.pipeline import fusion_passes
+    from tvm_fusion.build.pipeline import fusion_passes
     from tvm_fusion.transform import collect_rewrites
 
     manifest = json.loads((CORPUS / "manifest.json").read_text())

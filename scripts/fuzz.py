@@ -3,13 +3,13 @@
     python scripts/fuzz.py --minutes 60 --seed 0 --out fuzz_failures
     python scripts/fuzz.py --frontend torch --minutes 15 --seed 0   # torch.export vs eager
 
-Cases run round-robin over the families (``tvm_fusion.fuzz.FAMILIES``) in one worker
+Cases run round-robin over the families (``tvm_fusion.testing.fuzz.FAMILIES``) in one worker
 subprocess (a segfault or a hang costs one case); each failure is minimised and saved under
 ``--out`` as ``FAMILY-SEED/model.onnx``, ``inputs.npz`` and ``reason.txt``. Totals per family
 go to ``bench/fuzz.json`` and ``bench/fuzz.md`` (``--output ''`` to skip). ``--frontend torch``
-runs ``tvm_fusion.fuzz_torch``'s families (torch.nn modules through torch.export, against torch
-eager; failures saved unminimised, with the exported program) into ``bench/fuzz_torch.*``. The
-exit status is 1 when a case failed, crashed or hung.
+runs ``tvm_fusion.testing.fuzz_torch``'s families (torch.nn modules through torch.export,
+against torch eager; failures saved unminimised, with the exported program) into
+``bench/fuzz_torch.*``. The exit status is 1 when a case failed, crashed or hung.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _parse_args(argv=None):
-    from tvm_fusion.fuzz import FRONTENDS, frontend_module
+    from tvm_fusion.testing.fuzz import FRONTENDS, frontend_module
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--frontend", choices=FRONTENDS, default="onnx", help="ONNX or torch.export")
@@ -56,7 +56,7 @@ def _parse_args(argv=None):
 
 
 def _markdown(result: dict) -> str:
-    from tvm_fusion.fuzz import OUTCOMES
+    from tvm_fusion.testing.fuzz import OUTCOMES
 
     title = {
         "onnx": "random ONNX graphs, tvm_fusion vs ONNX Runtime",
@@ -106,7 +106,7 @@ def _markdown(result: dict) -> str:
 def main(argv=None) -> int:
     os.environ.setdefault("TVM_NUM_THREADS", "1")
     args = _parse_args(argv)
-    from tvm_fusion.fuzz import fuzz
+    from tvm_fusion.testing.fuzz import fuzz
 
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     start = time.time()

@@ -167,7 +167,8 @@ def _compile_case(
 ) -> dict:
     import tvm
 
-    from tvm_fusion import analysis, engine
+    from tvm_fusion import analysis
+    from tvm_fusion.build import engine
 
     start = time.perf_counter()
     compiled = engine.compile_module(mod, target, pipeline)
@@ -426,7 +427,7 @@ def main(argv=None) -> int:
         }
         if check and ref is None:
             # backward graphs: stock TVM's result on this CPU is the reference
-            from tvm_fusion import engine
+            from tvm_fusion.build import engine
 
             compiled = engine.compile_module(stock_mod, host, "stock")
             ref = engine.TvmRunner(compiled, list(inputs.values()), function).outputs()

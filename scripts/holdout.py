@@ -682,7 +682,8 @@ def run_one(name: str) -> dict:
     import torch
 
     import tvm_fusion
-    from tvm_fusion import analysis, engine
+    from tvm_fusion import analysis
+    from tvm_fusion.build import engine
     from tvm_fusion.transform import collect_rewrites
 
     corpus.S = HOLD
@@ -756,7 +757,7 @@ def time_one(name: str, rec: dict, repeat: int, budget_s: float) -> dict:
     import tvm
     from tvm import relax
 
-    from tvm_fusion import engine
+    from tvm_fusion.build import engine
 
     saved = np.load(WORK / f"{name}.npz")
     runs = {}

@@ -11,6 +11,6 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":
-    from tvm_fusion.cli import main
+    from tvm_fusion.tools.cli import main
 
     sys.exit(main(["tune", *sys.argv[1:]]))

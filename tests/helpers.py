@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tvm
 
-from tvm_fusion import engine
+from tvm_fusion.build import engine
 from tvm_fusion.target import host_target
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -84,7 +84,8 @@ def gate_kernel_check(compiled, scopes=("shared", "local")):
     """The ``cuda_check`` report of the one kernel GateFusion scheduled in a CUDA build,
     asserting that there is one (one kernel per gate group) and that it allocates buffers in
     ``scopes`` only (no ``(rows, gates, D)`` buffer in global memory)."""
-    from tvm_fusion import cuda_check, tir_util
+    from tvm_fusion import tir_util
+    from tvm_fusion.tools import cuda_check
 
     gate_funcs = {
         gv.name_hint: f

@@ -4,7 +4,8 @@ import tvm
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from tvm_fusion import analysis, engine, models
+from tvm_fusion import analysis, models
+from tvm_fusion.build import engine
 
 
 @I.ir_module
@@ -62,7 +63,8 @@ def test_fallback_kernels_are_named(target, monkeypatch):
     row rule, so a softmax has nowhere else to go)."""
     from tvm import relax
 
-    from tvm_fusion import engine, schedule
+    from tvm_fusion import schedule
+    from tvm_fusion.build import engine
 
     x = relax.Var("x", relax.TensorType((4, 40), "float32"))
     bb = relax.BlockBuilder()
@@ -103,7 +105,8 @@ def test_adaptive_pooling_takes_the_fallback_and_unscheduled_kernels_are_listed(
     from helpers import run
     from tvm import relax
 
-    from tvm_fusion import engine, schedule
+    from tvm_fusion import schedule
+    from tvm_fusion.build import engine
 
     x = relax.Var("x", relax.TensorType((2, 8, 13, 11), "float32"))
     bb = relax.BlockBuilder()

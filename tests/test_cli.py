@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tvm_fusion.cli import main
+from tvm_fusion.tools.cli import main
 
 
 def _model(tmp_path, opset: int = 18):
@@ -179,7 +179,8 @@ def test_opset_1_model_imports(tmp_path, capsys):
 
 def _fake_compile(monkeypatch, export):
     """``compile`` without compiling: the executable's export_library is ``export``."""
-    from tvm_fusion import analysis, engine
+    from tvm_fusion import analysis
+    from tvm_fusion.build import engine
 
     compiled = SimpleNamespace(
         executable=SimpleNamespace(export_library=export),
@@ -223,7 +224,7 @@ def test_compile_output_is_atomic(failure, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("where", ["cmd_explain", "build_parser", "_setup_logging"])
 def test_keyboard_interrupt_one_line_exit_130(where, monkeypatch, capsys):
     """Ctrl-C while parsing, setting up or running a command: one line, status 130."""
-    from tvm_fusion import cli
+    from tvm_fusion.tools import cli
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -265,7 +266,7 @@ def test_ctrl_c_that_tvm_turns_into_an_error(after, monkeypatch, capsys):
     still one line, status 130."""
     import signal
 
-    from tvm_fusion import cli
+    from tvm_fusion.tools import cli
 
     # Python's own handler: an earlier test or library in this process may have replaced it.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -304,7 +305,7 @@ def test_process_level_no_traceback(tmp_path):
         [
             sys.executable,
             "-m",
-            "tvm_fusion.cli",
+            "tvm_fusion.tools.cli",
             "compile",
             str(tmp_path / "missing.onnx"),
             "-o",
@@ -426,7 +427,7 @@ def test_bench_models_against_onnxruntime(tmp_path, capsys):
 
 def test_bench_models_random_inputs(tmp_path):
     """A folder with no saved inputs: random inputs from the graph's types, dims from --dim."""
-    from tvm_fusion import model_bench
+    from tvm_fusion.tools import model_bench
 
     _model(tmp_path)
     with pytest.raises(Exception, match="--dim n=N"):

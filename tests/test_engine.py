@@ -1,11 +1,11 @@
-"""The timing helpers of tvm_fusion.engine (no TVM compile: fake runs record their order) and
+"""The timing helpers of tvm_fusion.build.engine (no TVM compile: fake runs record their order) and
 the one-line error messages taken from TVM's exceptions."""
 
 import time
 
 import pytest
 
-from tvm_fusion import engine
+from tvm_fusion.build import engine
 from tvm_fusion.errors import first_line
 
 

@@ -280,7 +280,7 @@ def test_exported_repeat_by_a_symbolic_count():
 
 
 def test_exported_last_index_scalar_comparisons_and_where_of_scalars():
-    """Found by the fuzzer's ``dtypes`` family (``tvm_fusion/torch_ops.py``): stock read
+    """Found by the fuzzer's ``dtypes`` family (``tvm_fusion/frontend/torch_ops.py``): stock read
     ``x[:, -1]`` out of bounds (``take`` of -1 in fast mode), compared ``ids < 2.5`` as
     ``ids < 2`` and ``ids == -0.5`` as ``ids == 0``, failed to build ``bool_mask == 0`` (an
     ``fcmp`` of booleans), to import ``h / h.shape[1]`` (a float tensor and an int64 size) and,
@@ -395,7 +395,7 @@ def test_exported_float_arithmetic_imports_as_stock():
 
 
 def test_cli_explain_and_compile_a_pt2(tmp_path, capsys):
-    from tvm_fusion.cli import main
+    from tvm_fusion.tools.cli import main
 
     _, _, path = _saved_program(tmp_path)
     assert main(["explain", str(path)]) == 0
@@ -471,7 +471,7 @@ def test_constant_pads_and_shifted_labels_import_and_match(fold_chain):
     recursion in GPT-2's loss)."""
     import onnxruntime as ort
 
-    from tvm_fusion import engine
+    from tvm_fusion.build import engine
     from tvm_fusion.frontend import fold_constants
 
     model = _padded_labels_model(fold_chain)

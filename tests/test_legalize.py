@@ -9,10 +9,10 @@ from tvm import relax
 from tvm.relax import op as R
 
 from tvm_fusion import analysis
-from tvm_fusion.cuda_check import cuda_source
-from tvm_fusion.legalize import fast_math_legalize_map
+from tvm_fusion.lower.legalize import fast_math_legalize_map
+from tvm_fusion.tools.cuda_check import cuda_source
 
-# (op, reference, input range, bound) -- the bounds documented in tvm_fusion/legalize.py:
+# (op, reference, input range, bound) -- the bounds documented in tvm_fusion/lower/legalize.py:
 # relative error <= 4e-7 where |f| > 1e-3; gelu: absolute error <= 1e-6 (erf's error times
 # |x| / 2, the cancellation in 1 + erf(x) for x << 0 that stock float32 gelu has too).
 CASES = [
@@ -56,7 +56,7 @@ def test_exp_below_max_accuracy(target):
     the exponent bits), all on the host target."""
     from tvm import te
 
-    from tvm_fusion.legalize import exp_below_max
+    from tvm_fusion.lower.legalize import exp_below_max
 
     x = te.placeholder((1, 40001), "float32", name="x")
     m = te.placeholder((1, 1), "float32", name="m")
@@ -118,7 +118,7 @@ def test_integer_power_is_multiplication(exponent):
     assert any("integer_power" in n for n in names) == (exponent != 0.5), names
     if exponent != 0.5:
         cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
-        from tvm_fusion import engine
+        from tvm_fusion.build import engine
 
         source = engine.compile_module(mod, cuda, "tvm_fusion").executable.mod
         text = cuda_source(source)
@@ -163,7 +163,7 @@ def test_symbolic_row_reductions_split_into_whole_vectors_and_a_tail(op):
         if compiled is None:
             out, compiled = run(mod, [x], "tvm_fusion")
         else:
-            from tvm_fusion import engine
+            from tvm_fusion.build import engine
 
             out = engine.TvmRunner(compiled, [x]).outputs()
         xd = x.astype("float64")
@@ -234,7 +234,7 @@ def _reshape_module(src, dst):
 
 
 def _legalized_ops(mod):
-    from tvm_fusion.legalize import legalize_map
+    from tvm_fusion.lower.legalize import legalize_map
 
     with tvm.target.Target("llvm"):
         mod = relax.transform.LegalizeOps(legalize_map(False))(mod)

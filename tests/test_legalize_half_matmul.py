@@ -19,7 +19,7 @@ from tvm import relax
 from tvm.relax import op as R
 
 from tvm_fusion import tir_util
-from tvm_fusion.legalize import legalize_map
+from tvm_fusion.lower.legalize import legalize_map
 
 HALF = ["float16", "bfloat16"]
 ULP = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # spacing of [1, 2) in each dtype

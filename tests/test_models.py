@@ -7,8 +7,8 @@ import pytest
 from helpers import run
 
 from tvm_fusion import models
-from tvm_fusion.cuda_check import cuda_source
 from tvm_fusion.errors import UsageError
+from tvm_fusion.tools.cuda_check import cuda_source
 
 ALL = models.names()
 
@@ -83,7 +83,7 @@ def test_dynamic_variant(name):
 @pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None, reason="no onnxruntime")
 @pytest.mark.parametrize("name", ALL)
 def test_onnx_model_matches_reference(name):
-    from tvm_fusion.engine import onnxruntime_runner
+    from tvm_fusion.build.engine import onnxruntime_runner
 
     inst = models.build(name, "small")
     ref = inst.reference(*inst.input_list())
@@ -95,7 +95,7 @@ def test_onnx_model_matches_reference(name):
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch")
 @pytest.mark.parametrize("name", ALL)
 def test_torch_fn_matches_reference(name):
-    from tvm_fusion.engine import torch_runner
+    from tvm_fusion.build.engine import torch_runner
 
     inst = models.build(name, "small")
     ref = inst.reference(*inst.input_list())
@@ -115,7 +115,7 @@ def test_cuda_compiles(name, dynamic):
     import tvm
     from tvm.support import nvcc
 
-    from tvm_fusion import engine
+    from tvm_fusion.build import engine
     from tvm_fusion.transform import collect_rewrites
 
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})

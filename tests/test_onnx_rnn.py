@@ -1,5 +1,5 @@
-"""ONNX LSTM / GRU / RNN (tvm_fusion/onnx_rnn.py): imported, unrolled, and each step one fused
-gate kernel; numbers against ONNX Runtime (ONNX's reference evaluator where ORT lacks the
+"""ONNX LSTM / GRU / RNN (tvm_fusion/frontend/onnx_rnn.py): imported, unrolled, and each step one
+fused gate kernel; numbers against ONNX Runtime (ONNX's reference evaluator where ORT lacks the
 attribute: layout 1), at two batch sizes of a dynamic batch."""
 
 import io
@@ -12,8 +12,10 @@ import tvm
 from onnx import TensorProto, helper
 
 import tvm_fusion
-from tvm_fusion import ModelError, engine, rnn_loop
-from tvm_fusion.pipeline import fusion_passes
+from tvm_fusion import ModelError
+from tvm_fusion.build import engine
+from tvm_fusion.build.pipeline import fusion_passes
+from tvm_fusion.lower import rnn_loop
 from tvm_fusion.transform import collect_rewrites
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from tvm_fusion import analysis, engine, host_target, load_onnx
+from tvm_fusion import analysis, host_target, load_onnx
+from tvm_fusion.build import engine
+from tvm_fusion.frontend.onnx_ops import cast_operands_of, cast_shape_operands
 from tvm_fusion.models._build import onnx_input, onnx_model
-from tvm_fusion.onnx_ops import cast_operands_of, cast_shape_operands
 
 ort = pytest.importorskip("onnxruntime")
 

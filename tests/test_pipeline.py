@@ -10,9 +10,10 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 import tvm_fusion
-from tvm_fusion import ModelError, analysis, engine, models
-from tvm_fusion.engine import as_list
-from tvm_fusion.pipeline import (
+from tvm_fusion import ModelError, analysis, models
+from tvm_fusion.build import engine
+from tvm_fusion.build.engine import as_list
+from tvm_fusion.build.pipeline import (
     PIPELINE_NAME,
     RestrictSingleBufferKernels,
     build_pipeline,
@@ -40,7 +41,7 @@ def _inputs():
 def test_registered_with_relax():
     assert PIPELINE_NAME in relax.pipeline.PIPELINE_MAP
     # Registering again (e.g. a re-import) must not raise.
-    tvm_fusion.pipeline.register()
+    tvm_fusion.build.pipeline.register()
 
 
 def test_tvm_compile_by_name(target):

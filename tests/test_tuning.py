@@ -14,7 +14,8 @@ from tvm import relax
 from tvm.relax import op as R
 
 import tvm_fusion
-from tvm_fusion import tir_util, tuning
+from tvm_fusion import tir_util
+from tvm_fusion.build import tuning
 from tvm_fusion.errors import UsageError
 
 

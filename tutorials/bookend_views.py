@@ -18,7 +18,8 @@ import numpy as np
 from tvm import relax
 
 import tvm_fusion
-from tvm_fusion import analysis, engine, models
+from tvm_fusion import analysis, models
+from tvm_fusion.build import engine
 
 
 def plain(shape, make):

@@ -25,7 +25,8 @@ import tvm
 from tvm import relax
 
 import tvm_fusion
-from tvm_fusion import analysis, engine, models
+from tvm_fusion import analysis, models
+from tvm_fusion.build import engine
 from tvm_fusion.models.cross_entropy import cross_entropy_torch_np, nll_module, smoothed_module
 from tvm_fusion.transform import FuseCrossEntropy, FuseLinearCrossEntropy, collect_rewrites
 

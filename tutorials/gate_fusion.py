@@ -16,7 +16,8 @@ Run it::
 import argparse
 
 import tvm_fusion  # noqa: F401 - registers the "tvm_fusion" pipeline
-from tvm_fusion import analysis, engine, models
+from tvm_fusion import analysis, models
+from tvm_fusion.build import engine
 from tvm_fusion.target import host_target
 
 

@@ -19,7 +19,8 @@ import numpy as np
 from tvm import relax
 
 import tvm_fusion
-from tvm_fusion import analysis, engine, models
+from tvm_fusion import analysis, models
+from tvm_fusion.build import engine
 from tvm_fusion.models.take_arange import xlnet_loss
 from tvm_fusion.transform import GatherToSlice
 

@@ -33,9 +33,10 @@ import tvm
 from tvm import relax
 
 import tvm_fusion
-from tvm_fusion import analysis, engine, load_onnx
+from tvm_fusion import analysis, load_onnx
+from tvm_fusion.build import engine
 from tvm_fusion.errors import first_line
-from tvm_fusion.onnx_ops import stock_from_onnx
+from tvm_fusion.frontend.onnx_ops import stock_from_onnx
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS_FILE = ROOT / "tests" / "corpus" / "bert_mlm_torchscript.onnx"

@@ -28,7 +28,8 @@ import numpy as np
 import tvm
 
 import tvm_fusion
-from tvm_fusion import analysis, engine, load_onnx
+from tvm_fusion import analysis, load_onnx
+from tvm_fusion.build import engine
 from tvm_fusion.models import shape_idioms
 from tvm_fusion.transform import PlaceShapeOnHost
 

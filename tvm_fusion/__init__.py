@@ -9,23 +9,28 @@ Importing this package registers the Relax pipeline ``"tvm_fusion"``::
 from __future__ import annotations
 
 import os as _os
+import sys as _sys
 
 # TVM's thread pool starts with one thread on small machines unless told otherwise.
 _os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0))))
 
-from . import _compat, analysis, gradients  # noqa: E402
-from .errors import ModelError, TvmFusionError, UsageError  # noqa: E402
-from .frontend import load_exported_program, load_model, load_onnx  # noqa: E402
-from .pipeline import (  # noqa: E402
+from . import _compat  # noqa: E402
+from .build.pipeline import (  # noqa: E402
     build_pipeline,
     fusion_passes,
     post_fusion_passes,
     stock_pipeline,
 )
-from .pipeline import (
-    register as _register_pipeline,
-)
+from .build.pipeline import register as _register_pipeline  # noqa: E402
+from .errors import ModelError, TvmFusionError, UsageError  # noqa: E402
+from .frontend import load_exported_program, load_model, load_onnx  # noqa: E402
+from .lower import gradients  # noqa: E402
 from .target import host_target, parse_target  # noqa: E402
+from .tools import analysis  # noqa: E402
+
+# ``tvm_fusion.analysis`` is public (README): ``import tvm_fusion.analysis`` and
+# ``from tvm_fusion.analysis import fusion_report`` find the module that lives in tools/.
+_sys.modules[f"{__name__}.analysis"] = analysis
 
 _compat.apply()
 gradients.register()

@@ -1,7 +1,7 @@
 """Every extent gets its rule: awkward sizes (primes, odd, 1, tiny) of each op class that has a
 CPU rule are scheduled by that rule, not by the fallback, and give ONNX Runtime's numbers.
 
-The models are the shape sweep's (``tvm_fusion.sweep``: one ONNX operator or the handful an
+The models are the shape sweep's (``tvm_fusion.tools.sweep``: one ONNX operator or the handful an
 exporter writes for it), imported with ``load_onnx`` and compiled with our pipeline, at small
 sizes drawn by hypothesis. Before the rules took any extent, a GEMM whose columns no vector
 width divides fell to the row-reduction rule as a scalar loop (71x ORT for GPT-2's LM head),
@@ -13,8 +13,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tvm_fusion import analysis, engine, sweep
+from tvm_fusion import analysis
+from tvm_fusion.build import engine
 from tvm_fusion.frontend import load_onnx
+from tvm_fusion.tools import sweep
 
 
 def _main_rule(family: str, dims: dict) -> str:

@@ -12,8 +12,9 @@ from helpers import compare_pipelines
 from tvm import relax
 from tvm.relax import op as R
 
-from tvm_fusion import analysis, pipeline, tir_util
+from tvm_fusion import analysis, tir_util
 from tvm_fusion import target as _target
+from tvm_fusion.build import pipeline
 from tvm_fusion.schedule import cpu
 
 RNG = np.random.default_rng(27)

@@ -11,7 +11,8 @@ from tvm import relax
 from tvm.relax import op as R
 
 import tvm_fusion
-from tvm_fusion import analysis, engine, models, pipeline, tir_util
+from tvm_fusion import analysis, models, tir_util
+from tvm_fusion.build import engine, pipeline
 from tvm_fusion.schedule import cpu
 from tvm_fusion.schedule._common import MIN_PARALLEL_WORK
 
@@ -413,7 +414,7 @@ def test_symbolic_gate_rows_padded_to_register_tiles(name, target):
     symbolic size (the inputs are read in place, rows clamped; gate math that could not be
     inlined, e.g. the LSTM's clamp, may); numbers are right for row counts that are and are not
     multiples of the tile."""
-    from tvm_fusion import tuning
+    from tvm_fusion.build import tuning
     from tvm_fusion.schedule.cpu.gate_fusion import GateFusion
 
     inst = models.build(name, "small", dynamic=True)

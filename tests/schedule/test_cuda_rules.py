@@ -25,11 +25,13 @@ from helpers import assert_computes_the_same, assert_gate_tile_fits, gate_kernel
 from tvm import relax
 from tvm.relax import op as R
 
-from tvm_fusion import cuda_check, engine, models, pipeline, tir_util
+from tvm_fusion import models, tir_util
 from tvm_fusion import target as _target
+from tvm_fusion.build import engine, pipeline
 from tvm_fusion.errors import UsageError
 from tvm_fusion.schedule import cuda
 from tvm_fusion.schedule.cuda.gate_fusion import SMS, blocks, choose_tile
+from tvm_fusion.tools import cuda_check
 
 
 def test_cuda_target_is_complete():
@@ -48,7 +50,7 @@ def test_cuda_target_is_complete():
 
 @pytest.mark.skipif(tvm.cuda(0).exist, reason="a CUDA device is present")
 def test_tune_cuda_without_device_stops_with_one_line(tmp_path):
-    from tvm_fusion import tuning
+    from tvm_fusion.build import tuning
 
     # the first batch of candidates is generated and built (our gate space), then it stops
     with pytest.raises(UsageError, match=r"no cuda device on this machine .*\(4 of 4 cand"):
@@ -168,7 +170,7 @@ def test_gate_kernels_at_benchmark_size(name):
 
 @needs_nvcc
 def test_explain_ptxas_prints_each_kernel(capsys):
-    from tvm_fusion.cli import main
+    from tvm_fusion.tools.cli import main
 
     assert main(["explain", "lstm_cell", "--target", "cuda", "--ptxas"]) == 0
     out = capsys.readouterr().out

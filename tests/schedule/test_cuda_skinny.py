@@ -27,12 +27,14 @@ from helpers import run_kernel, sequential
 from tvm import relax
 from tvm.relax import op as R
 
-from tvm_fusion import analysis, cuda_check, engine, models, pipeline, tir_util
+from tvm_fusion import analysis, models, tir_util
 from tvm_fusion import target as _target
+from tvm_fusion.build import engine, pipeline
 from tvm_fusion.schedule import default_rules
 from tvm_fusion.schedule.cuda import SkinnyMatmul
 from tvm_fusion.schedule.cuda.gate_fusion import SMEM_BUDGET, SMS
 from tvm_fusion.schedule.cuda.skinny_matmul import choose_tile, dlight_blocks, smem_bytes
+from tvm_fusion.tools import cuda_check
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 HALF = ["float16", "bfloat16"]

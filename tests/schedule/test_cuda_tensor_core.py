@@ -38,9 +38,11 @@ from tvm.relax import op as R
 from tvm.s_tir import TensorIntrin
 from tvm.s_tir.tensor_intrin import cuda as tc
 
-from tvm_fusion import analysis, cuda_check, engine, pipeline, tir_util
+from tvm_fusion import analysis, tir_util
 from tvm_fusion import target as _target
+from tvm_fusion.build import engine, pipeline
 from tvm_fusion.schedule.cuda import gate_tensor_core as gtc
+from tvm_fusion.tools import cuda_check
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 HALF = ["float16", "bfloat16"]

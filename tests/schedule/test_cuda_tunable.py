@@ -20,9 +20,11 @@ import tvm
 from helpers import assert_gate_tile_fits
 from tvm.s_tir import meta_schedule as ms
 
-from tvm_fusion import cuda_check, models, tir_util, tuning
+from tvm_fusion import models, tir_util
 from tvm_fusion import target as _target
+from tvm_fusion.build import tuning
 from tvm_fusion.schedule.cuda.gate_fusion import SMS, blocks, choose_tile, tunable_tiles
+from tvm_fusion.tools import cuda_check
 
 
 @pytest.mark.parametrize(

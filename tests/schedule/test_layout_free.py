@@ -12,7 +12,8 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 import tvm_fusion
-from tvm_fusion import models, pipeline, tuning
+from tvm_fusion import models
+from tvm_fusion.build import pipeline, tuning
 from tvm_fusion.schedule import AttachLayoutFreeBuffers, KeepLayoutFreeWeights
 
 

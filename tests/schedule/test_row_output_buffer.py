@@ -13,7 +13,7 @@ import pytest
 import tvm
 from tvm import te, tirx
 
-from tvm_fusion import legalize
+from tvm_fusion.lower import legalize
 from tvm_fusion.schedule.cpu.reduction import RowReduction
 from tvm_fusion.target import parse_target
 from tvm_fusion.tir_util import allocated_buffers

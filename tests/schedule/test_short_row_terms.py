@@ -15,7 +15,8 @@ import pytest
 import tvm
 from tvm import te, tirx
 
-from tvm_fusion import legalize, tir_util
+from tvm_fusion import tir_util
+from tvm_fusion.lower import legalize
 from tvm_fusion.schedule.cpu.reduction import RowReduction
 from tvm_fusion.target import parse_target
 from tvm_fusion.transform.fuse_cross_entropy import cross_entropy_rows

@@ -15,7 +15,8 @@ from tvm import relax
 from tvm.relax import op as R
 from tvm.script import tirx as T
 
-from tvm_fusion import analysis, pipeline
+from tvm_fusion import analysis
+from tvm_fusion.build import pipeline
 from tvm_fusion.schedule import cpu
 
 torch = pytest.importorskip("torch")
@@ -118,7 +119,7 @@ def test_window_rule_numbers(name, target):
         if compiled is None:
             (got,), compiled = run(mod, [x], target=target)
         else:
-            from tvm_fusion import engine
+            from tvm_fusion.build import engine
 
             (got,) = engine.TvmRunner(compiled, [x]).outputs()
         np.testing.assert_allclose(got, reference(x).numpy(), rtol=1e-5, atol=1e-5)

@@ -24,7 +24,7 @@ from tvm.script import ir as I
 from tvm.script import relax as RS
 
 import tvm_fusion
-from tvm_fusion import engine, pipeline
+from tvm_fusion.build import engine, pipeline
 from tvm_fusion.models._build import onnx_input, onnx_model
 from tvm_fusion.transform import FuseCrossEntropy, collect_rewrites
 from tvm_fusion.transform._common import prove_equal

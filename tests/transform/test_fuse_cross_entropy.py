@@ -19,14 +19,16 @@ from tvm.script import ir as I
 from tvm.script import relax as RS
 
 import tvm_fusion
-from tvm_fusion import analysis, cuda_check, engine, models
+from tvm_fusion import analysis, models
 from tvm_fusion import target as _target
+from tvm_fusion.build import engine
 from tvm_fusion.models.cross_entropy import (
     cross_entropy_np,
     cross_entropy_torch_np,
     smoothed_module,
 )
 from tvm_fusion.models.cross_entropy import nll_module as _nll_module
+from tvm_fusion.tools import cuda_check
 from tvm_fusion.transform import FuseCrossEntropy, collect_rewrites
 from tvm_fusion.transform.fuse_cross_entropy import GRAD_NAME, cross_entropy_rows
 
@@ -696,7 +698,7 @@ def test_gradient_with_a_symbolic_batch_matches_stock():
     """``Gradient`` of the fused loss at a symbolic batch: the pass's own views are squeezes and
     expand_dims, not reshapes to ``[n]`` (0.27's Gradient raises on a ShapeExpr of a symbolic
     dim, so the fused graph could not be differentiated where stock's could)."""
-    from tvm_fusion import engine
+    from tvm_fusion.build import engine
 
     n = tirx.Var("n", "int64")
     x = relax.Var("x", relax.TensorType((n, 37), "float32"))

@@ -16,7 +16,8 @@ from tvm import relax, tirx
 from tvm.relax import op as R
 
 import tvm_fusion
-from tvm_fusion import analysis, engine, models
+from tvm_fusion import analysis, models
+from tvm_fusion.build import engine
 from tvm_fusion.models.cross_entropy import cross_entropy_np
 from tvm_fusion.transform import FuseCrossEntropy, FuseLinearCrossEntropy, collect_rewrites
 from tvm_fusion.transform._common import prove_equal_shapes
@@ -536,7 +537,7 @@ def test_disabled_by_flag():
         with collect_rewrites() as counts:
             tvm.transform.Sequential([FuseCrossEntropy(target), seq])(mod)
     assert counts["FuseLinearCrossEntropy"] == 0
-    flags = tvm_fusion.pipeline.pass_flags()
+    flags = tvm_fusion.build.pipeline.pass_flags()
     assert "fuse_linear_cross_entropy" in flags
 
 

@@ -28,9 +28,11 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 import tvm_fusion
-from tvm_fusion import analysis, cuda_check, engine, models, pipeline, tir_util
+from tvm_fusion import analysis, models, tir_util
 from tvm_fusion import target as _target
+from tvm_fusion.build import engine, pipeline
 from tvm_fusion.schedule import cuda
+from tvm_fusion.tools import cuda_check
 from tvm_fusion.transform import FuseSplitGates, collect_rewrites
 from tvm_fusion.transform.fuse_split_gates import GATE_ATTR
 

@@ -12,7 +12,8 @@ from tvm import relax, te, tirx
 from tvm.relax import op as R
 
 import tvm_fusion
-from tvm_fusion import analysis, engine
+from tvm_fusion import analysis
+from tvm_fusion.build import engine
 from tvm_fusion.models.cross_entropy import lm_head_module
 from tvm_fusion.transform import (
     FuseCrossEntropy,

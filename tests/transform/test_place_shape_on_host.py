@@ -23,7 +23,8 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from tvm_fusion import analysis, engine, host_target, load_onnx
+from tvm_fusion import analysis, host_target, load_onnx
+from tvm_fusion.build import engine
 from tvm_fusion.models import shape_idioms
 from tvm_fusion.models._build import onnx_input, onnx_model
 from tvm_fusion.transform import PlaceShapeOnHost, collect_rewrites

@@ -18,7 +18,8 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from tvm_fusion import analysis, engine, models, pipeline
+from tvm_fusion import analysis, models
+from tvm_fusion.build import engine, pipeline
 from tvm_fusion.transform import StripBookendViews, collect_rewrites
 
 

@@ -32,9 +32,10 @@ Spellings this covers, each tested from its importer (tests/transform/test_ce_sp
 ONNX ``LogSoftmax`` or ``Softmax -> Log``, then ``GatherElements`` (``ReduceMean`` /
 ``ReduceSum``, ``Neg`` before or after, ``Squeeze``), ``NegativeLogLikelihoodLoss`` or
 ``SoftmaxCrossEntropyLoss`` (weights, ignore_index, every reduction; converters in
-:mod:`tvm_fusion.onnx_ops`); ``torch.export`` of ``F.cross_entropy`` / ``nn.CrossEntropyLoss``
-(weight, ignore_index, label_smoothing, every reduction), ``F.nll_loss(F.log_softmax(x))`` and
-``torch.log(torch.softmax(x))`` read by ``nll_loss`` or ``gather``, with a dynamic batch.
+:mod:`tvm_fusion.frontend.onnx_ops`); ``torch.export`` of ``F.cross_entropy`` /
+``nn.CrossEntropyLoss`` (weight, ignore_index, label_smoothing, every reduction),
+``F.nll_loss(F.log_softmax(x))`` and ``torch.log(torch.softmax(x))`` read by ``nll_loss`` or
+``gather``, with a dynamic batch.
 PyTorch's weighted mean also picks its denominator's weights as
 ``gather_elements(broadcast_to(w, (N, V)), idx, axis=1)``, an (N, V) broadcast in memory; beside
 a fused log-softmax that becomes ``w[idx]``.
@@ -60,7 +61,7 @@ log-softmax returned or read by anything else (an ``exp`` of it, a sum over the 
 ``log(softmax)`` whose probabilities are read elsewhere, a gather of other shape, a non-integer
 target. The fused value is the log-softmax's, so where ``softmax`` underflows to 0 (``log`` of
 it ``-inf``) the fused ``log(softmax)`` spelling gives the finite value. On CPU targets ``exp``
-is TVM's polynomial ``fast_exp`` (see :mod:`tvm_fusion.legalize`).
+is TVM's polynomial ``fast_exp`` (see :mod:`tvm_fusion.lower.legalize`).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def cross_entropy_rows(
     if fast_exp:
         # CPU: the row reductions in the vector-split form of the fast-math legalisation,
         # vectorised at any V (a vocabulary of 50257: 5x the time of 50256 when scalar)
-        from ..legalize import _row_reduce
+        from ..lower.legalize import _row_reduce
 
         def reduce_rows(tensor, kind, _name):
             out = _row_reduce(tensor, 1, kind)

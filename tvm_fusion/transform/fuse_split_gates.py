@@ -80,8 +80,8 @@ from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .. import legalize as _legalize
 from .. import target as _target
+from ..lower import legalize as _legalize
 from ._common import (
     as_i64,
     get_logger,

@@ -22,7 +22,7 @@ rows put in front of ``axis`` by ``expand_dims``, then ``broadcast_to`` the take
 they are not ones; with a
 ``match_cast`` to the take's shape when TVM cannot see the two shapes are equal). A slice reads
 contiguous memory, fuses with its elementwise neighbours (``take`` is opaque to FuseOps) and its
-gradient is a slice-scatter instead of a serial scatter-add (see ``tvm_fusion.gradients``).
+gradient is a slice-scatter instead of a serial scatter-add (see ``tvm_fusion.lower.gradients``).
 
 ``R.grad.take_backward(g, x, idx, axis)`` with such indices (what ``relax.transform.Gradient``
 makes of a take when the graph is differentiated before this pass runs) becomes ``pad(g)`` for

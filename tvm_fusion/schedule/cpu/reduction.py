@@ -320,7 +320,7 @@ class RowReduction(CPURule):
 
         Already split like an rfactor block (a static spatial axis of partial results right
         before one reduction axis: how the legalisation writes row reductions over a symbolic
-        or an odd static axis, see ``tvm_fusion.legalize._row_reduce``): the reduction loop
+        or an odd static axis, see ``tvm_fusion.lower.legalize._row_reduce``): the reduction loop
         goes outside and the partials axis is vectorised. Any other reduction over a symbolic extent
         gets its init out of the reduction loop, where lowering would put it: the extent may be
         0 (the scalar tail of a row of whole vectors) and the init must run all the same."""

@@ -29,7 +29,7 @@ import tempfile
 import tvm
 from tvm import tirx
 
-from .tir_util import iter_stmts
+from ..tir_util import iter_stmts
 
 _PTXAS_FUNC = re.compile(r"Function properties for (\S+)")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")

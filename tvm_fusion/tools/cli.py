@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import TvmFusionError, UsageError
+from ..errors import TvmFusionError, UsageError
 
 PROG = "tvm-fusion"
 # largest static dim --shape takes; a bigger one is a typo, not a tensor that fits in memory
@@ -53,7 +53,7 @@ _non_negative_int = _int_at_least(0)
 def _target_arg(text: str) -> str:
     """``--target``: refused at parse time if :func:`~tvm_fusion.target.parse_target` refuses
     it; the commands parse it again."""
-    from .target import parse_target
+    from ..target import parse_target
 
     try:
         parse_target(text)
@@ -133,8 +133,8 @@ def _make_output_dir(path: str, what: str) -> Path:
 
 def _load_module(model: str, shapes=None, size: str = "seed"):
     """An ONNX file, a saved torch.export program (.pt2), or the name of an embedded workload."""
-    from . import models
-    from .frontend import load_model
+    from .. import models
+    from ..frontend.load import load_model
 
     if model.endswith((".onnx", ".pt2")) or os.sep in model or os.path.exists(model):
         return load_model(model, shapes), Path(model).stem
@@ -148,7 +148,7 @@ def _load_module(model: str, shapes=None, size: str = "seed"):
 def _pipeline_options(args) -> dict:
     options = {}
     if getattr(args, "tuning_db", None):
-        from .tuning import open_database
+        from ..build.tuning import open_database
 
         open_database(args.tuning_db)  # a corrupt or foreign database fails here, in one line
         options["tuning_db"] = args.tuning_db
@@ -156,7 +156,7 @@ def _pipeline_options(args) -> dict:
         _make_output_dir(args.dump_dir, "--dump-dir")
         options["dump_dir"] = args.dump_dir
     for flag in getattr(args, "disable", None) or []:
-        from .pipeline import pass_flags
+        from ..build.pipeline import pass_flags
 
         if flag not in pass_flags():
             raise UsageError(
@@ -170,7 +170,8 @@ def _pipeline_options(args) -> dict:
 
 
 def cmd_demo(args) -> int:
-    from . import bench, models
+    from .. import models
+    from . import bench
 
     names = _workload_list(args.workloads) or models.names()
     print(
@@ -212,7 +213,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from . import engine
+    from ..build import engine
     from .analysis import kernel_count
 
     out = _check_output_file(args.output, "-o")
@@ -262,8 +263,9 @@ def cmd_explain(args) -> int:
 
 def _print_ptxas(mod, target, options) -> None:
     """``explain --ptxas``: our pipeline's CUDA kernels as nvcc builds them (no GPU needed)."""
-    from . import cuda_check, engine
-    from .target import is_gpu, parse_target
+    from ..build import engine
+    from ..target import is_gpu, parse_target
+    from . import cuda_check
 
     tgt = parse_target(target)
     if not is_gpu(tgt):
@@ -277,7 +279,7 @@ def _print_ptxas(mod, target, options) -> None:
 
 
 def cmd_tune(args) -> int:
-    from .tuning import tune
+    from ..build.tuning import tune
 
     mod, name = _load_module(args.model, _parse_shapes(args.shape), size=args.size)
     options = {k: v for k, v in _pipeline_options(args).items() if k not in ("tuning_db",)}
@@ -379,7 +381,7 @@ def cmd_bench(args) -> int:
 def _workload_list(spec: str | None) -> list[str] | None:
     if not spec:
         return None
-    from . import models
+    from .. import models
 
     names = [s.strip() for s in spec.split(",") if s.strip()]
     for name in names:

@@ -36,7 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import engine
+from ..build import engine
+from ..errors import TvmFusionError, UsageError, first_line
+from ..target import parse_target
 from .analysis import kernel_count
 from .bench import (
     EngineResult,
@@ -48,8 +50,6 @@ from .bench import (
     skipped_notes,
     table_head,
 )
-from .errors import TvmFusionError, UsageError, first_line
-from .target import parse_target
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def load_cases(
     seed: int = 0,
 ) -> list[ModelCase]:
     """The models of ``directory`` (sorted by name) with their inputs; see module docstring."""
-    from .frontend import _read_model
+    from ..frontend.load import _read_model
 
     directory = Path(directory)
     if not directory.is_dir():
@@ -208,8 +208,8 @@ def _tvm_engine(
     (imported once per model, shared by stock-pipeline and tvm-fusion)."""
     import onnx
 
-    from .onnx_ops import stock_from_onnx
-    from .transform import collect_rewrites
+    from ..frontend.onnx_ops import stock_from_onnx
+    from ..transform import collect_rewrites
 
     stage = "import"
     try:
@@ -239,7 +239,7 @@ def _tvm_engine(
 def _place_shapes(mod, target):
     import tvm
 
-    from .pipeline import fusion_passes
+    from ..build.pipeline import fusion_passes
 
     with target:
         shapes = [p for p in fusion_passes(target) if p.info.name == "PlaceShapeOnHost"]
@@ -266,7 +266,7 @@ def run_case(
     result = ModelResult(case.name, {k: list(v.shape) for k, v in case.inputs.items()}, {})
     ort_run = engine.onnxruntime_runner(onnx.load(str(case.path)), case.inputs, threads)
     reference = [np.asarray(o) for o in ort_run()]
-    from .frontend import load_onnx
+    from ..frontend.load import load_onnx
 
     ours = functools.cache(lambda: load_onnx(case.path))  # a failure is raised again per engine
     runs: dict[str, Callable] = {}

@@ -731,8 +731,8 @@ def compare(outputs, reference, ref_name: str = "ORT") -> str | None:
 def _run_tvm(mod, pipeline: str, feeds) -> list[list[np.ndarray]]:
     import tvm
 
-    from . import engine
-    from .target import host_target
+    from ..build import engine
+    from ..target import host_target
 
     compiled = engine.compile_module(mod, host_target(), pipeline)
     vm = compiled.vm()
@@ -745,7 +745,7 @@ def _run_tvm(mod, pipeline: str, feeds) -> list[list[np.ndarray]]:
 
 def _stock_runs(model, feeds) -> bool:
     """Whether stock TVM (its importer and pipeline) runs ``model`` and matches ORT."""
-    from .onnx_ops import stock_from_onnx
+    from ..frontend.onnx_ops import stock_from_onnx
 
     try:
         outs = _run_tvm(stock_from_onnx(model), "stock", feeds)
@@ -758,7 +758,7 @@ def _stock_runs(model, feeds) -> bool:
 def run_case(model, feeds, engine_fn: Callable | None = None) -> tuple[str, str]:
     """(outcome, one-line reason) of one case; ``engine_fn(model, feeds)`` replaces ours
     (load_onnx + the tvm_fusion pipeline) in tests of the checker."""
-    from .errors import TvmFusionError, first_line
+    from ..errors import TvmFusionError, first_line
 
     order = [i.name for i in model.graph.input]  # the imported function's parameters
     feeds = [{name: f[name] for name in order} for f in feeds]
@@ -770,7 +770,7 @@ def run_case(model, feeds, engine_fn: Callable | None = None) -> tuple[str, str]
         if engine_fn is not None:
             outs = engine_fn(model, feeds)
         else:
-            from .frontend import load_onnx
+            from ..frontend.load import load_onnx
 
             outs = _run_tvm(load_onnx(model), "tvm_fusion", feeds)
     except TvmFusionError as err:
@@ -829,7 +829,9 @@ def _function(spec: str) -> Callable:
 
 
 def _worker_main(
-    fd: int, runner: str = "tvm_fusion.fuzz:run_case", loader: str = "tvm_fusion.fuzz:load_case"
+    fd: int,
+    runner: str = "tvm_fusion.testing.fuzz:run_case",
+    loader: str = "tvm_fusion.testing.fuzz:load_case",
 ) -> None:
     """Reads case directories from stdin, writes one JSON line per case to ``fd``;
     ``runner`` ("module:function") runs a case (tests swap it) on what ``loader`` reads
@@ -864,10 +866,10 @@ class Worker:
         self,
         timeout_s: float = 120.0,
         threads: int = 1,
-        runner: str = "tvm_fusion.fuzz:run_case",
+        runner: str = "tvm_fusion.testing.fuzz:run_case",
         env: dict | None = None,
         save: Callable | None = None,
-        loader: str = "tvm_fusion.fuzz:load_case",
+        loader: str = "tvm_fusion.testing.fuzz:load_case",
     ):
         self.timeout_s = timeout_s
         self.runner = runner
@@ -885,7 +887,8 @@ class Worker:
         rfd, wfd = os.pipe()
         env = dict(os.environ, TVM_NUM_THREADS=str(self.threads), **self.extra_env)
         code = (
-            f"import tvm_fusion.fuzz as f; f._worker_main({wfd}, {self.runner!r}, {self.loader!r})"
+            "import tvm_fusion.testing.fuzz as f; "
+            f"f._worker_main({wfd}, {self.runner!r}, {self.loader!r})"
         )
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code],
@@ -1132,7 +1135,7 @@ FRONTENDS = ("onnx", "torch")
 
 def frontend_module(frontend: str):
     """The module that generates and runs the cases of ``frontend``: this one for ONNX,
-    :mod:`tvm_fusion.fuzz_torch` for torch.export. Each has ``FAMILIES``, ``generate``,
+    :mod:`tvm_fusion.testing.fuzz_torch` for torch.export. Each has ``FAMILIES``, ``generate``,
     ``RUNNER`` / ``LOADER`` / ``save_case`` (the worker's side) and ``save_failure``."""
     if frontend == "onnx":
         return sys.modules[__name__]
@@ -1143,8 +1146,8 @@ def frontend_module(frontend: str):
     raise ValueError(f"unknown frontend {frontend!r}; known: {', '.join(FRONTENDS)}")
 
 
-RUNNER = "tvm_fusion.fuzz:run_case"
-LOADER = "tvm_fusion.fuzz:load_case"
+RUNNER = "tvm_fusion.testing.fuzz:run_case"
+LOADER = "tvm_fusion.testing.fuzz:load_case"
 
 
 def save_failure(

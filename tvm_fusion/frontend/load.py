@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import tvm
 
-from .errors import ModelError, first_line
+from ..errors import ModelError, first_line
 
 logger = logging.getLogger(__name__)
 

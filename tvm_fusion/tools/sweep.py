@@ -306,8 +306,9 @@ def run_case(
     atol: float = 1e-4,
 ) -> SweepResult:
     """Compile ``case`` with our pipeline, check it against ONNX Runtime, time both."""
-    from . import analysis, engine
-    from .frontend import load_onnx
+    from ..build import engine
+    from ..frontend.load import load_onnx
+    from . import analysis
 
     result = SweepResult(case.name, case.family, dict(case.dims), case.note)
     model, inputs = case.build()

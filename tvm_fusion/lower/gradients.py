@@ -20,7 +20,7 @@ from tvm import relax, tirx
 from tvm.relax.op import flip, slice_scatter, zeros
 from tvm.relax.op.grad import no_grad
 
-from .errors import TvmFusionError
+from ..errors import TvmFusionError
 
 
 def _ints(tup) -> list:

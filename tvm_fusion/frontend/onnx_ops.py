@@ -58,9 +58,9 @@ from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 
+from ..transform._common import as_i64 as _i64
+from ..transform._common import op_name
 from .onnx_rnn import CONVERTERS as _RNN_CONVERTERS
-from .transform._common import as_i64 as _i64
-from .transform._common import op_name
 
 _NO_IGNORE = -100
 logger = logging.getLogger(__name__)
@@ -375,7 +375,7 @@ def _inbound_bounds(call: relax.Call) -> tuple[list, list] | None:
     it is: declaring it ``min(seq, 512)`` would leave every shape after it unknown."""
     from tvm import sym
 
-    from .transform._common import at_most, floor_divisions
+    from ..transform._common import at_most, floor_divisions
 
     data = call.args[0]
     sinfo = getattr(data, "ty", None)

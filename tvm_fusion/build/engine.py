@@ -15,9 +15,9 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
-from .errors import ModelError, TvmFusionError, UsageError, first_line
+from ..errors import ModelError, TvmFusionError, UsageError, first_line
 from .pipeline import build_pipeline, stock_pipeline
-from .target import is_gpu, num_cores, parse_target
+from ..target import is_gpu, num_cores, parse_target
 
 PIPELINES = ("stock", "tvm_fusion")
 
@@ -46,7 +46,7 @@ def compile_module(
 ) -> Compiled:
     """Lower ``mod`` with ``pipeline`` ("stock" or "tvm_fusion") and build it for ``target``.
 
-    ``options`` go to :func:`tvm_fusion.pipeline.build_pipeline` (flags, ``tuning_db``, ...).
+    ``options`` go to :func:`tvm_fusion.build.pipeline.build_pipeline` (flags, ``tuning_db``, ...).
     """
     tgt = parse_target(target)
     if pipeline == "stock":

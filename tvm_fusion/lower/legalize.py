@@ -167,7 +167,7 @@ _REDUCERS = {  # kind: (one topi reduction, TE reducer, how two partial results 
 def _reduction_lanes(dtype: str) -> int:
     from tvm.target import Target
 
-    from .target import is_cpu, vector_lanes
+    from ..target import is_cpu, vector_lanes
 
     target = Target.current(allow_none=True)
     if target is None or not is_cpu(target):

@@ -33,7 +33,7 @@ from tvm import relax, tirx
 from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 
-from tvm_fusion import rnn_loop
+from tvm_fusion.lower import rnn_loop
 
 _DEFAULTS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}

@@ -4,8 +4,8 @@ Every engine runs in this one process on the same inputs: ``tvm-stock`` (stock T
 pipeline, ``relax.get_default_pipeline``), ``tvm-fusion`` (ours), ``onnxruntime`` (the workload's
 ONNX model) and ``torch`` (when installed). Each engine is prepared and its outputs are checked
 against the workload's NumPy reference; then all are timed together in alternating rounds
-(:func:`tvm_fusion.engine.time_interleaved`), so that a slow phase of the machine falls on every
-engine. The median and the minimum are kept and the ratios are computed from the medians.
+(:func:`tvm_fusion.build.engine.time_interleaved`), so that a slow phase of the machine falls on
+every engine. The median and the minimum are kept and the ratios are computed from the medians.
 Results go to a JSON file and a markdown table.
 """
 
@@ -21,10 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import engine, models
+from .. import models
+from ..build import engine
+from ..errors import UsageError
+from ..target import parse_target
 from .analysis import kernel_count
-from .errors import UsageError
-from .target import parse_target
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class EngineResult:
     skipped: str | None = None  # why the engine did not run
 
     def set_timing(self, timing: dict) -> None:
-        """Keep a timing of :func:`tvm_fusion.engine.time_interleaved` / ``time_runs``."""
+        """Keep a timing of :func:`tvm_fusion.build.engine.time_interleaved` / ``time_runs``."""
         self.median_ms = timing["median_ms"]
         self.min_ms = timing["min_ms"]
         self.runs = timing["runs"]

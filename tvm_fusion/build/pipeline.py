@@ -31,9 +31,9 @@ from tvm.relax.pipeline import PIPELINE_MAP, register_pipeline
 from tvm.target import Target
 from tvm.tirx.buffer import BufferType
 
-from . import target as _target
-from .errors import UsageError
-from .transform import GRAPH_PASSES, POST_FUSION_PASSES
+from .. import target as _target
+from ..errors import UsageError
+from ..transform import GRAPH_PASSES, POST_FUSION_PASSES
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +97,10 @@ def lowering_passes(fast_math: bool = False) -> list[tvm.transform.Pass]:
     """Phase 2: legalisation and grouping, on every target (stock ``default`` skips grouping).
 
     ``fast_math`` legalises exp/erf/tanh and the ops built on them with polynomial
-    approximations (see :mod:`tvm_fusion.legalize`). FuseTIR is not part of this phase: Phase 3
+    approximations (see :mod:`tvm_fusion.lower.legalize`). FuseTIR is not part of this phase: Phase 3
     works on the grouped Relax functions, then :func:`fuse_tir_passes` makes one PrimFunc each.
     """
-    from .legalize import legalize_map
+    from ..lower.legalize import legalize_map
 
     return [
         LowerCallTIRWithGrad(),
@@ -247,7 +247,7 @@ def fuse_tir_passes() -> list[tvm.transform.Pass]:
 
 def schedule_passes(target: Target, tuning_db: str | None = None) -> list[tvm.transform.Pass]:
     """Phase 4: tuned schedules from ``tuning_db`` first, then our rules and dlight's."""
-    from .schedule import default_schedule_pass, finish_passes, prepare_passes
+    from ..schedule import default_schedule_pass, finish_passes, prepare_passes
 
     passes = [*prepare_passes()]
     if tuning_db:
@@ -347,7 +347,7 @@ def build_pipeline(
     target: where to compile for; default: ``Target.current()`` when the pass runs, else the host.
     schedule: apply default schedules (Phase 4). Off gives unscheduled TIR, for inspection.
     fast_math: on CPU, legalise exp/erf/tanh-based ops with polynomial approximations
-        (relative error <= 4e-7 on float32; see :mod:`tvm_fusion.legalize`).
+        (relative error <= 4e-7 on float32; see :mod:`tvm_fusion.lower.legalize`).
     tuning_db: a MetaSchedule work dir whose database is applied before the default schedules.
     dump_dir: write the module after every phase there.
     flags: switch off single passes by their snake_case name, e.g. ``fuse_split_gates=False``.
@@ -399,7 +399,7 @@ def stock_pipeline(target: Target, tuning_db: str | None = None) -> tvm.transfor
     """
     if not tuning_db:
         return relax.get_default_pipeline(target)
-    from .schedule import finish_passes, prepare_passes
+    from ..schedule import finish_passes, prepare_passes
     from .tuning import apply_database_pass
 
     backend = _backend(target)

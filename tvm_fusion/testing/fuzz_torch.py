@@ -8,10 +8,10 @@ decompositions (``from_exported_program``'s default, what :func:`tvm_fusion.load
 ``addmm``, ``_unsafe_view``, ``_log_softmax``, ``nll_loss_forward`` ...) or without (``linear``,
 ``chunk``, ``unbind``, ``cross_entropy_loss`` ... as exported). The worker exports the module
 at an example size that no feed uses, picks two feeds whose dynamic sizes the exported program
-accepts (sizes from :data:`tvm_fusion.fuzz.SIZES`: odd ones, primes and 1), imports it with
+accepts (sizes from :data:`tvm_fusion.testing.fuzz.SIZES`: odd ones, primes and 1), imports it with
 :func:`tvm_fusion.frontend.import_exported_program`, compiles it with the ``tvm_fusion``
 pipeline for :func:`tvm_fusion.host_target`, and compares both feeds' outputs with the eager
-module's (:func:`tvm_fusion.fuzz.compare`).
+module's (:func:`tvm_fusion.testing.fuzz.compare`).
 
 Families (:data:`FAMILIES`, the ONNX fuzzer's kinds in torch's spellings):
 
@@ -48,7 +48,7 @@ Families (:data:`FAMILIES`, the ONNX fuzzer's kinds in torch's spellings):
   dtype=float64)``), ``sum`` / ``mean`` of bool / int (with ``dtype=``), and comparisons of
   int / bool tensors with floats (``ids < 2.5``, ``x[..., -1]``, ``maximum(int, float)``).
 
-Outcomes as :mod:`tvm_fusion.fuzz`: ``discarded`` when torch itself cannot run or export the
+Outcomes as :mod:`tvm_fusion.testing.fuzz`: ``discarded`` when torch itself cannot run or export the
 module (or accepts no two feed sizes); ``refused`` when we fail with a one-line error where
 stock TVM (``from_exported_program`` without our converters, and its default pipeline) fails
 too. Failing cases are not
@@ -69,8 +69,8 @@ from .fuzz import SIZES, InvalidCase, compare, draw, family_builders
 
 # the ONNX fuzzer's families, then those of torch only
 FAMILIES = (*ONNX_FAMILIES, "dtypes")
-RUNNER = "tvm_fusion.fuzz_torch:run_case"
-LOADER = "tvm_fusion.fuzz_torch:load_case"
+RUNNER = "tvm_fusion.testing.fuzz_torch:run_case"
+LOADER = "tvm_fusion.testing.fuzz_torch:load_case"
 # the size dynamic dims are exported at: none of SIZES, so no feed is the traced size and no
 # static size of the graph equals it by chance (torch would tie the two)
 EXAMPLE_SIZE = 10
@@ -1010,7 +1010,7 @@ class _Discard(Exception):
 
 
 def _line(err: BaseException) -> str:
-    from .errors import first_line
+    from ..errors import first_line
 
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     return lines[0] if lines else first_line(err)
@@ -1037,8 +1037,8 @@ def _stock_runs(program, spec: Spec, feeds, refs) -> bool:
 
 def run_case(family: str, seed: int) -> tuple[str, str]:
     """(outcome, one-line reason) of the case ``family``, ``seed``."""
-    from .errors import TvmFusionError, first_line
-    from .frontend import import_exported_program
+    from ..errors import TvmFusionError, first_line
+    from ..frontend.load import import_exported_program
 
     try:
         spec, program, feeds, refs = prepare(family, seed)
