@@ -1,4 +1,8 @@
-"""Schedule rules: dlight-style, one rule per file, per target family (``cpu/``, ``cuda/``).
+"""Stage 4, schedule: TIR kernels in, scheduled TIR kernels out.
+
+Schedule rules: dlight-style, one rule per file, per target family (``cpu/``, ``cuda/``). The
+lowest stage: it imports only the ground modules, and the stages above read what its kernels
+want from it (``gate_block``: the weight block FuseSplitGates lays out for the gate rules).
 
 ``default_rules(target)`` is the ordered list the pipeline applies: our rules first, then
 dlight's defaults. A rule's ``apply(func, target, tunable)`` returns None when it does not apply.
