@@ -16,7 +16,7 @@ from onnx import helper
 
 from tvm_fusion import analysis, host_target, load_onnx
 from tvm_fusion.build import engine
-from tvm_fusion.frontend.onnx_ops import cast_operands_of, cast_shape_operands
+from tvm_fusion.frontend.onnx_shape_operands import cast_operands_of, cast_shape_operands
 from tvm_fusion.models._build import onnx_input, onnx_model
 
 ort = pytest.importorskip("onnxruntime")

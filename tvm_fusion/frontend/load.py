@@ -154,8 +154,8 @@ def _unsupported_ops(model) -> list[str]:
 def prepare_import(model) -> Iterator[list[str]]:
     """Yield the operators of ``model`` that the importer cannot convert; while inside, the
     converters know the input shapes ONNX's shape inference finds
-    (``onnx_ops.onnx_input_shapes``)."""
-    from . import onnx_ops
+    (``onnx_known_shapes.onnx_input_shapes``)."""
+    from . import onnx_known_shapes
 
     unsupported = _unsupported_ops(model)
     if not unsupported:
@@ -163,8 +163,8 @@ def prepare_import(model) -> Iterator[list[str]]:
     try:
         yield unsupported
     finally:
-        onnx_ops._SHAPES.clear()
-        onnx_ops._DIM_VARS.clear()
+        onnx_known_shapes._SHAPES.clear()
+        onnx_known_shapes._DIM_VARS.clear()
 
 
 def _fresh_import_state(model) -> None:
@@ -173,11 +173,11 @@ def _fresh_import_state(model) -> None:
     inputs with new dims; dims kept from the attempt before would be other variables of the
     same names (``s``), left undefined in the function (PlaceShapeOnHost failed: "TIR
     variables (s,) were undefined")."""
-    from . import onnx_ops
+    from . import onnx_known_shapes
 
-    onnx_ops._SHAPES.clear()
-    onnx_ops._DIM_VARS.clear()
-    onnx_ops._SHAPES.update(onnx_ops.onnx_input_shapes(model))
+    onnx_known_shapes._SHAPES.clear()
+    onnx_known_shapes._DIM_VARS.clear()
+    onnx_known_shapes._SHAPES.update(onnx_known_shapes.onnx_input_shapes(model))
 
 
 # Operators that fold_constants evaluates when every input is a constant: the index and shape
@@ -274,7 +274,7 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
     """Validate an ONNX model and import it as a Relax IRModule (see module docstring)."""
     from tvm.relax.frontend.onnx import from_onnx
 
-    from . import onnx_ops
+    from . import onnx_shape_operands
 
     model, where = _read_model(path_or_model)
     _check_model(model, where)
@@ -282,7 +282,7 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
     model, folded = fold_constants(model)
     if folded:
         logger.debug("%s: %d constant nodes folded before import", where, folded)
-    model, cast = onnx_ops.cast_shape_operands(model)
+    model, cast = onnx_shape_operands.cast_shape_operands(model)
     if cast:
         logger.debug("%s: %d shape operands cast to int64 tensors", where, cast)
     with prepare_import(model) as unsupported:
@@ -302,7 +302,7 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
             except Exception as err:
                 refused = _SHAPE_REFUSED.search(first_line(err))
                 if refused:
-                    model, cast = onnx_ops.cast_operands_of(model, refused.group(1))
+                    model, cast = onnx_shape_operands.cast_operands_of(model, refused.group(1))
                     if cast:
                         logger.debug("%s: %s's shape operands cast", where, refused.group(1))
                         continue

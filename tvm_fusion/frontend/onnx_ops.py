@@ -30,10 +30,11 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
   clamped with ``min`` (:func:`_inbound_bounds`); a symbolic end that cannot be proven within
   the axis keeps stock's promise, as do negative or run-time steps.
 - ``Tile`` with repeats computed from shapes (DeBERTa's ``repeat(batch, 1, 1)``): the importer
-  refuses a shape value there before any converter runs, so :func:`cast_shape_operands` (called
-  by ``load_onnx``) puts a no-op int64 ``Cast`` in front, and ``Tile`` becomes reshape /
-  broadcast_to / reshape with symbolic dims (stock's ``dyn_tile`` to fresh dims broke FuseTIR);
-  repeats that are data keep stock's converter.
+  refuses a shape value there before any converter runs, so
+  :func:`~.onnx_shape_operands.cast_shape_operands` (called by ``load_onnx``) puts a no-op
+  int64 ``Cast`` in front, and ``Tile`` becomes reshape / broadcast_to / reshape with symbolic
+  dims (stock's ``dyn_tile`` to fresh dims broke FuseTIR); repeats that are data keep stock's
+  converter.
 - ``Clip`` as Relax ``maximum`` / ``minimum`` (stock's import-time kernels keep the import's
   dims, which FuseTIR rejects once PlaceShapeOnHost has bound them).
 
@@ -44,12 +45,15 @@ this itself (the Expand converter already does it for its dynamic case).
 
 Without ``ignore_index`` ONNX ignores nothing; ``nll_loss`` then gets -100, which no valid
 label (``0 <= label < C``) equals. A float16/bfloat16 ``scores`` is kept in its dtype.
+
+:func:`install` also wraps every converter in :class:`~.onnx_known_shapes.KnownShapes` (inputs
+the importer lost the shape of get the dims shape inference finds); :func:`stock_from_onnx`
+imports with stock's converters only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 
 import numpy as np
@@ -60,10 +64,11 @@ from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 
 from ..transform._common import as_i64 as _i64
 from ..transform._common import op_name
+from . import onnx_known_shapes
+from .onnx_known_shapes import KnownShapes
 from .onnx_rnn import CONVERTERS as _RNN_CONVERTERS
 
 _NO_IGNORE = -100
-logger = logging.getLogger(__name__)
 
 
 def _attr_str(attr: dict, key: str, default: str) -> str:
@@ -254,7 +259,8 @@ class Expand(_frontend.Expand):
 
 def _shape_values(bb, expr) -> list | None:
     """The numbers of a shape value that reaches an operand as an int tensor (through
-    ``astype`` / ``shape_to_tensor`` of a shape, as :func:`cast_shape_operands` makes it),
+    ``astype`` / ``shape_to_tensor`` of a shape, as
+    :func:`~.onnx_shape_operands.cast_shape_operands` makes it),
     or None."""
     for _ in range(8):
         if isinstance(expr, relax.ShapeExpr):
@@ -277,9 +283,10 @@ def _shape_values(bb, expr) -> list | None:
 class Tile(_frontend.Tile):
     @classmethod
     def _impl_v13(cls, bb, inputs, attr, params):
-        """Repeats given as a shape value (:func:`cast_shape_operands` brings it as
-        ``shape_to_tensor(R.shape([...]))``): ``reshape`` to a 1 before each repeated dim,
-        ``broadcast_to`` the repeats, ``reshape`` to the products, all with symbolic dims.
+        """Repeats given as a shape value (:func:`~.onnx_shape_operands.cast_shape_operands`
+        brings it as ``shape_to_tensor(R.shape([...]))``): ``reshape`` to a 1 before each
+        repeated dim, ``broadcast_to`` the repeats, ``reshape`` to the products, all with
+        symbolic dims.
         Stock makes ``dyn_tile`` to fresh ``tile_dim`` vars, which loses the static dims
         (DeBERTa's head size then reaches ``Sqrt`` as a PrimExpr) and breaks FuseTIR."""
         data, values = inputs[0], _shape_values(bb, inputs[1])
@@ -386,7 +393,10 @@ def _inbound_bounds(call: relax.Call) -> tuple[list, list] | None:
     dims = [_i64(d) for d in sinfo.shape.values]
     analyzer = sym.Analyzer()
     tensor_dims = [v for d in dims for v in tirx.analysis.undefined_vars(d)]
-    for var in [*tensor_dims, *_DIM_VARS.values()]:  # a tensor's dims are never negative
+    for var in [
+        *tensor_dims,
+        *onnx_known_shapes._DIM_VARS.values(),
+    ]:  # a tensor's dims are never negative
         analyzer.update(var, sym.ConstIntBound(0, sym.ConstIntBound.POS_INF), override=True)
     axes, begins, ends, strides = (list(a.fields) for a in call.args[1:5])
     new_begins, new_ends = [], []
@@ -433,300 +443,14 @@ CONVERTERS = {
     **_RNN_CONVERTERS,  # LSTM, GRU, RNN (onnx_rnn.py)
 }
 
-# Operands the importer refuses as a shape value ("Node ... cannot handle ShapeExpr inputs":
-# its loop lets only Reshape, Expand, Concat, Slice and a few others take one): op -> the input
-# positions that carry shape numbers.
-SHAPE_OPERANDS = {"Tile": (1,)}
-
-
-# ops whose int64 output carries the numbers of a shape when an input does (ONNX gives these
-# ops one element type for their data inputs, so a value derived from ``Shape`` through them
-# is int64 and a ``Cast(to=INT64)`` of it changes nothing)
-_SHAPE_CARRIERS = {
-    "Gather": (0,),
-    "Slice": (0,),
-    "Squeeze": (0,),
-    "Unsqueeze": (0,),
-    "Reshape": (0,),
-    "Expand": (0,),
-    "Concat": None,  # any input
-    "Add": None,
-    "Sub": None,
-    "Mul": None,
-    "Div": None,
-    "Mod": None,
-    "Neg": None,
-    "Abs": None,
-    "Min": None,
-    "Max": None,
-}
-
-
-def shape_derived(graph) -> set[str]:
-    """Names of the values of ``graph`` computed from a ``Shape`` through
-    :data:`_SHAPE_CARRIERS` (int64 by the ops' typing rules)."""
-    derived: set[str] = set()
-    for node in graph.node:  # ONNX graphs are topologically sorted
-        if node.op_type == "Shape":
-            derived.update(o for o in node.output if o)
-            continue
-        positions = _SHAPE_CARRIERS.get(node.op_type, ())
-        inputs = node.input if positions is None else [node.input[p] for p in positions]
-        if node.domain in ("", "ai.onnx") and any(i in derived for i in inputs if i):
-            derived.update(o for o in node.output if o)
-    return derived
-
-
-def cast_operands_of(model, node_name: str):
-    """``model`` with a ``Cast(to=INT64)`` in front of every input of the node named
-    ``node_name`` that is computed from a ``Shape`` (:func:`shape_derived`), and the number
-    inserted. ``load_onnx`` calls it when the importer refused that node ("Node X cannot handle
-    ShapeExpr inputs": only Reshape, Expand, Concat, Slice and a few others take a shape
-    value): the value then arrives as the int64 tensor every converter takes, and
-    PlaceShapeOnHost evaluates it symbolically again. Models the importer takes as they are
-    are never changed. The top graph only."""
-
-    graph = model.graph
-    targets = [n for n in graph.node if n.name == node_name]
-    if len(targets) != 1 or not node_name:
-        return model, 0
-    derived = shape_derived(graph)
-    if not any(i in derived for i in targets[0].input):
-        return model, 0
-    return _with_casts(
-        model,
-        lambda n: [p for p, i in enumerate(n.input) if i in derived] if n.name == node_name else (),
-    )
-
-
-def _with_casts(model, positions):
-    """A copy of ``model`` with a ``Cast(to=INT64)`` in front of the inputs ``positions(node)``
-    names for each node of its top graph, and the number inserted; each cast's output gets a
-    name no value of the graph has."""
-    import onnx
-
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    used = {i.name for i in out.graph.input} | {i.name for i in out.graph.initializer}
-    used |= {o for n in out.graph.node for o in n.output}
-    nodes, count = [], 0
-    for node in out.graph.node:
-        for pos in positions(node) if node.domain in ("", "ai.onnx") else ():
-            name = node.input[pos]
-            cast = f"{name}__as_int64"
-            while cast in used:
-                cast = f"{name}__as_int64_{count}_{len(used)}"
-            used.add(cast)
-            nodes.append(
-                onnx.helper.make_node(
-                    "Cast", [name], [cast], name=f"{cast}__cast", to=onnx.TensorProto.INT64
-                )
-            )
-            node.input[pos] = cast
-            count += 1
-        nodes.append(node)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out, count
-
-
-def cast_shape_operands(model):
-    """``model`` with a ``Cast(to=INT64)`` (a no-op on int64) in front of every
-    :data:`SHAPE_OPERANDS` input that is not a constant, and the number inserted. A shape
-    value reaching such an operand (DeBERTa's ``repeat(batch * heads // heads, 1, 1)``: a
-    Concat of a ``Shape`` with constants, which the importer keeps as a shape) then arrives as
-    the int64 tensor the converter takes (stock's Cast makes ``shape_to_tensor`` of it), and
-    PlaceShapeOnHost evaluates it symbolically again. The top graph only."""
-
-    graph = model.graph
-    constants = {i.name for i in graph.initializer}
-    constants |= {n.output[0] for n in graph.node if n.op_type == "Constant" and n.output}
-    if not any(
-        n.op_type in SHAPE_OPERANDS
-        and any(
-            p < len(n.input) and n.input[p] and n.input[p] not in constants
-            for p in SHAPE_OPERANDS[n.op_type]
-        )
-        for n in graph.node
-    ):
-        return model, 0
-
-    def positions(node):
-        wanted = SHAPE_OPERANDS.get(node.op_type, ())
-        return [p for p in wanted if p < len(node.input) and node.input[p] not in constants | {""}]
-
-    return _with_casts(model, positions)
-
-
 _INSTALLED = False
 _STOCK_MAP = None  # the importer's own _get_convert_map, once install() replaced it
-
-# ONNX node name -> shape of each input (per dim an int, a symbolic expression as a string
-# such as "batch*seq", or None; None for an input of unknown rank), from shape inference; set by
-# ``frontend.prepare_import`` around one import.
-_SHAPES: dict[str, list[list[int | str | None] | None]] = {}
-# symbolic dim name -> the tirx.Var it stands for in this import
-_DIM_VARS: dict[str, tirx.Var] = {}
-
-
-def _infer(model):
-    """ONNX Runtime's symbolic shape inference (sympy-based, the one ORT's transformer tools
-    use: names dims through Reshape/Concat/Slice chains as expressions of the graph inputs'
-    dims); ONNX's own shape inference where it fails. It takes opset 7 and later only (it
-    returns None for older models, after a warning), so those go to ONNX's directly."""
-    import onnx
-
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        if opset is not None and opset >= 7:
-            inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
-            if inferred is not None:
-                return inferred
-    except Exception as err:  # noqa: BLE001 - fall back to ONNX's inference
-        logger.debug("symbolic shape inference failed (%s); using onnx's", err)
-    try:
-        return onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # noqa: BLE001 - inference is a help, not a requirement
-        return model
-
-
-def onnx_input_shapes(model) -> dict[str, list[list[int | str | None] | None]]:
-    """Per node, the shape of each of its inputs as shape inference finds it."""
-    graph = _infer(model).graph
-    shapes: dict[str, list[int | str | None]] = {}
-    for info in [*graph.input, *graph.value_info, *graph.output]:
-        tensor = info.type.tensor_type
-        if tensor.HasField("shape"):
-            shapes[info.name] = [
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                for d in tensor.shape.dim
-            ]
-    for init in graph.initializer:
-        shapes[init.name] = list(init.dims)
-    return {node.name: [shapes.get(i) for i in node.input] for node in graph.node if node.name}
-
-
-def _dim_expr(dim: int | str | None, index: int):
-    """A dimension from shape inference as a TIR expression: an int, a known symbolic dim,
-    an expression of them ("batch*seq"), or a fresh variable named after it."""
-    if isinstance(dim, int) and dim > 0:
-        return tirx.IntImm("int64", dim)
-    if not isinstance(dim, str):
-        return tirx.Var(f"dim{index}", "int64")
-    if dim in _DIM_VARS:
-        return _DIM_VARS[dim]
-    expr = _parse_dim(dim)
-    if expr is None:
-        expr = _DIM_VARS[dim] = tirx.Var(_var_name(dim), "int64")
-    return expr
-
-
-def _var_name(text: str) -> str:
-    name = "".join(c if c.isalnum() else "_" for c in text).strip("_") or "dim"
-    return name if not name[0].isdigit() else f"d_{name}"
-
-
-def _parse_dim(text: str):
-    """``batch*seq``, ``seq + 1``, ``floor(seq/2)`` over known dims; None otherwise."""
-    try:
-        import sympy
-    except ImportError:
-        return None
-    try:
-        tree = sympy.sympify(text, locals={n: sympy.Symbol(n) for n in _DIM_VARS})
-    except Exception:  # noqa: BLE001 - not an expression: a plain name
-        return None
-
-    def conv(node):
-        if isinstance(node, sympy.Integer):
-            return tirx.IntImm("int64", int(node))
-        if isinstance(node, sympy.Symbol):
-            var = _DIM_VARS.get(node.name)
-            if var is None:
-                raise KeyError(node.name)
-            return var
-        if isinstance(node, sympy.Add | sympy.Mul):
-            parts = [conv(a) for a in node.args]
-            out = parts[0]
-            for part in parts[1:]:
-                out = out + part if isinstance(node, sympy.Add) else out * part
-            return out
-        if isinstance(node, sympy.floor) and isinstance(node.args[0], sympy.Mul):
-            num, den = node.args[0].as_numer_denom()
-            return tirx.floordiv(conv(num), conv(den))
-        raise KeyError(str(node))
-
-    try:
-        return conv(tree)
-    except (KeyError, TypeError):
-        return None
-
-
-def _learn_dims(inputs) -> None:
-    """Record the symbolic dims (graph inputs' named axes, those bound so far) by name."""
-    for value in inputs:
-        sinfo = getattr(value, "ty", None) if isinstance(value, relax.Expr) else None
-        if isinstance(sinfo, relax.TensorType) and isinstance(sinfo.shape, relax.ShapeExpr):
-            for dim in sinfo.shape.values:
-                if isinstance(dim, tirx.Var):
-                    _DIM_VARS.setdefault(dim.name, dim)
-
-
-class _KnownShapes:
-    """A converter whose tensor inputs all have a shape: an input the importer lost the shape
-    of (``R.Tensor(ndim=4)`` or ``R.Tensor(ndim=-1)``) is ``match_cast`` to fresh symbolic
-    dims first, as symbolic shape inference names them: ints, the graph inputs' named dims and
-    expressions of them ("batch*seq"), a variable per other name (the same one for every use).
-
-    Stock converters need shapes: Slice "requires a statically known input rank", Reshape
-    "expects the input tensor to have known shape", ``emit_te`` "only supports Tensor that has
-    ShapeExpr shape", Shape returns ``shape_of`` of it and the next Gather fails on it. Each
-    such tensor comes out of a converter that could not compute its shape from a run-time
-    value (a Slice whose ends are computed, a Range with a run-time limit); the fresh dims are
-    bound when the program runs, so everything after it is symbolic instead of unknown.
-    """
-
-    def __init__(self, converter):
-        self.converter = converter
-
-    def __getattr__(self, name):
-        return getattr(self.converter, name)
-
-    def get_converter(self, opset):
-        convert = self.converter.get_converter(opset)
-
-        def run(bb, inputs, attr, params):
-            name = attr.get("tvm_custom", {}).get("name", "")
-            shapes = _SHAPES.get(name, [])
-            _learn_dims(inputs)
-            fixed = _frontend.onnx_input()
-            for i, value in enumerate(inputs):
-                fixed.append(_with_shape(bb, value, shapes[i] if i < len(shapes) else None))
-            return convert(bb, fixed, attr, params)
-
-        return run
-
-
-def _with_shape(bb, value, onnx_shape: list[int | str | None] | None):
-    if not isinstance(value, relax.Expr) or isinstance(value, GenericConst):
-        return value
-    sinfo = getattr(value, "ty", None)
-    if not isinstance(sinfo, relax.TensorType) or sinfo.shape is not None:
-        return value
-    if onnx_shape is None or (sinfo.ndim >= 0 and len(onnx_shape) != sinfo.ndim):
-        if sinfo.ndim < 0:
-            return value
-        onnx_shape = [None] * sinfo.ndim
-    dims = [_dim_expr(d, i) for i, d in enumerate(onnx_shape)]
-    return bb.match_cast(value, relax.TensorType(dims, sinfo.dtype, sinfo.vdevice))
 
 
 def install() -> None:
     """Add :data:`CONVERTERS` to the importer's map (idempotent; stock ones win), replace
     the stock converters in :data:`OVERRIDES`, and give every converter known input shapes
-    (:class:`_KnownShapes`)."""
+    (:class:`~.onnx_known_shapes.KnownShapes`)."""
     global _INSTALLED, _STOCK_MAP
     if _INSTALLED:
         return
@@ -737,7 +461,7 @@ def install() -> None:
         for name, converter in CONVERTERS.items():
             table.setdefault(name, converter)
         table.update(OVERRIDES)
-        return {name: _KnownShapes(converter) for name, converter in table.items()}
+        return {name: KnownShapes(converter) for name, converter in table.items()}
 
     _frontend._get_convert_map = convert_map
     _INSTALLED = True

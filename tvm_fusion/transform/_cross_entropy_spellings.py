@@ -1,7 +1,7 @@
 """Frontends' spellings of cross entropy's pieces, read as the forms FuseCrossEntropy fuses.
 
 Exporters and importers write the same cross entropy in different ops; these helpers say what a
-spelling means, so the matcher in :mod:`.fuse_cross_entropy` handles one form. Nothing here
+spelling means, so the matcher in :mod:`._cross_entropy_match` handles one form. Nothing here
 changes the graph: a spelling that is not recognised is simply not matched.
 
 - ``log(softmax(x, axis))`` (ONNX ``Softmax -> Log``, ``torch.log(torch.softmax(x, -1))``) is

@@ -62,214 +62,31 @@ log-softmax returned or read by anything else (an ``exp`` of it, a sum over the 
 target. The fused value is the log-softmax's, so where ``softmax`` underflows to 0 (``log`` of
 it ``-inf``) the fused ``log(softmax)`` spelling gives the finite value. On CPU targets ``exp``
 is TVM's polynomial ``fast_exp`` (see :mod:`tvm_fusion.lower.legalize`).
+
+Where the pieces live: the kernel and its gradient in :mod:`._cross_entropy_kernel`, which
+log-softmax is fused and how each reader is served in :mod:`._cross_entropy_match`, the
+spellings in :mod:`._cross_entropy_spellings`; this module emits the kernel and the readers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import tvm
 import tvm_ffi
-from tvm import IRModule, relax, te, tirx, topi
+from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
-from tvm.relax.training.utils import register_global_func
 
 from .. import target as _target
-from ._common import get_logger, op_name, prove_equal_shapes, record_rewrite, skip, vars_in
-from ._cross_entropy_spellings import log_softmax_source, unwrap_negative_index
+from ._common import record_rewrite
+from ._cross_entropy_kernel import (
+    ACC,
+    GRAD_NAME,
+    cross_entropy_rows,
+    register_gradient,
+    row_columns,
+)
+from ._cross_entropy_match import Plan, Use, plans, weight_picks
 
-logger = get_logger(__name__)
 NAME = "FuseCrossEntropy"
-GRAD_NAME = "tvm_fusion.cross_entropy_grad"
-KERNEL_ATTR = "tvm_fusion.cross_entropy"
-_FLOATS = ("float32", "float16", "bfloat16")
-ACC = "float32"
-
-
-def _acc(x: te.Tensor):
-    """``x[i, j]`` read in the float32 accumulation type."""
-    if x.dtype == ACC:
-        return lambda i, j: x[i, j]
-    return lambda i, j: x[i, j].astype(ACC)
-
-
-def _exp_at(value: te.Tensor, fast: bool):
-    """``exp(value[i, j])``: TVM's polynomial ``fast_exp`` (CPU), else the exact intrinsic."""
-    if fast:
-        ex = topi.fast_exp(value)
-        return lambda i, j: ex[i, j]
-    return lambda i, j: te.exp(value[i, j])
-
-
-def row_columns(row_sum: bool, weighted: bool) -> list[str]:
-    """The columns of the kernel's ``(N, k)`` output, in order."""
-    return ["lse", "x_t"] + (["sum_x"] if row_sum else []) + (["sum_wx"] if weighted else [])
-
-
-def cross_entropy_rows(
-    x: te.Tensor,
-    t: te.Tensor,
-    fast_exp: bool = False,
-    row_sum: bool = False,
-    weights: te.Tensor | None = None,
-) -> te.Tensor:
-    """``(N, k)`` float32 row statistics of the logits, one pass over each row.
-
-    Columns (:func:`row_columns`): the log-sum-exp, the logit of the row's target, and when
-    asked the row sum ``sum_j x[i, j]`` and the weighted row sum ``sum_j w[j] * x[i, j]``
-    (label smoothing: ``sum_j log_softmax(x)[i, j] = sum_x - V * lse``). A target outside
-    ``[0, V)`` (an ignored row) picks some column (:func:`target_column`); callers mask such
-    rows.
-    """
-    n, v = x.shape
-    xf = _acc(x)
-    if fast_exp:
-        # CPU: the row reductions in the vector-split form of the fast-math legalisation,
-        # vectorised at any V (a vocabulary of 50257: 5x the time of 50256 when scalar)
-        from ..lower.legalize import _row_reduce
-
-        def reduce_rows(tensor, kind, _name):
-            out = _row_reduce(tensor, 1, kind)
-            return lambda i: out[i, 0]
-
-        xa = te.compute((n, v), xf, name="ce_x")
-        row_max = reduce_rows(xa, "max", "ce_max")
-        shifted = te.compute((n, v), lambda i, j: xa[i, j] - row_max(i), name="ce_shifted")
-        ex = topi.fast_exp(shifted)
-        sum_exp = reduce_rows(ex, "sum", "ce_sumexp")
-    else:
-
-        def reduce_rows(tensor, kind, name):
-            k = te.reduce_axis((0, v), "k")
-            red = te.max if kind == "max" else te.sum
-            out = te.compute((n,), lambda i: red(tensor[i, k], axis=k), name=name)
-            return lambda i: out[i]
-
-        xa = te.compute((n, v), xf, name="ce_x")
-        row_max = reduce_rows(xa, "max", "ce_max")
-        shifted = te.compute((n, v), lambda i, j: xa[i, j] - row_max(i), name="ce_shifted")
-        ex = te.compute((n, v), lambda i, j: te.exp(shifted[i, j]), name="ce_exp")
-        sum_exp = reduce_rows(ex, "sum", "ce_sumexp")
-
-    def pick(i):
-        return xf(i, target_column(t[i], v))
-
-    columns = [lambda i: row_max(i) + te.log(sum_exp(i)), pick]
-    if row_sum:
-        columns.append(reduce_rows(xa, "sum", "ce_rowsum"))
-    if weights is not None:
-        wf = _acc_vector(weights)
-        weighted = te.compute((n, v), lambda i, j: wf(j) * xa[i, j], name="ce_weighted")
-        columns.append(reduce_rows(weighted, "sum", "ce_weighted_rowsum"))
-
-    def value(i, c):
-        out = columns[-1](i)
-        for index in range(len(columns) - 2, -1, -1):
-            out = tirx.Select(c == index, columns[index](i), out)
-        return out
-
-    return te.compute((n, len(columns)), value, name="ce_rows")
-
-
-def cross_entropy_grad(
-    output_grad: te.Tensor,
-    rows: te.Tensor,
-    x: te.Tensor,
-    t: te.Tensor,
-    fast_exp: bool = False,
-    row_sum: bool = False,
-    weights: te.Tensor | None = None,
-):
-    """d/dx (and d/dw) of ``rows = cross_entropy_rows(x, t, ...)``, one elementwise pass over
-    the logits: ``g_lse * softmax(x) + g_xt * onehot(t) + g_sum + g_wsum * w``, the softmax
-    ``exp(x - lse)`` from the saved lse. With weights, ``dw[j] = sum_i g_wsum[i] * x[i, j]``."""
-    n, v = x.shape
-    xf = _acc(x)
-    shifted = te.compute((n, v), lambda i, j: xf(i, j) - rows[i, 0], name="ce_grad_shifted")
-    prob = _exp_at(shifted, fast_exp)
-    col_sum = 2
-    col_wsum = 3 if row_sum else 2
-    wf = _acc_vector(weights) if weights is not None else None
-
-    def grad(i, j):
-        hit = j.astype("int64") == target_column(t[i], v)
-        value = output_grad[i, 0] * prob(i, j) + tirx.Select(
-            hit, output_grad[i, 1], tirx.const(0.0, ACC)
-        )
-        if row_sum:
-            value = value + output_grad[i, col_sum]
-        if wf is not None:
-            value = value + output_grad[i, col_wsum] * wf(j)
-        return value if x.dtype == ACC else value.astype(x.dtype)
-
-    grads = [te.compute((n, v), grad, name="ce_grad")]
-    if weights is not None:
-        r = te.reduce_axis((0, n), "r")
-        dw = te.compute(
-            (v,), lambda j: te.sum(output_grad[r, col_wsum] * xf(r, j), axis=r), name="ce_grad_w"
-        )
-        grads.append(
-            dw
-            if weights.dtype == ACC
-            else te.compute((v,), lambda j: dw[j].astype(weights.dtype), name="ce_grad_w_cast")
-        )
-    return grads
-
-
-def target_column(target, v):
-    """The column a row's target picks: ``t mod V``. A target in ``[0, V)`` is itself, one in
-    ``[-V, 0)`` counts from the end (``t + V``, ONNX's negative GatherElements indices); any
-    other (an ignored row, which every reader masks) picks some column inside the row, never
-    memory outside it."""
-    return tirx.floormod(target.astype("int64"), v)
-
-
-def _acc_vector(w: te.Tensor):
-    if w.dtype == ACC:
-        return lambda j: w[j]
-    return lambda j: w[j].astype(ACC)
-
-
-def _grad_handler(orig_var, call, output_grad, ctx: relax.BlockBuilder):
-    """Gradient of ``call_tir_with_grad(ce_rows, (x, t[, w]))``: dx, no gradient for t, and dw.
-
-    Registered by hand (not with ``register_te_gradient``) because the gradient reads the
-    forward's output (the saved lse), which the stock handler does not pass on.
-    """
-    args = list(call.args[1])
-    x, t = args[0], args[1]
-    weights = args[2] if len(args) > 2 else None
-    options = call.attrs.te_grad_kwargs
-    fast = bool(options.get("fast_exp", False))
-    row_sum = bool(options.get("row_sum", False))
-    grads = ctx.emit_te(
-        cross_entropy_grad,
-        output_grad,
-        orig_var,
-        x,
-        t,
-        fast,
-        row_sum,
-        weights,
-        primfunc_name_hint="ce_grad",
-    )
-    if weights is None:
-        return ctx.emit(relax.Tuple([grads, relax.op.zeros_like(t)]))
-    return ctx.emit(
-        relax.Tuple(
-            [relax.TupleGetItem(grads, 0), relax.op.zeros_like(t), relax.TupleGetItem(grads, 1)]
-        )
-    )
-
-
-_REGISTERED = False
-
-
-def register_gradient() -> None:
-    global _REGISTERED
-    if not _REGISTERED:
-        register_global_func("tvm.relax.te_grad._register." + GRAD_NAME, _grad_handler)
-        _REGISTERED = True
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -290,45 +107,6 @@ class FuseCrossEntropy:
         return mod
 
 
-def _consumers(func: relax.Function) -> dict:
-    """``var -> [(binding var or None, value)]``: every binding (or the function's result, with
-    ``None``) that reads ``var``, once per occurrence."""
-    out: dict = {}
-    body = func.body
-    for block in body.blocks:
-        for binding in block.bindings:
-            for var in vars_in(binding.value):
-                out.setdefault(var, []).append((binding.var, binding.value))
-    for var in vars_in(body.body):
-        out.setdefault(var, []).append((None, body.body))
-    return out
-
-
-@dataclass
-class _Use:
-    """One reader of the log-probabilities ``L``, and what it becomes."""
-
-    kind: str  # gather | nll | rowsum | rowmean | onehot | wsum | wgather | shape
-    var: relax.Var  # the binding of the replaced call
-    call: relax.Call  # the call that is replaced (the sum or gather, for the multiply forms)
-    keepdims: bool = False
-    weights: relax.Expr | None = None  # wgather: the (V,) or (1, V) class weights
-
-
-@dataclass
-class _Plan:
-    """Every use of one ``L = log_softmax(x)``: one kernel serves them all."""
-
-    lsm: relax.Var
-    x: relax.Expr
-    uses: list = field(default_factory=list)
-    pick: tuple | None = None  # ("gather", idx (N, 1)) or ("vector", t (N,))
-    weights: relax.Expr | None = None  # (V,) or (1, V): the weighted row sum's weights
-    row_sum: bool = False
-    columns: dict | None = None  # emitted: column name -> (N,) float32 var
-    wraps: bool = False  # the pick's negative targets count from the end (ONNX indices)
-
-
 @mutator
 class _Rewriter(PyExprMutator):
     def __init__(self, mod: IRModule, fast_exp: bool):
@@ -336,7 +114,7 @@ class _Rewriter(PyExprMutator):
         self.mod = mod
         self.fast_exp = fast_exp
         self.count = 0
-        self.planned: dict = {}  # replaced call -> (_Plan, _Use)
+        self.planned: dict = {}  # replaced call -> (Plan, Use)
         self.weight_picks: dict = {}  # gather of broadcast class weights -> the (V,) weights
 
     def transform(self) -> IRModule:
@@ -344,12 +122,12 @@ class _Rewriter(PyExprMutator):
             if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
                 continue
             self.planned = {}
-            for plan in _plans(func):
+            for plan in plans(func):
                 for use in plan.uses:
                     self.planned[use.call] = (plan, use)
             if not self.planned:
                 continue
-            self.weight_picks = _weight_picks(func)
+            self.weight_picks = weight_picks(func)
             new_func = self.visit_expr(func)
             new_func = relax.analysis.remove_all_unused(new_func)
             self.builder_.update_func(gv, new_func)
@@ -371,7 +149,7 @@ class _Rewriter(PyExprMutator):
 
     # -- emitting ---------------------------------------------------------------------------
 
-    def _emit_kernel(self, plan: _Plan) -> dict:
+    def _emit_kernel(self, plan: Plan) -> dict:
         """The fused kernel at the first use; its columns as (N,) float32 vectors."""
         bb = self.builder_
         x = self.visit_expr(plan.x)
@@ -420,7 +198,7 @@ class _Rewriter(PyExprMutator):
         columns["t_source"] = source
         return columns
 
-    def _replace(self, plan: _Plan, use: _Use) -> relax.Expr:
+    def _replace(self, plan: Plan, use: Use) -> relax.Expr:
         bb = self.builder_
         cols = plan.columns
         lse = cols["lse"]
@@ -518,241 +296,6 @@ class _Rewriter(PyExprMutator):
         return relax.op.divide(bb.emit(relax.op.sum(rows)), bb.emit(relax.op.sum(w_t)))
 
 
-# -- matching -------------------------------------------------------------------------------
-
-
-def _plans(func: relax.Function) -> list:
-    """A plan for every ``log_softmax`` all of whose uses the kernel's columns can serve."""
-    var2val = relax.analysis.get_var2val(func)
-    consumers = _consumers(func)
-    order: dict = {param: -1 for param in func.params}
-    position = 0
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            order[binding.var] = position
-            position += 1
-    plans = []
-    for lsm, value in var2val.items():
-        source = log_softmax_source(lsm, value, var2val, consumers)
-        if source is not None:
-            plan = _plan(lsm, *source, var2val, consumers, order)
-            if plan is not None:
-                plans.append(plan)
-    return plans
-
-
-def _plan(lsm, x, axis, var2val, consumers, order) -> _Plan | None:
-    what = f"log_softmax {lsm.name}"
-    sinfo = x.ty
-    if not isinstance(sinfo, relax.TensorType) or sinfo.ndim != 2:
-        return _leave(what, "logits are not 2-D (N, V)")
-    if str(sinfo.dtype) not in _FLOATS:
-        return _leave(what, f"logits of dtype {sinfo.dtype}")
-    if axis % 2 != 1:
-        return _leave(what, "log_softmax over another axis than the classes")
-    if not isinstance(sinfo.shape, relax.ShapeExpr):
-        return _leave(what, "logits of unknown shape")
-    n, v = sinfo.shape.values
-    plan = _Plan(lsm, x)
-    uses = consumers.get(lsm, [])
-    if not uses:
-        return _leave(what, "unused")
-    for bvar, use_value in uses:
-        reason = _add_use(plan, bvar, use_value, n, v, consumers, var2val)
-        if reason:
-            return _leave(what, reason)
-    # the kernel is emitted at the first use that reads it: its inputs must exist there
-    reads = [order[use.var] for use in plan.uses if use.kind != "shape"]
-    if not reads:
-        return _leave(what, "only its shape is read")
-    first = min(reads)
-    operands = [plan.pick[1] if plan.pick else None, plan.weights]
-    operands += [use.weights for use in plan.uses]
-    for operand in operands:
-        if isinstance(operand, relax.Var) and order.get(operand, first) >= first:
-            return _leave(what, f"{operand.name} is computed after the first use")
-    return plan
-
-
-def _int_tensor(expr, ndim: int) -> bool:
-    sinfo = expr.ty
-    return (
-        isinstance(sinfo, relax.TensorType)
-        and sinfo.ndim == ndim
-        and str(sinfo.dtype).startswith(("int", "uint"))
-    )
-
-
-def _set_pick(plan: _Plan, pick: tuple) -> str | None:
-    if plan.pick is None:
-        plan.pick = pick
-        return None
-    if plan.pick[0] != pick[0] or not plan.pick[1].same_as(pick[1]):
-        return "the uses pick different targets"
-    return None
-
-
-def _row_axis(call: relax.Call) -> bool:
-    axis = call.attrs.axis
-    return axis is not None and len(axis) == 1 and int(axis[0]) % 2 == 1
-
-
-def _add_use(plan: _Plan, bvar, value, n, v, consumers, var2val) -> str | None:
-    """Record one use of ``L``; a reason when the kernel cannot serve it."""
-    name = op_name(value)
-    lsm = plan.lsm
-    if bvar is None:
-        return "the log-probabilities are returned"
-    if sum(1 for arg in vars_in(value) if arg.same_as(lsm)) != 1:
-        return f"{name} reads the log-probabilities twice"
-    if name == "relax.shape_of":
-        plan.uses.append(_Use("shape", bvar, value))
-        return None
-    if name == "relax.gather_elements":
-        reason = _gather_reason(value, lsm, n)
-        if reason:
-            return reason
-        plan.uses.append(_Use("gather", bvar, value))
-        return _set_pick(plan, _gather_pick(plan, value.args[1], v, var2val))
-    if name == "relax.nn.nll_loss":
-        t = value.args[1]
-        if not value.args[0].same_as(lsm) or not _int_tensor(t, 1):
-            return "nll_loss targets are not (N,) integers"
-        if str(value.attrs.reduction) not in ("none", "sum", "mean"):
-            return f"unknown reduction {value.attrs.reduction!r}"
-        plan.uses.append(_Use("nll", bvar, value))
-        return _set_pick(plan, ("vector", t))
-    if name in ("relax.sum", "relax.mean"):
-        if not _row_axis(value):
-            return f"{name} not over the classes alone"
-        if not isinstance(v, tirx.IntImm):
-            return "a row sum over a symbolic number of classes"
-        kind = "rowsum" if name == "relax.sum" else "rowmean"
-        plan.row_sum = True
-        plan.uses.append(_Use(kind, bvar, value, bool(value.attrs.keepdims)))
-        return None
-    if name == "relax.multiply":
-        return _add_product(plan, bvar, value, n, v, consumers, var2val)
-    return f"used by {name or type(value).__name__}"
-
-
-def _add_product(plan: _Plan, bvar, value, n, v, consumers, var2val) -> str | None:
-    """``L * m`` read by one row sum (``m`` a one-hot of the targets, or class weights) or by a
-    gather of the target column (``m`` class weights: PyTorch's weighted ``nll_loss``)."""
-    a, b = value.args
-    other = b if a.same_as(plan.lsm) else a
-    readers = consumers.get(bvar, [])
-    if len(readers) != 1 or readers[0][0] is None:
-        return "L * m is used other than by one row sum or gather"
-    reader_var, reader = readers[0]
-    hot = var2val.get(other) if isinstance(other, relax.Var) else None
-    if op_name(hot) == "relax.one_hot":
-        if op_name(reader) != "relax.sum" or not _row_axis(reader):
-            return "L * one_hot is not summed over the classes"
-        t = hot.args[0]
-        on, off = hot.args[1], hot.args[2]
-        if not _int_tensor(t, 1) or int(hot.attrs.axis) not in (-1, 1):
-            return "one_hot of other targets than (N,) integers"
-        if not (_prim_is(on, 1) and _prim_is(off, 0) and _equal(hot.attrs.depth, v)):
-            return "one_hot is not 1/0 over the V classes"
-        plan.uses.append(_Use("onehot", reader_var, reader, bool(reader.attrs.keepdims)))
-        return _set_pick(plan, ("vector", t))
-    if not _class_weights(other, v):
-        return "L is multiplied by something other than a one-hot or (V,) weights"
-    other = _view_source(other, var2val, v)
-    if op_name(reader) == "relax.gather_elements":
-        reason = _gather_reason(reader, bvar, n)
-        if reason:
-            return reason
-        plan.uses.append(_Use("wgather", reader_var, reader, weights=other))
-        return _set_pick(plan, _gather_pick(plan, reader.args[1], v, var2val))
-    if op_name(reader) != "relax.sum" or not _row_axis(reader):
-        return "L * w is neither summed over the classes nor gathered"
-    if plan.weights is not None and not plan.weights.same_as(other):
-        return "two different class weightings summed"
-    plan.weights = other
-    plan.uses.append(_Use("wsum", reader_var, reader, bool(reader.attrs.keepdims)))
-    return None
-
-
-def _gather_pick(plan: _Plan, idx, v, var2val) -> tuple:
-    """The pick of ``gather_elements(L, idx)``: the targets before the importer's negative-index
-    ``where`` (the kernel wraps negative targets itself), else ``idx``."""
-    targets = unwrap_negative_index(idx, var2val, v)
-    if targets is None:
-        return ("gather", idx)
-    plan.wraps = True
-    return ("gather", targets)
-
-
-def _weight_picks(func: relax.Function) -> dict:
-    """``gather_elements(broadcast_to(w, (N, V)), idx (N, 1), axis=1)`` with class weights ``w``
-    (``(V,)`` / ``(1, V)``): ``{gather call: w}``. PyTorch's weighted ``nll_loss`` with the mean
-    reduction picks its denominator's weights so, an (N, V) broadcast that stock builds in
-    memory; ``w[idx]`` reads V floats once. Only looked for beside a fused log-softmax."""
-    var2val = relax.analysis.get_var2val(func)
-    picks = {}
-    for value in var2val.values():
-        if op_name(value) != "relax.gather_elements" or not isinstance(value.args[0], relax.Var):
-            continue
-        broadcast = var2val.get(value.args[0])
-        sinfo = value.args[0].ty
-        if op_name(broadcast) != "relax.broadcast_to" or not isinstance(
-            getattr(sinfo, "shape", None), relax.ShapeExpr
-        ):
-            continue
-        if sinfo.ndim != 2:
-            continue
-        n, v = sinfo.shape.values
-        weights = broadcast.args[0]
-        if not _class_weights(weights, v) or _gather_reason(value, value.args[0], n):
-            continue
-        picks[value] = _view_source(weights, var2val, v)
-    return picks
-
-
-def _view_source(expr, var2val, v):
-    """Follow ``reshape`` / ``expand_dims`` / ``squeeze`` of class weights back to the tensor
-    they view (exporters emit ``w.view(1, V)`` right before each use; the kernel needs a value
-    that exists at the first use of the log-probabilities)."""
-    views = ("relax.reshape", "relax.expand_dims", "relax.squeeze")
-    while isinstance(expr, relax.Var) and op_name(var2val.get(expr)) in views:
-        source = var2val[expr].args[0]
-        if not _class_weights(source, v):
-            break
-        expr = source
-    return expr
-
-
-def _class_weights(expr, v) -> bool:
-    """``expr`` is a float ``(V,)`` or ``(1, V)`` tensor."""
-    sinfo = expr.ty
-    if not (
-        isinstance(sinfo, relax.TensorType)
-        and str(sinfo.dtype) in _FLOATS
-        and isinstance(sinfo.shape, relax.ShapeExpr)
-        and sinfo.ndim in (1, 2)
-    ):
-        return False
-    dims = sinfo.shape.values
-    return _equal(dims[-1], v) and (sinfo.ndim == 1 or _equal(dims[0], 1))
-
-
-def _gather_reason(call: relax.Call, source, n) -> str | None:
-    """Why ``call`` is not ``gather_elements(source, idx (N, 1), axis=1)``, or None."""
-    idx = call.args[1]
-    if not call.args[0].same_as(source) or int(call.attrs.axis) % 2 != 1:
-        return "gather over the rows"
-    if not _int_tensor(idx, 2):
-        return "gather index is not an integer (N, 1)"
-    shape = idx.ty.shape
-    if not isinstance(shape, relax.ShapeExpr) or not (
-        _equal(shape.values[0], n) and _equal(shape.values[1], 1)
-    ):
-        return "gather index is not (N, 1)"
-    return None
-
-
 def _rows(bb: relax.BlockBuilder, column: relax.Expr) -> relax.Expr:
     """An ``(N, 1)`` column as ``(N,)``: a squeeze, not a reshape to ``[n]``, whose ShapeExpr of a
     symbolic ``n`` 0.27's Gradient cannot differentiate (TVM_NOTES)."""
@@ -778,22 +321,5 @@ def _bound(bb: relax.BlockBuilder, expr: relax.Expr) -> relax.Expr:
     return expr if isinstance(expr, relax.Var) else bb.emit(expr)
 
 
-def _prim_is(expr, number) -> bool:
-    """``expr`` (an ``IntImm`` / ``FloatImm``, or a ``PrimValue`` of one) equals ``number``."""
-    value = getattr(expr, "value", None)
-    if isinstance(value, tirx.IntImm | tirx.FloatImm):
-        value = value.value
-    return isinstance(value, int | float) and float(value) == float(number)
-
-
-def _equal(a, b) -> bool:
-    return prove_equal_shapes(a, b)
-
-
 def _is_null(expr) -> bool:
     return expr is None or (isinstance(expr, relax.Tuple) and not expr.fields)
-
-
-def _leave(what: str, reason: str) -> None:
-    skip(logger, what, reason)
-    return None

@@ -58,8 +58,8 @@ from ._common import (
     static_shape,
     use_counts,
 )
-from .fuse_cross_entropy import GRAD_NAME, cross_entropy_rows
-from .fuse_cross_entropy import register_gradient as register_ce_gradient
+from ._cross_entropy_kernel import GRAD_NAME, cross_entropy_rows
+from ._cross_entropy_kernel import register_gradient as register_ce_gradient
 
 logger = get_logger(__name__)
 NAME = "FuseLinearCrossEntropy"
