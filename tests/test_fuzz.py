@@ -92,7 +92,7 @@ def test_refusal_counts_only_where_stock_fails_too():
 
 _PROBE = """
 import os, time
-from tvm_fusion import fuzz
+from tvm_fusion.testing import fuzz
 
 def run(model, feeds):
     op = model.graph.node[0].op_type
