@@ -7,7 +7,7 @@ Cases run round-robin over the families (``tvm_fusion.testing.fuzz.FAMILIES``) i
 subprocess (a segfault or a hang costs one case); each failure is minimised and saved under
 ``--out`` as ``FAMILY-SEED/model.onnx``, ``inputs.npz`` and ``reason.txt``. Totals per family
 go to ``bench/fuzz.json`` and ``bench/fuzz.md`` (``--output ''`` to skip). ``--frontend torch``
-runs ``tvm_fusion.testing.fuzz_torch``'s families (torch.nn modules through torch.export,
+runs ``tvm_fusion.testing.fuzz.torch_frontend``'s families (torch.nn modules through torch.export,
 against torch eager; failures saved unminimised, with the exported program) into
 ``bench/fuzz_torch.*``. The exit status is 1 when a case failed, crashed or hung.
 """

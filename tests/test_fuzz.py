@@ -92,7 +92,7 @@ def test_refusal_counts_only_where_stock_fails_too():
 
 _PROBE = """
 import os, time
-from tvm_fusion import fuzz
+from tvm_fusion.testing import fuzz
 
 def run(model, feeds):
     op = model.graph.node[0].op_type
@@ -157,7 +157,7 @@ def test_unknown_family(family):
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.export (tvm_fusion.testing.fuzz_torch)
+# torch.export (tvm_fusion.testing.fuzz.torch_frontend)
 
 # one seed per family, run in this process (a worker would import TVM again): each exports a
 # module at size 10, imports and compiles it with our pipeline and compares two feeds with eager
@@ -174,7 +174,7 @@ _TORCH_SEEDS = [
 @pytest.mark.parametrize(("family", "seed"), _TORCH_SEEDS)
 def test_torch_fixed_seeds_run(family, seed):
     pytest.importorskip("torch")
-    from tvm_fusion.testing import fuzz_torch
+    from tvm_fusion.testing.fuzz import torch_frontend as fuzz_torch
 
     assert fuzz_torch.run_case(family, seed) == ("ok", "")
 
@@ -191,7 +191,7 @@ def test_torch_dtypes_seeds_run(seed):
     models write it, which found the importer's ``x[:, -1]``, ``int < 2.5``, ``bool == 0``,
     ``h / h.shape[1]``, clamp, cumsum and integer power bugs (tests in ``test_frontend.py``)."""
     pytest.importorskip("torch")
-    from tvm_fusion.testing import fuzz_torch
+    from tvm_fusion.testing.fuzz import torch_frontend as fuzz_torch
 
     assert "dtypes" in fuzz_torch.FAMILIES and "dtypes" not in fuzz.FAMILIES
     assert fuzz_torch.run_case("dtypes", seed) == ("ok", "")
@@ -204,7 +204,7 @@ def test_torch_negative_step_arange_gathers_the_right_columns():
     for n = 1 the index n - 2 is negative, which torch wraps.)"""
     pytest.importorskip("torch")
     from tvm_fusion.frontend import import_exported_program
-    from tvm_fusion.testing import fuzz_torch
+    from tvm_fusion.testing.fuzz import torch_frontend as fuzz_torch
 
     spec, program, _feeds, _refs = fuzz_torch.prepare("range_gather", 3)
     mod = import_exported_program(program, decompose=spec.decompose)
@@ -219,7 +219,7 @@ def test_torch_cross_entropy_loss_not_decomposed():
     ``reduction`` (passed positionally) as a mean, took log-softmax over the last axis of
     (B, C, S) and dropped label smoothing."""
     pytest.importorskip("torch")
-    from tvm_fusion.testing import fuzz_torch
+    from tvm_fusion.testing.fuzz import torch_frontend as fuzz_torch
 
     assert fuzz_torch.run_case("cross_entropy", 0) == ("ok", "")  # (B, C, S), summed
     assert fuzz_torch.run_case("cross_entropy", 101) == ("ok", "")  # smoothing 0.25, none
