@@ -37,7 +37,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from ..errors import UsageError, first_line
-from ..target import is_cpu, num_cores, parse_target
+from ..target import async_copy, is_cpu, num_cores, parse_target
 
 logger = logging.getLogger(__name__)
 
@@ -306,8 +306,6 @@ def build_candidate(mod: tvm.IRModule, target, _params=None):
     """
     from tvm.driver import build as tvm_build
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-
-    from .engine import async_copy
 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     if is_cpu(target):
