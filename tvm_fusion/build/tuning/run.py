@@ -36,8 +36,8 @@ from tvm import relax
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from ..errors import UsageError, first_line
-from ..target import async_copy, is_cpu, num_cores, parse_target
+from ...errors import UsageError, first_line
+from ...target import async_copy, is_cpu, num_cores, parse_target
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +115,8 @@ def apply_database_pass(work_dir: str) -> tvm.transform.Pass:
 
 def fused_module(mod: tvm.IRModule, target, pipeline: str = "tvm_fusion", **flags) -> tvm.IRModule:
     """``mod`` lowered to one unscheduled PrimFunc per fused group, as ``pipeline`` groups it."""
-    from .pipeline import fused_passes, stock_fused_passes
-    from ..schedule import prepare_passes
+    from ..pipeline import fused_passes, stock_fused_passes
+    from ...schedule import prepare_passes
 
     tgt = parse_target(target)
     if pipeline == "tvm_fusion":
@@ -334,7 +334,7 @@ def _default_schedule(workload: tvm.IRModule, target) -> tuple[tvm.s_tir.Schedul
     (on packed arguments) but not recorded."""
     from tvm.s_tir.dlight.base.transform import _apply_rules
 
-    from ..schedule import _has_preproc, default_rules
+    from ...schedule import _has_preproc, default_rules
 
     try:
         spaces = _apply_rules(workload["main"], target, default_rules(target), tunable=False)
@@ -362,7 +362,7 @@ def gate_space(target) -> ms.space_generator.ScheduleFn:
     Every sample keeps the GEMMs and the gate math in one kernel; MetaSchedule's own rules
     (multi-level tiling) would tile the GEMM apart from the gates and overflow shared memory.
     VerifyGPUCode checks each sample against the target's limits once more."""
-    from ..schedule.cuda import GateFusion
+    from ...schedule.cuda import GateFusion
 
     rule = GateFusion()
 
@@ -377,8 +377,8 @@ def gate_space(target) -> ms.space_generator.ScheduleFn:
 
 def _ours_tunes(func, target) -> bool:
     """A CUDA gate kernel that our gate rule schedules (so :func:`gate_space` applies)."""
-    from ..schedule.cuda import GateFusion
-    from ..schedule.cuda.gate_fusion import GATE_ATTR
+    from ...schedule.cuda import GateFusion
+    from ...schedule.cuda.gate_fusion import GATE_ATTR
 
     if is_cpu(target) or GATE_ATTR not in (func.attrs or {}):
         return False
