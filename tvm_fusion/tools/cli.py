@@ -148,7 +148,7 @@ def _load_module(model: str, shapes=None, size: str = "seed"):
 def _pipeline_options(args) -> dict:
     options = {}
     if getattr(args, "tuning_db", None):
-        from ..build.tuning import open_database
+        from ..build.database import open_database
 
         open_database(args.tuning_db)  # a corrupt or foreign database fails here, in one line
         options["tuning_db"] = args.tuning_db
