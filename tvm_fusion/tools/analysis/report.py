@@ -19,9 +19,9 @@ from collections.abc import Iterable
 import tvm
 from tvm import relax, tirx
 
-from ..target import is_cpu
-from ..tir_util import block_names
-from ..tir_util import loops as tir_loops
+from ...target import is_cpu
+from ...tir_util import block_names
+from ...tir_util import loops as tir_loops
 
 # Relax ops that never launch a kernel: views, shape computations, tuples, allocations.
 _NON_KERNEL_OPS = {
@@ -201,7 +201,7 @@ def schedule_info(mod: tvm.IRModule) -> list[ScheduleInfo]:
 
 
 def _rule_of(func: tirx.PrimFunc) -> str | None:
-    from ..schedule import RULE_ATTR
+    from ...schedule import RULE_ATTR
 
     name = func.attrs.get(RULE_ATTR, None)
     return str(name) if name is not None else None
@@ -211,7 +211,7 @@ def fallback_kernels(mod: tvm.IRModule) -> list[str]:
     """Kernels of a lowered module that only a rule of last resort scheduled (``Fallback``), or
     that no rule scheduled at all (no rule name and not marked scheduled: e.g. a non-global
     ``adaptive_avg_pool2d``, which TVM's block analysis cannot read, so every rule declines)."""
-    from ..schedule import FALLBACK_RULES
+    from ...schedule import FALLBACK_RULES
 
     return [
         info.name
@@ -308,7 +308,7 @@ def allocations(lowered: tvm.IRModule, exprs: bool = False) -> list[Allocation]:
     ``alloc_tensor`` calls after StaticPlanBlockMemory and each kernel's internal buffers at
     the size TVM compacts them to. Inputs are not allocations. ``exprs``: kernel buffers'
     shapes as PrimExprs instead of strings."""
-    from ..tir_util import compacted_allocations, num_elements
+    from ...tir_util import compacted_allocations, num_elements
 
     found: list[Allocation] = []
     alloc_ops = {"relax.vm.alloc_tensor", "relax.memory.alloc_tensor", "relax.builtin.alloc_tensor"}
@@ -367,7 +367,7 @@ class FusionReport:
 
     @property
     def fallback(self) -> list[str]:
-        from ..schedule import FALLBACK_RULES
+        from ...schedule import FALLBACK_RULES
 
         return [name for name, rule in self.rules.items() if rule in FALLBACK_RULES]
 
@@ -429,8 +429,8 @@ class FusionReport:
 
 def grouped(mod: tvm.IRModule, target, ours: bool, **flags) -> tvm.IRModule:
     """Lower ``mod`` to the grouped stage: Phases 0-2 (and our 1 and 3 when ``ours``)."""
-    from ..build import pipeline
-    from ..target import parse_target
+    from ...build import pipeline
+    from ...target import parse_target
 
     tgt = parse_target(target)
     with tgt:
@@ -445,9 +445,9 @@ def grouped(mod: tvm.IRModule, target, ours: bool, **flags) -> tvm.IRModule:
 
 def fusion_report(mod: tvm.IRModule, target=None, name: str = "model", **flags) -> FusionReport:
     """Groups of stock TVM and of ``tvm_fusion`` side by side, with our rewrite counts."""
-    from ..build.pipeline import build_pipeline
-    from ..target import parse_target
-    from ..transform import collect_rewrites
+    from ...build.pipeline import build_pipeline
+    from ...target import parse_target
+    from ...transform import collect_rewrites
 
     tgt = parse_target(target)
     tuning_db = flags.pop("tuning_db", None)  # schedules only: the groups do not depend on it
@@ -474,7 +474,7 @@ def _stock_grouped(mod: tvm.IRModule, tgt) -> tuple[tvm.IRModule, str]:
     whose shape the importer lost: "te.compute ... 'NoneType' object is not iterable" for a
     static-shape import of DistilBERT), stock's groups of it after our PlaceShapeOnHost, as
     the model benchmark's stock-pipeline engine does; an empty module when that fails too."""
-    from ..build.pipeline import fusion_passes
+    from ...build.pipeline import fusion_passes
 
     try:
         return grouped(mod, tgt, ours=False), ""
