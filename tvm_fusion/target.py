@@ -125,7 +125,10 @@ def parse_target(spec: str | dict | Target | None) -> Target:
 
 def resolve_target(spec: str | dict | Target | None) -> Target:
     """The target a list of passes is built for: ``spec`` parsed (:func:`parse_target`); for
-    ``None``, ``Target.current()`` (``tvm.compile`` enters it), else the host."""
+    ``None``, ``Target.current()`` (``tvm.compile`` enters it), else the host. A Target is
+    returned as it is."""
+    if isinstance(spec, Target):
+        return spec
     if spec is not None:
         return parse_target(spec)
     current = Target.current(allow_none=True)

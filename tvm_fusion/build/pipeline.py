@@ -361,7 +361,7 @@ def build_pipeline(
     flags: switch off single passes by their snake_case name, e.g. ``fuse_split_gates=False``.
     """
     _check_flags(flags)
-    given = None if target is None else _target.parse_target(target)
+    given = None if target is None else _target.resolve_target(target)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
