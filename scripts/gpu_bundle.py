@@ -169,6 +169,7 @@ def _compile_case(
 
     from tvm_fusion import analysis
     from tvm_fusion.build import engine
+    from tvm_fusion.target import async_copy
 
     start = time.perf_counter()
     compiled = engine.compile_module(mod, target, pipeline)
@@ -177,7 +178,7 @@ def _compile_case(
         lowered, lifted = _lift_constants(compiled.lowered, lift_min, function)
     # our gate kernels' shared-memory copies as cp.async, as engine.compile_module builds them
     config = (
-        {"tirx.use_async_copy": True} if pipeline != "stock" and engine.async_copy(target) else {}
+        {"tirx.use_async_copy": True} if pipeline != "stock" and async_copy(target) else {}
     )
     # nvcc's callback reads the arch from the current target
     with (

@@ -187,7 +187,7 @@ def test_packed_default_that_beats_every_record_keeps_the_task(tmp_path, monkeyp
         last = 1e-9 if len(calls) == 1 else 1e-3
         return [[1e-3] * rounds for _ in candidates[:-1]] + [[last] * rounds]
 
-    monkeypatch.setattr(tuning, "_time_here", fake_time)
+    monkeypatch.setattr(tuning.finalists, "_time_here", fake_time)
     lines = []
     report = tuning.tune(
         mod, tvm_fusion.host_target(), tmp_path, trials=2, verify=1, progress=lines.append

@@ -5,7 +5,8 @@ whatever the machine has, so ``host_target()`` names the host's CPU (``mcpu``) a
 ``parse_target`` turns the short spellings of the CLI into targets and refuses anything else with
 one line: other target kinds than ``llvm`` and ``cuda`` (ROCm, Vulkan, ...: no schedule rules of
 ours, and their toolchains fail deep inside the build) and CUDA architectures that the CUDA
-backend cannot read (``sm_1``).
+backend cannot read (``sm_1``). A target is parsed where it enters (the CLI, the public
+functions) and handed down as a ``Target``; nothing below parses it again.
 
 A CUDA target is complete: ``cuda`` / ``cuda:sm_XX`` carry the attributes of TVM's
 ``nvidia/nvidia-h100`` tag (``max_threads_per_block``, ``max_shared_memory_per_block``,
@@ -122,6 +123,18 @@ def parse_target(spec: str | dict | Target | None) -> Target:
     )
 
 
+def resolve_target(spec: str | dict | Target | None) -> Target:
+    """The target a list of passes is built for: ``spec`` parsed (:func:`parse_target`); for
+    ``None``, ``Target.current()`` (``tvm.compile`` enters it), else the host. A Target is
+    returned as it is."""
+    if isinstance(spec, Target):
+        return spec
+    if spec is not None:
+        return parse_target(spec)
+    current = Target.current(allow_none=True)
+    return current if current is not None else host_target()
+
+
 def _from_dict(spec: dict) -> Target:
     kind = spec.get("kind") if isinstance(spec, dict) else None
     if kind not in KINDS and kind in Target.list_kinds():
@@ -149,6 +162,14 @@ def is_cpu(target: Target) -> bool:
 
 def is_gpu(target: Target) -> bool:
     return "gpu" in target.keys
+
+
+def async_copy(target: Target) -> bool:
+    """Whether a build for ``target`` gets ``tirx.use_async_copy`` (global-to-shared copies of
+    software pipelines as ``cp.async``): CUDA from sm_80 (Ampere) on."""
+    arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
+    digits = "".join(c for c in arch[3:] if c.isdigit())
+    return arch.startswith("sm_") and bool(digits) and int(digits) >= 80
 
 
 def num_cores(target: Target) -> int:

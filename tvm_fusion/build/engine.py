@@ -16,8 +16,8 @@ from tvm import relax
 from tvm.target import Target
 
 from ..errors import ModelError, TvmFusionError, UsageError, first_line
+from ..target import async_copy, is_gpu, num_cores, parse_target
 from .pipeline import build_pipeline, stock_pipeline
-from ..target import is_gpu, num_cores, parse_target
 
 PIPELINES = ("stock", "tvm_fusion")
 
@@ -101,13 +101,6 @@ def _instrumented(recorder, async_copy: bool = False):
         instruments=[*ctx.instruments, recorder],
         config=config,
     )
-
-
-def async_copy(target) -> bool:
-    """``cp.async`` exists from sm_80 (Ampere) on."""
-    arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
-    digits = "".join(c for c in arch[3:] if c.isdigit())
-    return arch.startswith("sm_") and bool(digits) and int(digits) >= 80
 
 
 def as_list(out) -> list[np.ndarray]:

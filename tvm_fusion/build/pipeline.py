@@ -17,6 +17,9 @@ Phases (see shared ARCHITECTURE.md):
 Every pass of ours has a keyword flag of the same name in snake_case and can also be switched
 off with ``PassContext(disabled_pass=["PassName"])``. The target is read when the pipeline runs:
 the ``target`` argument, else ``Target.current()`` (``tvm.compile`` enters it), else the host.
+The public functions (:func:`fusion_passes`, :func:`post_fusion_passes`, :func:`build_pipeline`)
+parse a target given as a string or dict where it enters; the functions below them take a
+``Target``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tvm.tirx.buffer import BufferType
 from .. import target as _target
 from ..errors import UsageError
 from ..transform import GRAPH_PASSES, POST_FUSION_PASSES
+from .database import apply_database_pass
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +64,21 @@ def _build(entries: list[tuple[str, type]], target: Target, flags: dict) -> list
     return [cls(target=target) for flag, cls in entries if flags.get(flag, True)]
 
 
-def fusion_passes(target: Target | None = None, **flags: bool) -> list[tvm.transform.Pass]:
+def fusion_passes(
+    target: Target | str | dict | None = None, **flags: bool
+) -> list[tvm.transform.Pass]:
     """Our graph rewrites (Phase 1), in order. Splice them before ``LegalizeOps``.
 
-    ``flags`` switch single passes off, e.g. ``fusion_passes(t, gather_to_slice=False)``.
+    ``target``: a Target, or what :func:`~tvm_fusion.target.parse_target` takes; None:
+    ``Target.current()``, else the host. ``flags`` switch single passes off, e.g.
+    ``fusion_passes(t, gather_to_slice=False)``.
     """
     _check_flags(flags)
-    passes = _build(GRAPH_PASSES, _resolve_target(target), flags)
+    return _graph_passes(_target.resolve_target(target), flags)
+
+
+def _graph_passes(target: Target, flags: dict) -> list[tvm.transform.Pass]:
+    passes = _build(GRAPH_PASSES, target, flags)
     return [
         _ShapesThenCanonical(p) if type(p).__name__ == "PlaceShapeOnHost" else p for p in passes
     ]
@@ -86,19 +98,22 @@ class _ShapesThenCanonical:
         return new if new.same_as(mod) else relax.transform.CanonicalizeBindings()(new)
 
 
-def post_fusion_passes(target: Target | None = None, **flags: bool) -> list[tvm.transform.Pass]:
+def post_fusion_passes(
+    target: Target | str | dict | None = None, **flags: bool
+) -> list[tvm.transform.Pass]:
     """Our rewrites of grouped programs (Phase 3). Splice them between ``FuseOps`` and
-    ``FuseTIR``."""
+    ``FuseTIR``. ``target`` as for :func:`fusion_passes`."""
     _check_flags(flags)
-    return _build(POST_FUSION_PASSES, _resolve_target(target), flags)
+    return _build(POST_FUSION_PASSES, _target.resolve_target(target), flags)
 
 
 def lowering_passes(fast_math: bool = False) -> list[tvm.transform.Pass]:
     """Phase 2: legalisation and grouping, on every target (stock ``default`` skips grouping).
 
     ``fast_math`` legalises exp/erf/tanh and the ops built on them with polynomial
-    approximations (see :mod:`tvm_fusion.lower.legalize`). FuseTIR is not part of this phase: Phase 3
-    works on the grouped Relax functions, then :func:`fuse_tir_passes` makes one PrimFunc each.
+    approximations (see :mod:`tvm_fusion.lower.legalize`). FuseTIR is not part of this phase:
+    Phase 3 works on the grouped Relax functions, then :func:`fuse_tir_passes` makes one
+    PrimFunc each.
     """
     from ..lower.legalize import legalize_map
 
@@ -251,8 +266,6 @@ def schedule_passes(target: Target, tuning_db: str | None = None) -> list[tvm.tr
 
     passes = [*prepare_passes()]
     if tuning_db:
-        from .tuning import apply_database_pass
-
         passes.append(apply_database_pass(tuning_db))
     passes.append(default_schedule_pass(target))
     passes += finish_passes()
@@ -270,13 +283,6 @@ def _backend(target: Target):
     else:
         raise UsageError(f"target kind {target.kind.name!r} is not supported by tvm_fusion")
     return backend
-
-
-def _resolve_target(target: Target | str | dict | None) -> Target:
-    if target is not None:
-        return _target.parse_target(target)
-    current = Target.current(allow_none=True)
-    return current if current is not None else _target.host_target()
 
 
 _WARNED_MCPU: set[str] = set()
@@ -309,7 +315,8 @@ class DumpIR:
 
 def fused_passes(target: Target, fast_math: bool = True, dump=None, **flags: bool) -> list:
     """Phases 0-3: everything before scheduling, ending with one unscheduled PrimFunc per fused
-    group (what the tune command extracts its tasks from)."""
+    group (what the tune command extracts its tasks from). ``target``: a parsed Target."""
+    _check_flags(flags)
 
     def nothing(_index, _phase):
         return _EMPTY
@@ -319,13 +326,13 @@ def fused_passes(target: Target, fast_math: bool = True, dump=None, **flags: boo
         # Phase 0: library dispatch
         *_backend(target).library_dispatch_passes(target),
         # Phase 1: graph rewrites on Relax ops
-        *fusion_passes(target, **flags),
+        *_graph_passes(target, flags),
         dump(1, "graph_rewrites"),
         # Phase 2: legalisation and grouping
         *lowering_passes(fast_math and _target.is_cpu(target)),
         dump(2, "grouped"),
         # Phase 3: rewrites of the grouped program, then one PrimFunc per group
-        *post_fusion_passes(target, **flags),
+        *_build(POST_FUSION_PASSES, target, flags),
         *fuse_tir_passes(),
         dump(3, "fused"),
     ]
@@ -344,7 +351,8 @@ def build_pipeline(
 
     Parameters
     ----------
-    target: where to compile for; default: ``Target.current()`` when the pass runs, else the host.
+    target: where to compile for (a Target, or what :func:`~tvm_fusion.target.parse_target`
+        takes, parsed here); default: ``Target.current()`` when the pass runs, else the host.
     schedule: apply default schedules (Phase 4). Off gives unscheduled TIR, for inspection.
     fast_math: on CPU, legalise exp/erf/tanh-based ops with polynomial approximations
         (relative error <= 4e-7 on float32; see :mod:`tvm_fusion.lower.legalize`).
@@ -353,10 +361,11 @@ def build_pipeline(
     flags: switch off single passes by their snake_case name, e.g. ``fuse_split_gates=False``.
     """
     _check_flags(flags)
+    given = None if target is None else _target.resolve_target(target)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        tgt = _resolve_target(target)
+        tgt = given if given is not None else _target.resolve_target(None)
         _warn_generic_cpu(tgt)
 
         def dump(index: int, phase: str):
@@ -400,7 +409,6 @@ def stock_pipeline(target: Target, tuning_db: str | None = None) -> tvm.transfor
     if not tuning_db:
         return relax.get_default_pipeline(target)
     from ..schedule import finish_passes, prepare_passes
-    from .tuning import apply_database_pass
 
     backend = _backend(target)
     seq = tvm.transform.Sequential(

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+from tvm.target import Target
 
 from .. import models
 from ..build import engine
@@ -131,11 +132,11 @@ def skipped_notes(rows: Sequence[tuple[str, dict[str, EngineResult]]], title: st
 def prepare_engine(
     name: str,
     inst: models.Instance,
-    target,
+    target: Target,
     tvm_options: dict | None = None,
 ) -> tuple[EngineResult, Callable | None]:
     """Prepare one engine for one workload instance and check its outputs; the runner to time
-    (None when the engine is skipped)."""
+    (None when the engine is skipped). ``target``: a parsed Target."""
     result = EngineResult(name)
     if name in inst.skip:
         result.skipped = inst.skip[name]
@@ -195,6 +196,8 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     min_time_s: float = 0.0,
 ) -> list[WorkloadResult]:
+    """Every engine on every workload; ``target`` is parsed here (what
+    :func:`~tvm_fusion.target.parse_target` takes; None: the host)."""
     names = list(workloads) if workloads else models.names()
     for n in names:
         models.get(n)  # unknown names fail before any work
@@ -250,15 +253,18 @@ def markdown_table(results: Sequence[WorkloadResult], engines: Sequence[str]) ->
 
 
 def machine_info(target) -> dict:
+    """The machine, the versions and ``target`` (parsed here: what
+    :func:`~tvm_fusion.target.parse_target` takes) of a results file."""
     import tvm
 
+    tgt = parse_target(target)
     info = {
         "platform": platform.platform(),
         "processor": _cpu_name(),
         "python": platform.python_version(),
         "tvm": tvm.__version__,
-        "target": str(parse_target(target)),
-        "threads": engine.threads_for(parse_target(target)),
+        "target": str(tgt),
+        "threads": engine.threads_for(tgt),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     for module in ("onnxruntime", "torch"):

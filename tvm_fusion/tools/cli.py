@@ -50,16 +50,27 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
-def _target_arg(text: str) -> str:
-    """``--target``: refused at parse time if :func:`~tvm_fusion.target.parse_target` refuses
-    it; the commands parse it again."""
-    from ..target import parse_target
+class _TargetAction(argparse.Action):
+    """``--target``: parsed here, once, by :func:`~tvm_fusion.target.parse_target` (what it
+    refuses is a usage error); ``args.target`` is the Target that the commands hand down,
+    ``args.target_spec`` the text as given."""
 
-    try:
-        parse_target(text)
-    except TvmFusionError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
+    def __call__(self, parser, namespace, values, option_string=None):
+        from ..target import parse_target
+
+        try:
+            target = parse_target(values)
+        except TvmFusionError as err:
+            raise argparse.ArgumentError(self, str(err)) from None
+        setattr(namespace, self.dest, target)
+        namespace.target_spec = values
+
+
+def _target(args):
+    """The command's target: ``--target`` as parsed, else the host CPU."""
+    from ..target import host_target
+
+    return args.target if args.target is not None else host_target()
 
 
 def _shape_arg(item: str) -> tuple[str, list[int | str]]:
@@ -148,7 +159,7 @@ def _load_module(model: str, shapes=None, size: str = "seed"):
 def _pipeline_options(args) -> dict:
     options = {}
     if getattr(args, "tuning_db", None):
-        from ..build.tuning import open_database
+        from ..build.database import open_database
 
         open_database(args.tuning_db)  # a corrupt or foreign database fails here, in one line
         options["tuning_db"] = args.tuning_db
@@ -174,8 +185,9 @@ def cmd_demo(args) -> int:
     from . import bench
 
     names = _workload_list(args.workloads) or models.names()
+    target, spec = _target(args), args.target_spec or "llvm"
     print(
-        f"tvm-fusion demo: stock TVM's fusing pipeline vs tvm_fusion on {args.target or 'llvm'}"
+        f"tvm-fusion demo: stock TVM's fusing pipeline vs tvm_fusion on {spec}"
         f" ({args.size} shapes)",
         flush=True,
     )
@@ -183,7 +195,7 @@ def cmd_demo(args) -> int:
         names,
         ["tvm-stock", "tvm-fusion"],
         size=args.size,
-        target=args.target,
+        target=target,
         repeat=args.repeat,
         budget_s=args.budget,
         progress=lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True),
@@ -216,6 +228,7 @@ def cmd_compile(args) -> int:
     from ..build import engine
     from .analysis import kernel_count
 
+    target = _target(args)
     out = _check_output_file(args.output, "-o")
     mod, _ = _load_module(args.model, _parse_shapes(args.shape))
     options = _pipeline_options(args)
@@ -226,7 +239,7 @@ def cmd_compile(args) -> int:
     except OSError as err:
         raise UsageError(f"cannot write -o in {out.parent}: {err.strerror or err}") from None
     try:
-        compiled = engine.compile_module(mod, args.target, "tvm_fusion", **options)
+        compiled = engine.compile_module(mod, target, "tvm_fusion", **options)
         compiled.executable.export_library(str(staging / out.name))
         _INTERRUPTS.check()  # a Ctrl-C that a callee swallowed: OUT stays as it was
         os.replace(staging / out.name, out)
@@ -242,32 +255,32 @@ def cmd_compile(args) -> int:
 def cmd_explain(args) -> int:
     from .analysis import fusion_report, to_dot
 
+    target = _target(args)
     if args.dot:
         _check_output_file(args.dot, "--dot")
     mod, name = _load_module(args.model, _parse_shapes(args.shape))
     options = {k: v for k, v in _pipeline_options(args).items() if k not in ("dump_dir",)}
     if args.ptxas and args.json:
         raise UsageError("--ptxas prints text: leave out --json")
-    report = fusion_report(mod, args.target, name=name, **options)
+    report = fusion_report(mod, target, name=name, **options)
     print(report.to_json() if args.json else report.to_text())
     if args.ptxas:
-        _print_ptxas(mod, args.target, options)
+        _print_ptxas(mod, target, options)
     if args.dot:
         from .analysis import grouped
 
         flags = {k: v for k, v in options.items() if k != "tuning_db"}
-        Path(args.dot).write_text(to_dot(grouped(mod, args.target, ours=True, **flags), name))
+        Path(args.dot).write_text(to_dot(grouped(mod, target, ours=True, **flags), name))
         print(f"wrote {args.dot}")
     return 0
 
 
-def _print_ptxas(mod, target, options) -> None:
+def _print_ptxas(mod, tgt, options) -> None:
     """``explain --ptxas``: our pipeline's CUDA kernels as nvcc builds them (no GPU needed)."""
     from ..build import engine
-    from ..target import is_gpu, parse_target
+    from ..target import is_gpu
     from . import cuda_check
 
-    tgt = parse_target(target)
     if not is_gpu(tgt):
         raise UsageError("--ptxas needs a CUDA --target (cuda, cuda:sm_XX, cuda:TAG)")
     if not cuda_check.have_nvcc():
@@ -281,11 +294,12 @@ def _print_ptxas(mod, target, options) -> None:
 def cmd_tune(args) -> int:
     from ..build.tuning import tune
 
+    target = _target(args)
     mod, name = _load_module(args.model, _parse_shapes(args.shape), size=args.size)
     options = {k: v for k, v in _pipeline_options(args).items() if k not in ("tuning_db",)}
     report = tune(
         mod,
-        args.target,
+        target,
         args.work_dir,
         args.trials,
         pipeline=args.pipeline,
@@ -326,6 +340,7 @@ def cmd_bench_models(args) -> int:
         raise UsageError("--models takes no --size, --tuning-db, --dump-dir or --disable")
     engines = model_bench.parse_model_engines(args.engines)
     dims = _parse_dims(args.dim)
+    target = _target(args)
     output = "bench/models.json" if args.output is None else args.output
     if output:
         _check_output_file(output, "--output", make_parents=True)
@@ -335,7 +350,7 @@ def cmd_bench_models(args) -> int:
         engines,
         dims=dims,
         only=only,
-        target=args.target,
+        target=target,
         repeat=args.repeat,
         budget_s=args.budget,
         progress=lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True),
@@ -343,7 +358,7 @@ def cmd_bench_models(args) -> int:
     )
     print(model_bench.markdown_table(results, engines))
     if output:
-        path = model_bench.write_results(results, engines, args.target, output, args.models, dims)
+        path = model_bench.write_results(results, engines, target, output, args.models, dims)
         print(f"\nwrote {path} and {path.with_suffix('.md')}")
     return 0 if all(r.ok is not False for res in results for r in res.engines.values()) else 1
 
@@ -357,6 +372,7 @@ def cmd_bench(args) -> int:
         raise UsageError("--dim needs --models DIR")
     engines = bench.parse_engines(args.engines)
     names = _workload_list(args.workloads)
+    target = _target(args)
     output = "bench/results.json" if args.output is None else args.output
     if output:
         _check_output_file(output, "--output", make_parents=True)
@@ -364,7 +380,7 @@ def cmd_bench(args) -> int:
         names,
         engines,
         size=args.size,
-        target=args.target,
+        target=target,
         repeat=args.repeat,
         budget_s=args.budget,
         tvm_options=_pipeline_options(args),
@@ -373,7 +389,7 @@ def cmd_bench(args) -> int:
     )
     print(bench.markdown_table(results, engines))
     if output:
-        path = bench.write_results(results, engines, args.target, output)
+        path = bench.write_results(results, engines, target, output)
         print(f"\nwrote {path} and {path.with_suffix('.md')}")
     return 0 if all(r.ok is not False for res in results for r in res.engines.values()) else 1
 
@@ -405,10 +421,11 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser, with_passes: bool = True) -> None:
+    p.set_defaults(target_spec=None)
     p.add_argument(
         "--target",
         default=None,
-        type=_target_arg,
+        action=_TargetAction,
         help="llvm (host CPU, default) | cuda | cuda:sm_XX | cuda:TAG | "
         "JSON target dict (kind llvm or cuda)",
     )

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from tvm.target import Target
 
 from ..build import engine
 from ..errors import TvmFusionError, UsageError, first_line
@@ -253,7 +254,7 @@ class _Failed(Exception):
 def run_case(
     case: ModelCase,
     engines: Sequence[str],
-    target,
+    tgt: Target,
     repeat: int,
     budget_s: float,
     progress: Callable[[str], None] | None = None,
@@ -261,7 +262,6 @@ def run_case(
 ) -> ModelResult:
     import onnx
 
-    tgt = parse_target(target)
     threads = engine.threads_for(tgt)
     result = ModelResult(case.name, {k: list(v.shape) for k, v in case.inputs.items()}, {})
     ort_run = engine.onnxruntime_runner(onnx.load(str(case.path)), case.inputs, threads)
@@ -318,9 +318,8 @@ def run_models(
 ) -> list[ModelResult]:
     engine_names = parse_model_engines(engines)
     cases = load_cases(directory, dims, only)
-    return [
-        run_case(c, engine_names, target, repeat, budget_s, progress, min_time_s) for c in cases
-    ]
+    tgt = parse_target(target)
+    return [run_case(c, engine_names, tgt, repeat, budget_s, progress, min_time_s) for c in cases]
 
 
 # ---------------------------------------------------------------------------------------------
