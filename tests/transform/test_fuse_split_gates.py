@@ -734,7 +734,7 @@ class TestNoMergeDifferentSlices(GatesBase):
 def test_same_slice_symbolic_bounds():
     """Equal slices: structurally, or with bounds the analyzer proves equal; not a different
     bound, a different ``assume_inbound`` or another tensor."""
-    from tvm_fusion.transform.fuse_split_gates import _same_slice
+    from tvm_fusion.transform.fuse_split_gates.match import _same_slice
 
     n = tvm.tirx.Var("n", "int64")
     y = relax.Var("y", relax.TensorType((n, 8), "float32"))
@@ -1220,7 +1220,7 @@ def _summed_linears(const_weights: bool):
 
 
 def test_two_summed_linears_become_one_gate_gemm():
-    from tvm_fusion.transform.fuse_split_gates import _MergeSummedGemms
+    from tvm_fusion.transform.fuse_split_gates.merge import _MergeSummedGemms
 
     mod, _, (wih, whh, bias) = _summed_linears(const_weights=True)
     merged = _MergeSummedGemms(mod).transform()
@@ -1246,7 +1246,7 @@ def test_two_summed_linears_numerics_and_one_gate_kernel():
 
 
 def test_two_summed_linears_with_runtime_weights_left_alone():
-    from tvm_fusion.transform.fuse_split_gates import _MergeSummedGemms
+    from tvm_fusion.transform.fuse_split_gates.merge import _MergeSummedGemms
 
     mod, _, _ = _summed_linears(const_weights=False)
     assert _MergeSummedGemms(mod).transform().same_as(mod)
@@ -1284,7 +1284,7 @@ def _swiglu_mlp(layers: int = 1, width: int = 16, hidden: int = 8, up_also_outpu
 
 
 def test_sibling_linears_become_one_split_gemm():
-    from tvm_fusion.transform.fuse_split_gates import _MergeSiblingGemms
+    from tvm_fusion.transform.fuse_split_gates.merge import _MergeSiblingGemms
 
     mod, [(wg, wu, wd)] = _swiglu_mlp()
     merger = _MergeSiblingGemms(mod)
@@ -1326,7 +1326,7 @@ def test_sibling_linears_fuse_into_one_gate_kernel_per_layer(target):
 def test_sibling_projections_read_by_other_ops_left_alone():
     """q/k/v-style siblings (results reshaped, not gate math) and a gate sibling whose result
     is also a function output are not joined."""
-    from tvm_fusion.transform.fuse_split_gates import _MergeSiblingGemms
+    from tvm_fusion.transform.fuse_split_gates.merge import _MergeSiblingGemms
 
     rng = np.random.default_rng(0)
     x = relax.Var("x", relax.TensorType((tvm.tirx.Var("n", "int64"), 8), "float32"))
@@ -1349,7 +1349,7 @@ def test_sibling_projections_read_by_other_ops_left_alone():
 def test_sibling_linears_of_odd_width_join_and_fuse_padded(target):
     """Width 3: no vector block divides it; the blocked weight is padded to a whole block (zero
     columns nothing reads), so the joined GEMM and its gates are one kernel, numbers right."""
-    from tvm_fusion.transform.fuse_split_gates import _merge_siblings
+    from tvm_fusion.transform.fuse_split_gates.merge import _merge_siblings
 
     mod, _ = _swiglu_mlp(width=3)
     assert not _merge_siblings(mod, target).same_as(mod)
@@ -1361,7 +1361,7 @@ def test_sibling_linears_of_odd_width_join_and_fuse_padded(target):
 
 def test_blocked_weight_pads_units_to_whole_blocks():
     """(k*D, K) with D = 5, V = 4: (2, K, k, 4), units 5..7 zero, the rest in place."""
-    from tvm_fusion.transform.fuse_split_gates import _blocked_weight
+    from tvm_fusion.transform.fuse_split_gates.plan import _blocked_weight
 
     gates, width, k = 3, 5, 2
     w = np.arange(gates * width * k, dtype="float32").reshape(gates * width, k) + 1
@@ -1495,7 +1495,7 @@ def test_sibling_linears_bias_shapes_numerics(rows, bias):
 
 def test_per_row_bias_stays_out_of_the_joined_gemm():
     """The siblings are joined without a bias; the per-row add stays on the up piece."""
-    from tvm_fusion.transform.fuse_split_gates import _MergeSiblingGemms
+    from tvm_fusion.transform.fuse_split_gates.merge import _MergeSiblingGemms
 
     mod, _, _, (wg, wu, b) = _gated_with_bias(8, (8, 1))
     merged = _MergeSiblingGemms(mod).transform()
@@ -1536,7 +1536,7 @@ def _summed_with_bias(bias_shape: tuple):
 def test_summed_linears_with_a_per_row_bias_left_alone():
     """A (rows, 1) bias of one summand (rows == features) is not a GEMM bias: no merge, and
     the numbers match; a per-feature (N,) one still merges."""
-    from tvm_fusion.transform.fuse_split_gates import _MergeSummedGemms
+    from tvm_fusion.transform.fuse_split_gates.merge import _MergeSummedGemms
 
     mod, inputs, expected = _summed_with_bias((16, 1))
     assert _MergeSummedGemms(mod).transform().same_as(mod)
