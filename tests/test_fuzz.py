@@ -10,7 +10,7 @@ import pytest
 
 from tvm_fusion.errors import ModelError
 from tvm_fusion.testing import fuzz
-from tvm_fusion.transform import fuse_split_gates
+from tvm_fusion.transform.fuse_split_gates import emit as fuse_split_gates
 
 
 def test_fixed_seed_slice_has_no_failure(tmp_path):

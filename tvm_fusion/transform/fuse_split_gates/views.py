@@ -45,7 +45,8 @@ from tvm import IRModule, relax
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import get_logger, op_name, prove_equal, skip, use_counts, vars_in
+from .._common import get_logger, op_name, prove_equal, skip, use_counts, vars_in
+from .ops import _ELEMENTWISE
 
 logger = get_logger(__name__)
 
@@ -169,8 +170,6 @@ class _FoldRowViews(PyExprMutator):
         return _rewrite_planned(self, self._plan)
 
     def _plan(self, func: relax.Function) -> dict:
-        from .fuse_split_gates import _ELEMENTWISE
-
         plan: dict = {}
         uses = use_counts(func)
         for block in func.body.blocks:

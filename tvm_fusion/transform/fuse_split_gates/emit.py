@@ -1,0 +1,267 @@
+"""Emitting a gate group: the TE of its fused kernel (:func:`_compute`: GEMM stages on the
+blocked or in-place weight, bias and addends added to the accumulator tile, the pieces read
+from it, the gate math, each result rounded once) and :class:`_Rewriter`, which replaces each
+group of a dataflow block by ONE ``call_tir`` of that kernel, marked opaque (``op_pattern``
+8) and tagged with ``GATE_ATTR`` hints (block, gates, width) for the schedule.
+"""
+
+from __future__ import annotations
+
+from tvm import IRModule, relax, te, tirx, topi
+from tvm.ir import is_prim_expr
+from tvm.ir.expr import GenericConst
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ... import target as _target
+from .._common import get_logger, skip, use_counts
+from .group import _Group, _grow
+from .match import _Block, _find_gemms, _int
+from .ops import _ACC, _HALF, _emit_op
+from .plan import _blocked_weight, _emission_order, _plan_block
+
+logger = get_logger(__name__)
+GATE_ATTR = "tvm_fusion.gate_fusion"
+
+
+def _gemm_stage(x, w, layout: str, block: int, width: int, gates: int, n_rows: int, name: str):
+    """``Y[rows, gate, d] = sum_k x[rows, k] * W(gate, d, k)`` for one weight layout. With the
+    blocked weight, ``Y`` is blocked like it, ``Y[rows, gate, d // V, d % V]``: every index is
+    then a plain iterator (an einsum, which ``pad_einsum`` can pad) and one ``V`` block of
+    units is one contiguous vector of each gate. Half-precision ``x`` and ``w`` are widened:
+    the sum accumulates in float32."""
+    kk = te.reduce_axis((0, x.shape[-1]), name="k")
+
+    def mul(a, b):
+        if a.dtype == _ACC:
+            return a * b
+        return a.astype(_ACC) * b.astype(_ACC)
+
+    if layout == "blocked":  # (D/V, K, gates, V)
+
+        def blocked(*idx):
+            rows, gate, do, di = idx[:n_rows], idx[n_rows], idx[n_rows + 1], idx[n_rows + 2]
+            return te.sum(mul(x[(*rows, kk)], w[do, kk, gate, di]), axis=kk)
+
+        blocks = -(-width // block)  # the last block padded (zero weight columns)
+        return te.compute((*x.shape[:-1], gates, blocks, block), blocked, name=name)
+
+    def weight(gate, d):
+        if layout == "nk":  # (gates*D, K)
+            return w[gate * width + d, kk]
+        return w[kk, gate * width + d]  # (K, gates*D)
+
+    def body(*idx):
+        rows, gate, d = idx[:n_rows], idx[n_rows], idx[n_rows + 1]
+        return te.sum(mul(x[(*rows, kk)], weight(gate, d)), axis=kk)
+
+    return te.compute((*x.shape[:-1], gates, width), body, name=name)
+
+
+def _bias_stage(y, bias, width: int, n_rows: int, name: str):
+    if not bias.shape:  # a scalar bias (ONNX Add of a 0-d constant)
+        return te.compute(y.shape, lambda *idx: y(*idx) + _widen(bias, bias(), y.dtype), name=name)
+    per_feature = _int(bias.shape[-1]) != 1
+    lead = [0] * (len(bias.shape) - 1)
+    blocked = len(y.shape) == n_rows + 3
+    block = y.shape[-1] if blocked else None
+
+    def body(*idx):
+        gate = idx[n_rows]
+        d = idx[n_rows + 1] * block + idx[n_rows + 2] if blocked else idx[n_rows + 1]
+        if blocked and _int(block) * _int(y.shape[-2]) != width:  # padded units: any bias
+            d = tirx.min(d, width - 1)
+        return y(*idx) + _widen(
+            bias, bias[(*lead, gate * width + d if per_feature else 0)], y.dtype
+        )
+
+    return te.compute(y.shape, body, name=name)
+
+
+def _addend_stage(y, addend, width: int, n_rows: int, name: str):
+    """``y + addend`` with ``addend`` of shape ``(*rows[-r:], gates * width)``: axes of size 1
+    broadcast, padded units of a blocked ``y`` read the last unit."""
+    blocked = len(y.shape) == n_rows + 3
+    block = y.shape[-1] if blocked else None
+    lead = len(addend.shape) - 1
+
+    def body(*idx):
+        gate = idx[n_rows]
+        d = idx[n_rows + 1] * block + idx[n_rows + 2] if blocked else idx[n_rows + 1]
+        if blocked and _int(block) * _int(y.shape[-2]) != width:
+            d = tirx.min(d, width - 1)
+        rows = idx[n_rows - lead : n_rows]
+        at = [0 if _int(e) == 1 else r for r, e in zip(rows, addend.shape[:-1], strict=True)]
+        return y(*idx) + _widen(addend, addend[(*at, gate * width + d)], y.dtype)
+
+    return te.compute(y.shape, body, name=name)
+
+
+def _widen(tensor: te.Tensor, value, dtype: str):
+    """``value``, read from ``tensor``, as ``dtype`` (a half-precision bias or addend read into
+    the float32 tile)."""
+    return value if tensor.dtype == dtype else tirx.Cast(dtype, value)
+
+
+def _piece_stage(y, gate: int, width: int, n_rows: int, name: str):
+    blocked = len(y.shape) == n_rows + 3
+    block = y.shape[-1] if blocked else None
+
+    def body(*idx):
+        if blocked:
+            return y[(*idx[:-1], gate, idx[-1] // block, idx[-1] % block)]
+        return y[(*idx[:-1], gate, idx[-1])]
+
+    return te.compute((*y.shape[:n_rows], width), body, name=name)
+
+
+def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: list[str]):
+    """The TE function for the group: (inputs...) -> outputs."""
+    n_rows = len(group.rows)
+    width = group.width
+    # float16 / bfloat16: the gate math runs on float32 tensors (half-precision inputs widened
+    # where read), each result is rounded to its dtype once, where it is written
+    wide = str(group.gemms[0].x.ty.dtype) in _HALF
+
+    def fn(*tensors):
+        pos = 0
+        env: dict = {}
+        for gi, g in enumerate(group.gemms):
+            x, w = tensors[pos], tensors[pos + 1]
+            pos += 2
+            y = _gemm_stage(x, w, layouts[gi], block, width, g.gates, n_rows, f"gemm{gi}")
+            if g.bias is not None:
+                y = _bias_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_bias")
+                pos += 1
+            for ai in range(len(g.addends)):
+                y = _addend_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_add{ai}")
+                pos += 1
+            for gate, piece in enumerate(g.pieces):
+                env[piece] = _piece_stage(y, gate, width, n_rows, f"gate{gi}_{gate}")
+            for dup, piece in g.aliases.items():
+                env[dup] = env[piece]
+        externals = list(tensors[pos : pos + len(group.externals)])
+        if wide:
+            externals = [topi.cast(t, _ACC) if t.dtype in _HALF else t for t in externals]
+
+        def external(expr):
+            for i, ext in enumerate(group.externals):
+                if ext.same_as(expr):
+                    return externals[i]
+            raise KeyError(expr)
+
+        for var in group.ops:
+            value = blk.value[var]
+            args = [
+                env[a]
+                if isinstance(a, relax.Var) and a in env
+                else a
+                if is_prim_expr(a)
+                else external(a)
+                for a in value.args
+            ]
+            env[var] = _emit_op(value, args, fast_math, wide)
+        outs = [env[o] for o in group.outputs]
+        if wide:
+            outs = [_round_to(t, str(o.ty.dtype)) for t, o in zip(outs, group.outputs, strict=True)]
+        if len(outs) == 1:
+            return outs
+        # Several results (the LSTM's h and c): one block writes them all, so that the
+        # schedule can compute every other stage at the output tile (TIR refuses compute_at
+        # of an output block, and reverse_compute_at cannot place a block that reads a gate
+        # at a constant index).
+        return list(te.compute(outs[0].shape, lambda *i: [o(*i) for o in outs], name="gates"))
+
+    return fn
+
+
+def _round_to(t: te.Tensor, dtype: str) -> te.Tensor:
+    return t if t.dtype == dtype else topi.cast(t, dtype)
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: IRModule, target):
+        super().__init__(mod)
+        self.mod = mod
+        self.target = target
+        self.count = 0
+        self.uses: dict = {}
+        self._blk: _Block | None = None
+
+    def transform(self) -> IRModule:
+        for gv, func in self.mod.functions_items():
+            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
+                continue
+            self.uses = use_counts(func)
+            new_func = self.visit_expr(func)
+            new_func = relax.analysis.remove_all_unused(new_func)
+            self.builder_.update_func(gv, new_func)
+        return self.builder_.get()
+
+    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
+        blk = _Block.of(block, self.uses)
+        self._blk = blk
+        gemms = _find_gemms(blk)
+        groups = _grow(blk, gemms) if gemms else []
+        groups = [g for g in groups if _plan_block(g, self.target) is not None]
+        if not groups:
+            return super().visit_dataflow_block_(block)
+        return self._emit(block, blk, groups)
+
+    def _emit(self, block, blk: _Block, groups: list[_Group]) -> relax.BindingBlock:
+        order = _emission_order(blk, groups)
+        if order is None:
+            skip(logger, "gate groups of a block", "their inputs and results form a cycle")
+            return super().visit_dataflow_block_(block)
+        self.builder_._begin_dataflow_block()
+        for item in order:
+            if isinstance(item, _Group):
+                self._emit_group(item)
+            else:
+                self.visit_binding(item)
+        return self.builder_._end_block()
+
+    def _emit_group(self, group: _Group) -> None:
+        fast_math = _target.is_cpu(self.target)
+        args = []
+        layouts = []
+        for gemm in group.gemms:
+            args.append(self.visit_expr(gemm.x))
+            if isinstance(gemm.weight, GenericConst):
+                w = gemm.weight.value.numpy()
+                args.append(
+                    relax.const(
+                        _blocked_weight(w, gemm.transposed, gemm.gates, gemm.width, group.block),
+                        str(gemm.weight.ty.dtype),
+                    )
+                )
+                layouts.append("blocked")
+            else:
+                args.append(self.visit_expr(gemm.weight))
+                layouts.append("nk" if gemm.transposed else "kn")
+            if gemm.bias is not None:
+                args.append(self.visit_expr(gemm.bias))
+            args += [self.visit_expr(a) for a in gemm.addends]
+        args += [self.visit_expr(e) for e in group.externals]
+        fn = _compute(group, self._blk, group.block, fast_math, layouts)
+        call = self.builder_.call_te(fn, *args, primfunc_name_hint=_name(group))
+        gv = call.args[0]
+        func = self.builder_.get()[gv]
+        hints = {
+            "block": group.block,
+            "gates": sum(g.gates for g in group.gemms),
+            "width": group.width,
+        }
+        self.builder_.update_func(gv, func.with_attrs({"op_pattern": 8, GATE_ATTR: hints}))
+        self.count += 1
+        if len(group.outputs) == 1:
+            out = group.outputs[0]
+            self.builder_.emit_normalized(relax.VarBinding(out, self.builder_.normalize(call)))
+            return
+        fused = self.builder_.emit(call, "gates")
+        for i, out in enumerate(group.outputs):
+            self.builder_.emit_normalized(relax.VarBinding(out, relax.TupleGetItem(fused, i)))
+
+
+def _name(group: _Group) -> str:
+    return "fused_gates_" + "_".join(str(len(g.pieces)) for g in group.gemms)

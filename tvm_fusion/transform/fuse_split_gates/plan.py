@@ -1,0 +1,85 @@
+"""Planning a gate group's kernel: the vector block ``V`` of the target's schedule
+(:func:`_plan_block`), the constant weight blocked for it (:func:`_blocked_weight`,
+``W (k*D, K) -> Wb (D/V, K, k, V)``, a ``D`` that no ``V`` divides padded with zero columns),
+and the order in which a block with fused groups is emitted again (:func:`_emission_order`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._common import get_logger, skip, vars_in
+from .group import _Group
+from .match import _Block, _int
+
+logger = get_logger(__name__)
+
+
+def _plan_block(group: _Group, target) -> int | None:
+    """The vector block V of ``group`` on ``target`` (set on the group), None when none fits."""
+    from ...schedule import gate_block
+    from ...target import is_gpu
+
+    # On CPU each GEMM of the group accumulates in registers on its own (one after the other in
+    # a tile): its gates, not the group's, share the register budget (a GRU's two GEMMs of 3).
+    n_gates = (sum if is_gpu(target) else max)(g.gates for g in group.gemms)
+    rows = 1
+    for d in group.rows:
+        rows = rows * _int(d) if _int(d) is not None and rows is not None else None
+    block = gate_block(target, group.width, n_gates, rows)
+    if block is None:
+        skip(logger, f"gates of width {group.width}", "no vector block divides the width")
+    group.block = block
+    return block
+
+
+def _blocked_weight(w: np.ndarray, transposed: bool, gates: int, width: int, block: int):
+    """(k*D, K) or (K, k*D) -> (ceil(D/V), K, k, V); units past D (when V does not divide D)
+    are zero columns whose results nothing reads."""
+    wt = w if transposed else w.T  # (k*D, K)
+    k_dim = wt.shape[1]
+    blocks = -(-width // block)
+    per_gate = wt.reshape(gates, width, k_dim)
+    if blocks * block != width:
+        per_gate = np.pad(per_gate, ((0, 0), (0, blocks * block - width), (0, 0)))
+    blocked = per_gate.reshape(gates, blocks, block, k_dim).transpose(1, 3, 0, 2)
+    return np.ascontiguousarray(blocked)
+
+
+def _emission_order(blk: _Block, groups: list[_Group]) -> list | None:
+    """The block's bindings outside the groups and the groups (each one call), in an order
+    that defines every variable before its use: block order, each group at its last binding,
+    and whatever is not ready yet (a binding reading a group result that the group's place
+    comes after; the next layer's gate input in a Llama block) waits for it. None on a
+    cycle."""
+    items: list = []
+    region: set = set()
+    for g in groups:
+        members = set(g.ops) | {v for gemm in g.gemms for v in gemm.chain}
+        region |= members
+        items.append((max(blk.index[v] for v in members), 1, g))
+    items += [(blk.index[b.var], 0, b) for b in blk.bindings if b.var not in region]
+    items.sort(key=lambda t: (t[0], t[1]))
+
+    def needs(item) -> set:
+        if isinstance(item, _Group):
+            exprs = [e for g in item.gemms for e in (g.x, g.weight, g.bias) if e is not None]
+            exprs += [a for g in item.gemms for a in g.addends]
+            exprs += list(item.externals)
+        else:
+            exprs = [item.value]
+        return {v for e in exprs for v in vars_in(e) if v in blk.index}
+
+    def provides(item) -> list:
+        return list(item.outputs) if isinstance(item, _Group) else [item.var]
+
+    pending = [item for _, _, item in items]
+    defined: set = set()
+    order = []
+    while pending:
+        ready = next((i for i, item in enumerate(pending) if needs(item) <= defined), None)
+        if ready is None:
+            return None
+        order.append(pending.pop(ready))
+        defined.update(provides(order[-1]))
+    return order
