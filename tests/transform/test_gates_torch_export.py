@@ -1,7 +1,7 @@
 """FuseSplitGates on the forms TVM's PyTorch frontend (``torch.export`` ->
 ``from_exported_program``) writes: a linear layer on ``(b, s, H)`` rows is
 ``reshape -> matmul (+ bias) -> reshape``, which the pass folds into one GEMM on the N-D rows
-before it matches (``tvm_fusion/transform/_gate_views.py``).
+before it matches (``tvm_fusion/transform/fuse_split_gates/views.py``).
 
 torch.export's ``nn.LSTM`` unrolls the sequence: per step the hidden GEMM plus the step's
 slice of the input projection (a non-constant addend, read in the gate epilogue), one kernel
