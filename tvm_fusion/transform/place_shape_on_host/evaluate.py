@@ -61,7 +61,7 @@ from tvm.ir import PrimType
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import at_most, get_logger, op_name, record_rewrite, shape_dims, skip
+from .._common import at_most, get_logger, op_name, record_rewrite, shape_dims, skip
 
 logger = get_logger(__name__)
 NAME = "PlaceShapeOnHost"

@@ -1,0 +1,5 @@
+"""PlaceShapeOnHost, as a package (the module is being split)."""
+
+from .evaluate import PlaceShapeOnHost
+
+__all__ = ["PlaceShapeOnHost"]
