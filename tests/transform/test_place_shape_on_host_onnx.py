@@ -103,7 +103,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from tvm_fusion import engine, host_target, load_onnx
+from tvm_fusion import host_target, load_onnx
+from tvm_fusion.build import engine
 
 model = onnx.load(sys.argv[1])
 saved = np.load(sys.argv[2])
