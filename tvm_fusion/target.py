@@ -202,6 +202,25 @@ def vector_bits(target: Target) -> int:
     return 128
 
 
+def vector_registers(target: Target) -> int:
+    """SIMD registers that LLVM allocates for ``target``: 32 on AArch64 (NEON's v0-v31) and on
+    x86 with AVX-512 (zmm0-zmm31), 16 on other x86 (xmm/ymm0-15) and on anything else."""
+    if not is_cpu(target):
+        return 16
+    if _is_aarch64(target):
+        return 32
+    return 32 if vector_bits(target) >= 512 else 16
+
+
+def _is_aarch64(target: Target) -> bool:
+    triple = str(target.attrs.get("mtriple", "") or "")
+    if not triple:
+        from tvm.target.codegen import llvm_get_system_triple
+
+        triple = llvm_get_system_triple()
+    return triple.startswith(("aarch64", "arm64"))
+
+
 def vector_lanes(target: Target, dtype: str = "float32") -> int:
     """Elements of ``dtype`` per SIMD register (at least 4 for 32-bit types)."""
     bits = tvm.DataType(dtype).bits

@@ -361,13 +361,14 @@ def test_weight_prepack_beside_blockless_primfunc(target):
     assert any(gv.name_hint.endswith("_prepacked") for gv in compiled.lowered.get_global_vars())
 
 
-def test_gate_block_fills_the_registers_for_one_row_tiles(target):
-    """FuseSplitGates' vector block V on llvm: one row gets a V as wide as one row's
-    accumulators allow; many rows, static or symbolic (padded to the tile by the rule), get
-    one vector per gate so that more rows fit the register tile."""
+def test_gate_block_fills_the_registers_for_one_row_tiles(cpu_target):
+    """FuseSplitGates' vector block V on llvm (AVX2, AVX-512, NEON targets): one row gets a V
+    as wide as one row's accumulators allow; many rows, static or symbolic (padded to the tile
+    by the rule), get one vector per gate so that more rows fit the register tile."""
     from tvm_fusion.schedule import gate_block
     from tvm_fusion.target import vector_lanes
 
+    target = cpu_target
     lanes = vector_lanes(target, "float32")
     assert gate_block(target, 1024, 2, 1) == 4 * lanes
     assert gate_block(target, 1024, 2, 64) == gate_block(target, 1024, 2, None) == lanes
@@ -726,12 +727,14 @@ def test_awkward_tiles_pad_few_rows_and_columns():
 
 
 @pytest.mark.parametrize("op,n", [("log_softmax", 4002), ("softmax", 77)])
-def test_row_outputs_vectorised_at_full_width_with_a_vector_tail(target, op, n):
+def test_row_outputs_vectorised_at_full_width_with_a_vector_tail(cpu_target, op, n):
     """A static row that the vector width does not divide: the output is written in whole
     vectors and one short vector (4002 = 250 x 16 + 2), not in vectors of the largest power
-    of two dividing the row (2 lanes for 4002: log_softmax 64 x 30522 ran at 2 lanes)."""
+    of two dividing the row (2 lanes for 4002: log_softmax 64 x 30522 ran at 2 lanes).
+    Compile-only on AVX2, AVX-512 and NEON targets; the numbers on the host."""
     from tvm_fusion.target import vector_lanes
 
+    target = cpu_target
     lanes = vector_lanes(target, "float32")
     mod = _module(lambda bb, x: getattr(R.nn, op)(x), (3, n))
     funcs = _prim_funcs(mod, target)
@@ -747,7 +750,13 @@ def test_row_outputs_vectorised_at_full_width_with_a_vector_tail(target, op, n):
                     w.source.same_as(out) for w in stmt.writes
                 ):
                     widths.add(int(loop.extent))
-    assert widths == {lanes, n % lanes}, widths
+    tail = n % lanes  # one lane (77 at NEON's 4) is a scalar, no vector loop
+    assert widths == {lanes, tail} - {1}, widths
+
+
+@pytest.mark.parametrize("op,n", [("log_softmax", 4002), ("softmax", 77)])
+def test_row_outputs_with_a_vector_tail_numbers(op, n):
+    mod = _module(lambda bb, x: getattr(R.nn, op)(x), (3, n))
     x = np.random.default_rng(5).standard_normal((3, n)).astype("float32") * 3
     result, _ = run(mod, [x], "tvm_fusion")
     shifted = x - x.max(-1, keepdims=True)
@@ -766,23 +775,31 @@ def _row_loop_extents(func):
     return [lp.extent for lp in parallel]
 
 
-@pytest.mark.parametrize(
-    "shape,paired",
-    [
-        ((64, 40), True),  # short rows (fewer than 8 vectors at 8 or 16 lanes): two at a time
-        ((64, 256), False),  # 16 vectors at AVX-512, 32 at AVX2: one row at a time
-        ((63, 40), False),  # an odd number of rows: one at a time
-        (("n", 40), False),  # symbolic rows: one at a time
-    ],
-)
-def test_short_rows_go_two_per_iteration(target, shape, paired):
+# (rows, row length in vectors of the target's float lanes): paired
+SHORT_ROWS = [
+    ((64, 5), True),  # short rows (fewer than 8 vectors): two at a time (40 at AVX2's 8 lanes)
+    ((64, 16), False),  # 16 vectors: one row at a time (256 at AVX-512's 16 lanes)
+    ((63, 5), False),  # an odd number of rows: one at a time
+    (("n", 5), False),  # symbolic rows: one at a time
+]
+
+
+def _softmax_rows(shape, lanes: int):
+    rows = tvm.tirx.Var("n", "int64") if shape[0] == "n" else shape[0]
+    return _module(lambda bb, x: R.nn.softmax(x), (rows, shape[1] * lanes))
+
+
+@pytest.mark.parametrize("shape,paired", SHORT_ROWS)
+def test_short_rows_go_two_per_iteration(cpu_target, shape, paired):
     """Softmax over short rows (4096 x 77 ran at 1.14-1.33x ORT): the row loop steps two rows
     at a time, every block computed for both, so a core has two independent chains of
-    max-fold-exp-sum-fold in flight. Long rows, odd and symbolic row counts keep one row."""
+    max-fold-exp-sum-fold in flight. Long rows, odd and symbolic row counts keep one row.
+    Compile-only on AVX2, AVX-512 and NEON targets, rows as long as the target's vectors."""
     from tvm_fusion.schedule.cpu.reduction import ROW_BLOCK
+    from tvm_fusion.target import vector_lanes
 
-    rows = tvm.tirx.Var("n", "int64") if shape[0] == "n" else shape[0]
-    mod = _module(lambda bb, x: R.nn.softmax(x), (rows, shape[1]))
+    target = cpu_target
+    mod = _softmax_rows(shape, vector_lanes(target, "float32"))
     funcs = _prim_funcs(mod, target)
     sch = cpu.RowReduction().apply(funcs[0], target, False)
     assert sch is not None
@@ -794,8 +811,16 @@ def test_short_rows_go_two_per_iteration(target, shape, paired):
         assert not isinstance(extents[0], tvm.tirx.IntImm)
     else:
         assert int(extents[0]) == expected
+
+
+@pytest.mark.parametrize("shape,paired", SHORT_ROWS)
+def test_short_rows_numbers(target, shape, paired):
+    from tvm_fusion.target import vector_lanes
+
+    lanes = vector_lanes(target, "float32")
+    mod = _softmax_rows(shape, lanes)
     m = 64 if shape[0] == "n" else shape[0]
-    x = np.random.default_rng(7).standard_normal((m, shape[1])).astype("float32") * 4
+    x = np.random.default_rng(7).standard_normal((m, shape[1] * lanes)).astype("float32") * 4
     result, _ = run(mod, [x], "tvm_fusion")
     e = np.exp(x - x.max(-1, keepdims=True))
     np.testing.assert_allclose(result[0], e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)

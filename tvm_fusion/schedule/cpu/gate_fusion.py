@@ -124,7 +124,7 @@ class GateFusion(CPURule):
             return None
         sch, reductions, finals, inner = found
         lanes = _target.vector_lanes(target, "float32")
-        regs = 32 if _target.vector_bits(target) >= 512 else 16
+        regs = _target.vector_registers(target)
 
         # FuseSplitGates writes every result from one loop nest (a multi-output compute): tile
         # it; everything the results read is then computed at the tile (compute_at wants every

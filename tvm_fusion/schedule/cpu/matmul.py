@@ -122,6 +122,26 @@ def _dividing_width(extent: int, most: int) -> int:
     return next(w for w in range(min(most, extent), 0, -1) if extent % w == 0)
 
 
+def _unpadded_tile(m_ext: int, j_ext: int, nr: int, lanes: int, regs: int, gates: int):
+    """(NR, MR) for static rows that cannot be padded to ``_tile``'s height: MR divides the
+    rows, and MR x gates x NR / lanes accumulators, one row's weight vectors (loaded once per
+    ``k``) and its broadcast input fit the ``regs`` vector registers (as ``tile_rows`` in
+    gate_fusion.py). ``_tile``'s NR, or fewer whole vectors of it that divide the columns where
+    that holds more accumulators. A convolution over 7 output positions, 32 channels, on AVX2
+    (16 registers, 8 lanes): 7 rows x 1 vector (7 accumulators + 1 + 1), where 2 vectors left
+    1 row (2 accumulators: 2 FMA chains, latency-bound); over 5 positions: 5 x 2 vectors."""
+    best = (0, nr, 1)  # (accumulators, NR, MR)
+    vecs = max(nr // lanes, 1)
+    for v in range(vecs, 0, -1):
+        width = v * lanes if nr >= lanes else nr
+        if v < vecs and j_ext % width:
+            continue
+        per_row = gates * v
+        mr = _dividing_width(m_ext, max(1, (regs - 1 - per_row) // per_row))
+        best = max(best, (mr * per_row, width, mr))
+    return best[1], best[2]
+
+
 class _WideRefused(Exception):
     """A step of the wide tile's schedule failed: schedule the function again without it."""
 
@@ -205,7 +225,7 @@ class Matmul(CPURule):
         block = red.block_rv
 
         lanes = _target.vector_lanes(target, dtype)
-        regs = 32 if _target.vector_bits(target) >= 512 else 16
+        regs = _target.vector_registers(target)
         loops = sch.get_loops(block)
         loop_of = dict(zip(iters, loops, strict=True))
 
@@ -273,7 +293,12 @@ class Matmul(CPURule):
                 if wide is not None:
                     raise _WideRefused("columns not padded")
                 return None  # padded but not understood, or columns that need the padding
-            if padded is None:
+            if padded is None and is_static(m_ext):
+                # static rows that pad_einsum refuses (a convolution's output width, 5 or 7):
+                # a height that divides them, sized on the whole register file (below)
+                nr, mr = _unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates)
+                logger.debug("matmul: rows not padded, tiles of %s x %s", mr, nr)
+            elif padded is None:
                 mr = 1
             else:
                 a_pads, epilogue = padded
