@@ -302,7 +302,7 @@ def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int 
 
         return cuda_gate_block(target, width, gates, rows)
     lanes = _target.vector_lanes(target, "float32")
-    budget = (32 if _target.vector_bits(target) >= 512 else 16) // 2
+    budget = _target.vector_registers(target) // 2
     # Symbolic rows are padded to the tile of many rows by the CPU rule (cpu/gate_fusion.py).
     wide = [4 * lanes, 2 * lanes, lanes] if rows == 1 else [lanes, 2 * lanes]
     fits = [v for v in wide + [lanes // 2, 8, 4] if v >= 4 and gates * max(v // lanes, 1) <= budget]
