@@ -296,7 +296,8 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    return from_onnx(model, shape_dict=shape_dict, keep_params_in_input=False)
+                    mod = from_onnx(model, shape_dict=shape_dict, keep_params_in_input=False)
+                return tensor_outputs(mod, model)
             except tvm.error.OpNotImplemented as err:
                 raise ModelError(f"{where}: {first_line(err)}") from None
             except Exception as err:
@@ -308,6 +309,45 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
                         continue
                 raise ModelError(f"cannot import {where}: {first_line(err)}") from None
         raise ModelError(f"cannot import {where}: shape values reach too many operands")
+
+
+def tensor_outputs(mod: tvm.IRModule, model) -> tvm.IRModule:
+    """``mod`` with each output of ``main`` that is a shape value (``Shape`` of a static input
+    imports as ``R.shape([3, 4, 5])``) made the int64 tensor the model declares (the VM would
+    return a ``tvm_ffi.Shape``, not a tensor: ``.numpy()`` fails on it)."""
+    from tvm import relax
+
+    func = mod["main"]
+    seq = func.body
+    if not isinstance(seq, relax.SeqExpr):
+        return mod
+    out = seq.body
+    ty = out.ty
+    fields = list(ty.fields) if isinstance(ty, relax.TupleType) else [ty]
+    if not any(isinstance(f, relax.ShapeType) for f in fields):
+        return mod
+    declared = model.graph.output
+    bb = relax.BlockBuilder()
+    bindings, values, types = [], [], []
+    for i, field in enumerate(fields):
+        value = out if not isinstance(ty, relax.TupleType) else relax.TupleGetItem(out, i)
+        if isinstance(field, relax.ShapeType) and i < len(declared):
+            if not declared[i].type.HasField("tensor_type"):
+                continue
+            call = bb.normalize(relax.op.shape_to_tensor(value))
+            var = relax.Var(f"{declared[i].name or 'shape'}_tensor", call.ty)
+            bindings.append(relax.VarBinding(var, call))
+            value, field = var, call.ty
+        values.append(value)
+        types.append(field)
+    if not bindings:
+        return mod
+    tupled = isinstance(ty, relax.TupleType)
+    result = relax.Tuple(values) if tupled else values[0]
+    ret = relax.TupleType(types) if tupled else types[0]
+    body = relax.SeqExpr([*seq.blocks, relax.BindingBlock(bindings)], result)
+    mod["main"] = relax.Function(func.params, body, ret, func.is_pure, func.attrs, func.span)
+    return relax.transform.Normalize()(mod)
 
 
 def load_exported_program(path, shapes: Shapes | None = None) -> tvm.IRModule:

@@ -22,7 +22,9 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
 - ``Expand`` to a constant shape of an input with symbolic dims (stock reads ``dim.value`` of
   every input dim: "'Var' object has no attribute 'value'", as in a Llama block's rotary
   tables), and to a shape value (stock compares lists of PrimExprs with ``==``: "Cannot use and
-  / or / not operator to Expr", DistilBERT's attention mask in a static-shape import).
+  / or / not operator to Expr", DistilBERT's attention mask in a static-shape import), and to
+  a shape computed at run time (:func:`~.onnx_fixes.expand_to_runtime_shape`).
+- The converters of :mod:`~.onnx_fixes` (stock's wrong numbers for some attribute values).
 - ``Slice`` with a symbolic bound (``x[:, n // 2:]`` with ``n`` from ``Shape``): stock assumes
   every such slice in bounds, an end of INT64_MAX included, and declares ``INT64_MAX - n // 2``
   elements (int64 overflow further on). Ends past the axis are cut to its length, negative
@@ -65,6 +67,8 @@ from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 from ..transform._common import as_i64 as _i64
 from ..transform._common import op_name
 from . import onnx_known_shapes
+from .onnx_fixes import FIXES as _FIXES
+from .onnx_fixes import expand_to_runtime_shape
 from .onnx_known_shapes import KnownShapes
 from .onnx_rnn import CONVERTERS as _RNN_CONVERTERS
 
@@ -210,6 +214,10 @@ class Expand(_frontend.Expand):
             and not all(isinstance(d, tirx.IntImm) for d in sinfo.shape.values)
         )
         if not symbolic:
+            if _is_runtime(shape):
+                out = expand_to_runtime_shape(bb, data, shape)
+                if out is not None:
+                    return out
             return super()._impl_v13(bb, inputs, attr, params)
         target = [int(t) for t in shape.value.numpy().reshape(-1)]
         dims = list(sinfo.shape.values)
@@ -435,6 +443,7 @@ OVERRIDES = {
     "Slice": Slice,
     "Tile": Tile,
     "Clip": Clip,
+    **_FIXES,  # wrong numbers for some attribute values (onnx_fixes.py)
 }
 
 CONVERTERS = {
