@@ -1,0 +1,119 @@
+"""Register tiles of the CPU GEMM rule (``Matmul``): how many rows (MR) and columns (NR) one
+micro-kernel accumulates, sized from the target's lanes and vector registers. Pure arithmetic
+on extents, so the choices can be read and tested without scheduling anything."""
+
+from __future__ import annotations
+
+from .._common import is_static
+
+K_BLOCK_MIN = 1024  # shorter reductions keep a panel's whole K x NR block in L1/L2
+
+
+def padded(extent: int, tile: int) -> int:
+    """``extent`` rounded up to a multiple of ``tile``."""
+    return -(-extent // tile) * tile
+
+
+def dividing_width(extent: int, most: int) -> int:
+    """The widest tile, at most ``most``, that divides ``extent`` (20 columns, 16 lanes: 10)."""
+    return next(w for w in range(min(most, extent), 0, -1) if extent % w == 0)
+
+
+def unpadded_tile(m_ext: int, j_ext: int, nr: int, lanes: int, regs: int, gates: int):
+    """(NR, MR) for static rows that cannot be padded to ``standard_tile``'s height: MR
+    divides the rows, and MR x gates x NR / lanes accumulators, one row's weight vectors
+    (loaded once per ``k``) and its broadcast input fit the ``regs`` vector registers (as
+    ``tile_rows`` in gate_fusion.py). ``standard_tile``'s NR, or fewer whole vectors of it that
+    divide the columns where that holds more accumulators. A convolution over 7 output
+    positions, 32 channels, on AVX2 (16 registers, 8 lanes): 7 rows x 1 vector (7 accumulators
+    + 1 + 1), where 2 vectors left 1 row (2 accumulators: 2 FMA chains, latency-bound); over 5
+    positions: 5 x 2 vectors."""
+    best = (0, nr, 1)  # (accumulators, NR, MR)
+    vecs = max(nr // lanes, 1)
+    for v in range(vecs, 0, -1):
+        width = v * lanes if nr >= lanes else nr
+        if v < vecs and j_ext % width:
+            continue
+        per_row = gates * v
+        mr = dividing_width(m_ext, max(1, (regs - 1 - per_row) // per_row))
+        best = max(best, (mr * per_row, width, mr))
+    return best[1], best[2]
+
+
+def wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates, is_const_b) -> tuple | None:
+    """(NR, MR) = (3 vectors, 4 rows) for a long GEMM on AVX2, or None (keep ``standard_tile``'s).
+
+    ``standard_tile`` gives 8 accumulators (4 rows x 2 vectors), as many as the FMAs in flight (2
+    ports x 4 cycles of latency on Zen 3): no slack, and each ``k`` is 2 weight loads + 4
+    broadcasts per 8 FMAs. 4 rows x 3 vectors is MLAS's register budget (12 accumulators +
+    3 weight vectors + the broadcast = the 16 registers; MLAS's FMA3 kernel is 6 x 16). Only
+    where it is measured to pay: a reduction of K >= 1024 (compute-bound, K-blocked), static
+    rows in tiles of 4, a single output axis of static columns, and a constant B, whose
+    columns are padded to a multiple of 3 vectors at compile time (the packing takes the
+    zeros) when they are not one already (at most 1/16 of them padding). SwiGLU's down
+    projection (64 x 5632 @ 5632 x 2048, columns padded to 2064): 8.85-8.98 -> 8.58 ms in
+    paired runs (builds alternating in one process), ONNX Runtime's Gemm 8.5-8.9."""
+    if regs != 16 or n_gates != 1 or not is_const_b:
+        return None
+    if not (is_static(m_ext) and is_static(j_ext) and is_static(k_ext)):
+        return None
+    nr, mr = 3 * lanes, 4
+    if k_ext < K_BLOCK_MIN or m_ext < 16 or m_ext % mr:
+        return None
+    padded = -(-j_ext // nr) * nr
+    if (padded - j_ext) * 16 > j_ext:
+        return None
+    return nr, mr
+
+
+def standard_tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[int, int]:
+    """(NR, MR): NR a multiple of ``lanes`` (or a narrow axis' own width); MR rows so that
+    MR * gates * NR / lanes accumulators use about half the registers. Any extent gets a
+    tile: a vector axis that no tile width divides (a vocabulary of 50257, 211 columns) or
+    a symbolic one (attention's ``seq`` columns) is padded to NR by the caller, and rows
+    that MR does not divide (97, a prime) are padded to MR unless a divisor of them at
+    least half as tall exists (129 rows: tiles of 3) or a height down to half of MR pads
+    fewer rows. Padded columns take a tile of one vector where wider tiles pad far more
+    (CLIP's 77 x 64 @ 64 x 77 scores: 1.32 -> 1.14x ONNX Runtime, 19 x 97 x 155 x 97
+    1.30 -> 1.05x, AMD EPYC, AVX-512)."""
+    budget = regs // 2
+    if not is_static(j_ext):
+        vecs = 2 if n_gates * 2 <= budget else 1
+        nr = vecs * lanes
+    else:
+        # Symbolic rows get the same tile; the caller pads their domain to a multiple of MR.
+        small_m = is_static(m_ext) and m_ext <= 2
+        choices = [v for v in ((4, 2, 1) if small_m else (2, 4, 1)) if n_gates * v <= budget]
+        vecs = next((v for v in choices if j_ext % (v * lanes) == 0), None)
+        if vecs is not None:
+            nr = vecs * lanes
+        else:
+            # a narrow axis that half a vector divides keeps its own width (no padding);
+            # anything else is padded to whole vectors, no more of them than it fills
+            nr = lanes
+            while nr > 1 and j_ext % nr:
+                nr //= 2
+            vecs = 1
+            if nr < max(lanes // 2, 4) or j_ext > lanes:
+                vecs = min(choices[0], -(-j_ext // lanes)) if choices else 1
+                # a wider tile that pads many more columns than one vector does (77
+                # columns: 96 in tiles of 2 vectors, 80 in tiles of 1) takes one vector
+                if padded(j_ext, vecs * lanes) - padded(j_ext, lanes) > j_ext // 8:
+                    vecs = 1
+                nr = vecs * lanes
+    per_row = n_gates * max(vecs, 1)
+    mr = max(1, budget // per_row)
+    if is_static(m_ext):
+        if m_ext <= mr:
+            return nr, m_ext
+        divisor = next(d for d in range(mr, 0, -1) if m_ext % d == 0)
+        if 2 * divisor >= mr:
+            mr = divisor
+        else:
+            # no divisor at least half as tall (97 rows, a prime): a height down to half
+            # the budget that pads the fewest rows, where that saves over 1/16 of them
+            # (97 rows in tiles of 1 vector: 14, 98 rows, where 16 padded to 112)
+            best = min(range(mr, (mr - 1) // 2, -1), key=lambda d: padded(m_ext, d))
+            if padded(m_ext, mr) - padded(m_ext, best) > m_ext // 16:
+                mr = best
+    return nr, mr
