@@ -143,11 +143,17 @@ TUNE = ["tune", "gate_2890", "--work-dir", "{tmp}/work", "--trials", "1"]
         ),
         (["bench", "--workloads", "take_arange", "--repeat", "0", "--output", ""], "--repeat: ex"),
         (["demo", "--workloads", "take_arange", "--repeat", "0"], "--repeat: expects"),
+        # issue #40: an empty --engines ran and printed an empty table, exit 0
+        (["bench", "--engines", "", "--output", "{tmp}/r.json"], "--engines names no engine"),
+        (["bench", "--engines", " , ", "--output", ""], "--engines names no engine"),
+        (["bench", "--models", "{tmp}", "--engines", ""], "--engines names no engine"),
+        (["bench", "--output", "file/r.json"], "file is not a directory"),  # relative
     ],
 )
-def test_issue_27_bad_input_one_line_exit_2(argv, message, tmp_path, capsys):
+def test_issue_27_bad_input_one_line_exit_2(argv, message, tmp_path, capsys, monkeypatch):
     """Issue #27: each of these printed a traceback and exited with 1 (or ran on: a 0 dim,
     --verify -1, --repeat 0; or hung: the RPC tracker). Nothing is compiled or tuned."""
+    monkeypatch.chdir(tmp_path)  # for the relative paths
     if "/sys/" in " ".join(argv) and not os.path.isdir("/sys"):
         pytest.skip("needs Linux's /sys")
     _model(tmp_path)

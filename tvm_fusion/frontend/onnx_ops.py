@@ -167,7 +167,10 @@ class Reshape(_frontend.Reshape):
         known = _i64(1)
         for d in dims:
             known = known * tirx.Select(d == -1, _i64(1), d)
-        dims = [tirx.Select(d == -1, tirx.floordiv(total, known), d) for d in dims]
+        # a 0 among the dims makes ``known`` 0, and the Select computes both branches: a
+        # division by 0 killed the process (SIGFPE, ONNX's test_reshape_allowzero_reordered)
+        inferred = tirx.floordiv(total, tirx.max(known, _i64(1)))
+        dims = [tirx.Select(d == -1, inferred, d) for d in dims]
         # Not match_cast to fresh dims: VMShapeLower then checks the Selects under the
         # assumption that dims are >= 0 and rejects a -1 target (seen with flatten_tokens).
         return relax.op.reshape(data, relax.ShapeExpr(dims))

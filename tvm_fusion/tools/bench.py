@@ -52,6 +52,8 @@ def parse_engines(spec: str | Sequence[str] | None) -> list[str]:
     unknown = [n for n in names if n not in ENGINES]
     if unknown:
         raise UsageError(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}")
+    if not names:  # ``--engines ''``: an empty table, exit 0
+        raise UsageError(f"--engines names no engine; known: {', '.join(ENGINES)}")
     return names
 
 

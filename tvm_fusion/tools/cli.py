@@ -339,6 +339,10 @@ def cmd_bench_models(args) -> int:
     if args.size != "seed" or _pipeline_options(args):
         raise UsageError("--models takes no --size, --tuning-db, --dump-dir or --disable")
     engines = model_bench.parse_model_engines(args.engines)
+    if not engines:  # ``--engines ''``: an empty table, exit 0
+        raise UsageError(
+            f"--engines names no engine; known: {', '.join(model_bench.MODEL_ENGINES)}"
+        )
     dims = _parse_dims(args.dim)
     target = _target(args)
     output = "bench/models.json" if args.output is None else args.output

@@ -16,7 +16,9 @@ parameters give no valid graph; :func:`.onnx_frontend.generate` draws again).
   Log, NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss (every reduction, with and without
   ignore_index and class weights), on (N, C) or (B, C, S) logits, maybe from an LM-head GEMM.
 - ``shape_chains``: Shape / Gather / Div / Mul / Concat / Reshape / Slice / Expand /
-  ConstantOfShape / Tile / Pad / CumSum / Range on a (b, s, h) input with dynamic b, s.
+  ConstantOfShape / Tile / Pad / CumSum / Range on a (b, s, h) input with dynamic b, s; the
+  halves of an axis also on the static h (or a static s) inside the dynamic shape, sliced "to
+  the end" by INT64_MAX, 2**62, 2**31 - 1 or 2**31.
 """
 
 from __future__ import annotations
@@ -409,6 +411,31 @@ def _cross_entropy(rng):
     return g.model(), feeds, f"{layout} C={c}: {note}"
 
 
+# "to the end" as exporters write it: INT64_MAX (torch.onnx), 2**62, 2**31 - 1 (int32 max)
+_TO_THE_END = (INT64_MAX, 2**62, 2**31 - 1, 2**31)
+
+
+def _halves_to_the_end(g: _Graph, rng, x: str, shp: str, axis: int, dim) -> None:
+    """``x[.., :n // 2]`` and ``x[.., n // 2:END]`` on ``axis`` (``n = Shape(x)[axis]``, static
+    or dynamic inside a dynamic shape), END one of :data:`_TO_THE_END`, the index a scalar
+    (unsqueezed) or a 1-element vector (``Shape(x)[[axis]] / 2``: the (batch, 4, 2) form that
+    segfaulted in compile, issue #40). ``dim`` is the axis' ONNX dim: halves of a static even
+    axis are combined by Add / Sub / Mul, the others concatenated back."""
+    if rng.random() < 0.5:
+        half = g.node("Div", [g.node("Gather", [shp, g.i64(axis)], axis=0), g.i64(2)])
+    else:
+        n = g.node("Gather", [shp, g.scalar64(axis)], axis=0)
+        half = g.node("Unsqueeze", [g.node("Div", [n, g.scalar64(2)]), g.i64(0)])
+    end = g.i64(int(rng.choice(_TO_THE_END)))
+    ax = g.i64(axis)
+    a = g.node("Slice", [x, g.i64(0), half, ax])
+    c = g.node("Slice", [x, half, end, ax])
+    if isinstance(dim, int) and dim % 2 == 0:
+        g.output(g.node(str(rng.choice(["Add", "Mul", "Sub"])), [a, c]))
+    else:
+        g.output(g.node("Concat", [a, c], axis=axis))
+
+
 def _shape_chains(rng):
     from onnx import TensorProto, helper
 
@@ -455,6 +482,12 @@ def _shape_chains(rng):
                 g.output(g.node(str(rng.choice(["Add", "Mul", "Sub"])), [a, c]))
             else:
                 g.output(g.node("Concat", [a, c], axis=1))
+            # drawn after the first pair: the seeds that found bugs in it build it as before
+            if rng.random() < 0.7:
+                # on a static axis: a second pair on the dynamic s fails at run time
+                # (match_cast, "shape[1] mismatch"; left for now, see the branch's report)
+                axis = 1 if isinstance(s, int) and rng.random() < 0.5 else 2
+                _halves_to_the_end(g, rng, x, shp, axis, h if axis == 2 else s)
         elif chain == "expand":
             y = g.f32(1, 1, h) if rng.random() < 0.5 else g.f32(h)
             g.output(g.node("Add", [x, g.node("Expand", [y, shp])]))

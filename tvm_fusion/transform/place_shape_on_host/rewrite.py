@@ -327,6 +327,15 @@ class _Rewriter(PyExprMutator, _HostReads):
             return skip(logger, "dynamic_strided_slice", "run-time or zero strides") or None
         axes = list(range(len(begin)))
         dims = list(sinfo.shape.values) if isinstance(sinfo.shape, relax.ShapeExpr) else None
+        if dims is not None:
+            # an end past the axis (``Slice(x, c, 2**62)``, "to the end") is the axis' length:
+            # the slice can then be proven in bounds, and an unproven one infers extents as
+            # ``max(batch, 0)``, on which FuseTIR's CanonicalizeBindings recursed until the
+            # process died (a (batch, 4, 2) input cut on its static axis 1)
+            end = [
+                _i64(d) if int(st.value) > 0 and self.analyzer.can_prove(e >= _i64(d)) else e
+                for e, st, d in zip(end, strides, dims, strict=False)
+            ]
         inbound = dims is not None and all(
             isinstance(st, tirx.IntImm)
             and int(st.value) > 0
@@ -336,15 +345,15 @@ class _Rewriter(PyExprMutator, _HostReads):
             for b, e, st, d in zip(begin, end, strides, dims, strict=False)
         )
         self._read_inputs([*begin, *end])
-        if any(_reads_data(self.eval.reads, e) for e in (*begin, *end)):
-            # keep only the axes that are cut: a whole axis sliced by bounds read at run time
-            # infers a ``max(batch, 0)`` extent, on which CanonicalizeBindings recurses forever
+        if dims is not None:
+            # keep only the axes that are cut: a whole axis sliced by bounds that are not proven
+            # in bounds (read at run time, or another axis') infers a ``max(batch, 0)`` extent,
+            # on which CanonicalizeBindings recurses forever
             kept = [
                 k
                 for k in axes
                 if not (
-                    dims is not None
-                    and _is_zero(begin[k])
+                    _is_zero(begin[k])
                     and int(strides[k].value) == 1
                     and self.analyzer.can_prove(end[k] >= _i64(dims[k]))
                 )
@@ -352,6 +361,8 @@ class _Rewriter(PyExprMutator, _HostReads):
             axes, begin, end, strides = (
                 [seq[k] for k in kept] for seq in (axes, begin, end, strides)
             )
+        if not axes:  # every axis whole: the slice is its input
+            return self.visit_expr(data)
         return relax.op.strided_slice(
             self.visit_expr(data), axes, begin, end, strides, assume_inbound=inbound
         )
