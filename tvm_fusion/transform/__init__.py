@@ -1,4 +1,8 @@
-"""Graph passes of tvm-fusion, one per file; file name = class name in snake_case.
+"""Stage 2, transform: Relax in, Relax out (the fusions of tvm-fusion, before and after FuseOps).
+
+Graph passes, one per file; file name = class name in snake_case (a pass too big for one file is
+a subpackage of that name). Receives the frontend's Relax IRModule; hands on the rewritten
+module to lowering (``tvm_fusion.lower``) and, after FuseOps, to FuseTIR and the schedules.
 
 ``GRAPH_PASSES`` run on Relax ops before LegalizeOps (Phase 1 of the pipeline);
 ``POST_FUSION_PASSES`` run after FuseOps/FuseTIR (Phase 3). Each entry is
