@@ -158,7 +158,7 @@ def _input_spec(name: str, arr: np.ndarray) -> dict:
         # labels, indices: small, saved exactly (their range matters)
         spec["values"] = arr.reshape(-1).tolist()
     else:
-        spec["std"] = float(arr.std()) if arr.size else 1.0
+        spec["std"] = float(arr.astype("float64").std()) if arr.size else 1.0
     return spec
 
 
@@ -177,9 +177,7 @@ def _compile_case(
     if lift_min:
         lowered, lifted = _lift_constants(compiled.lowered, lift_min, function)
     # our gate kernels' shared-memory copies as cp.async, as engine.compile_module builds them
-    config = (
-        {"tirx.use_async_copy": True} if pipeline != "stock" and async_copy(target) else {}
-    )
+    config = {"tirx.use_async_copy": True} if pipeline != "stock" and async_copy(target) else {}
     # nvcc's callback reads the arch from the current target
     with (
         target,
@@ -321,6 +319,140 @@ def _shape_cases():
             yield f"{name}.{size}", mod, mod, idiom.inputs, "main", ref, peer, size
 
 
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def _glu_module(rows: int, k: int, d: int, dtype: str, act: str):
+    """A gate kernel alone (no down projection): ``act="2890"``: bias, split(3), sigmoid +
+    tanh * exp; ``silu``: split(2), silu(gate) * up; ``gru``: one GRU step (two GEMMs). The
+    weights constants, as an exporter leaves them. Returns (module, inputs, NumPy reference)."""
+    from tvm import relax
+    from tvm.relax.op import nn as rnn
+    from tvm.script import relax as R
+
+    gen = np.random.default_rng(2026)
+    dt = _np_dtype(dtype)
+
+    def const(arr):
+        return relax.const(arr.astype(dt), dtype)
+
+    def rand(*shape, scale=1.0):
+        return (gen.standard_normal(shape) * scale).astype(dt)
+
+    x_np = rand(rows, k)
+    inputs = {"x": x_np}
+    params = [relax.Var("x", relax.TensorType((rows, k), dtype))]
+    if act == "gru":
+        h_np = rand(rows, d)
+        inputs["h"] = h_np
+        params.append(relax.Var("h", relax.TensorType((rows, d), dtype)))
+    bb = relax.BlockBuilder()
+    f32 = {n: a.astype("float32") for n, a in inputs.items()}
+    with bb.function("main", params):
+        with bb.dataflow():
+
+            def gates(a, width, count, bias):
+                w = rand(count * d, width, scale=width**-0.5)
+                y = bb.emit(R.matmul(a, bb.emit(R.permute_dims(const(w)))))
+                ref = f32["x" if a is params[0] else "h"] @ w.astype("float32").T
+                if bias:
+                    b = rand(count * d, scale=0.1)
+                    y = bb.emit(R.add(y, const(b)))
+                    ref = ref + b.astype("float32")
+                parts = bb.emit(R.split(y, count, axis=-1))
+                outs = [bb.emit(relax.TupleGetItem(parts, i)) for i in range(count)]
+                return outs, np.split(ref, count, axis=-1)
+
+            if act == "2890":
+                (s, t, e), (rs, rt, re) = gates(params[0], k, 3, True)
+                s, t, e = bb.emit(R.sigmoid(s)), bb.emit(R.tanh(t)), bb.emit(R.exp(e))
+                out = bb.emit_output(R.add(s, bb.emit(R.multiply(t, e))))
+                ref = 1 / (1 + np.exp(-rs)) + np.tanh(rt) * np.exp(re)
+            elif act == "silu":
+                (g, u), (rg, ru) = gates(params[0], k, 2, False)
+                out = bb.emit_output(R.multiply(bb.emit(rnn.silu(g)), u))
+                ref = rg / (1 + np.exp(-rg)) * ru
+            else:
+                (ir, iz, inn), (rir, riz, rin) = gates(params[0], k, 3, True)
+                (hr, hz, hn), (rhr, rhz, rhn) = gates(params[1], d, 3, True)
+                r = bb.emit(R.sigmoid(bb.emit(R.add(ir, hr))))
+                z = bb.emit(R.sigmoid(bb.emit(R.add(iz, hz))))
+                cand = bb.emit(R.tanh(bb.emit(R.add(inn, bb.emit(R.multiply(r, hn))))))
+                keep = bb.emit(R.subtract(relax.const(1.0, dtype), z))
+                new = R.add(bb.emit(R.multiply(keep, cand)), bb.emit(R.multiply(z, params[1])))
+                out = bb.emit_output(new)
+                sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+                rr, rz = sig(rir + rhr), sig(riz + rhz)
+                ref = (1 - rz) * np.tanh(rin + rr * rhn) + rz * f32["h"]
+        bb.emit_func_output(out)
+    return bb.get(), inputs, [ref.astype(dt)]
+
+
+def _linear_module(rows: int, k: int, n: int, dtype: str):
+    """``x @ W^T`` with a constant ``W`` [n, k] (the down projection): our skinny split-K rule."""
+    from tvm import relax
+    from tvm.script import relax as R
+
+    gen = np.random.default_rng(3)
+    dt = _np_dtype(dtype)
+    w = (gen.standard_normal((n, k)) * k**-0.5).astype(dt)
+    x_np = gen.standard_normal((rows, k)).astype(dt)
+    x = relax.Var("x", relax.TensorType((rows, k), dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(R.matmul(x, bb.emit(R.permute_dims(relax.const(w, dtype)))))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    ref = x_np.astype("float32") @ w.astype("float32").T
+    return bb.get(), {"x": x_np}, [ref.astype(dt)]
+
+
+# (case, kind, small dims, timed dims, dtype): the kernels of bench/gpu.md's kernel table.
+# glu/gate3/gru: FuseSplitGates' gate kernels (tensor cores in float16 from 16 rows; CUDA
+# cores in float32; split-K GEMV at <= 4 static rows); linear: the skinny split-K rule.
+KERNEL_CASES = [
+    ("tc_swiglu_f16", "silu", (37, 100, 48), (64, 2048, 5632), "float16"),
+    ("tc_gate_2890_f16", "2890", (37, 100, 48), (64, 1024, 1024), "float16"),
+    ("tc_gru_f16", "gru", (37, 40, 48), (64, 1024, 1024), "float16"),
+    ("cc_swiglu_f32", "silu", (37, 100, 48), (64, 2048, 5632), "float32"),
+    ("gemv_swiglu_f32_r1", "silu", (1, 100, 48), (1, 2048, 5632), "float32"),
+    ("gemv_swiglu_f16_r1", "silu", (1, 100, 48), (1, 2048, 5632), "float16"),
+    ("gemv_gate_2890_f32_r4", "2890", (4, 100, 48), (4, 1024, 1024), "float32"),
+    ("gemv_gru_f32_r1", "gru", (1, 40, 48), (1, 1024, 1024), "float32"),
+    ("skinny_down_f32", "linear", (13, 1300, 97), (64, 5632, 2048), "float32"),
+    ("skinny_down_f16", "linear", (13, 1300, 97), (64, 5632, 2048), "float16"),
+    ("skinny_down_f16_r1", "linear", (1, 1300, 97), (1, 5632, 2048), "float16"),
+]
+
+
+def _kernel_cases():
+    """Single fused kernels at the sizes where each CUDA rule of ours fires, small (checked) and
+    timed, with a PyTorch peer of the same computation and dtype."""
+    for name, kind, small, seed, dtype in KERNEL_CASES:
+        for size, (rows, k, d) in (("small", small), ("seed", seed)):
+            if kind == "linear":
+                mod, inputs, ref = _linear_module(rows, k, d, dtype)
+            else:
+                mod, inputs, ref = _glu_module(rows, k, d, dtype, kind)
+            peer = {"workload": "kernel", "kind": kind, "k": k, "d": d, "dtype": dtype}
+            yield (
+                f"{name}.{size}",
+                mod,
+                mod,
+                inputs,
+                "main",
+                ref if size == "small" else None,
+                (peer),
+                size,
+            )
+
+
 def _site(out: Path, python_version: str) -> None:
     import tvm
 
@@ -411,9 +543,10 @@ def main(argv=None) -> int:
 
     llama = _llama_cases() if not args.only or "llama_block" in names else iter(())
     shapes = _shape_cases() if not args.only or "shape_idioms" in names else iter(())
-    workloads = [n for n in names if n not in ("llama_block", "shape_idioms")]
+    kernels = _kernel_cases() if not args.only or "kernels" in names else iter(())
+    workloads = [n for n in names if n not in ("llama_block", "shape_idioms", "kernels")]
     for case, stock_mod, ours_mod, inputs, function, ref, peer, size in itertools.chain(
-        _cases(workloads), llama, shapes
+        _cases(workloads), llama, shapes, kernels
     ):
         # small: weights inside, saved inputs, checked against NumPy (or stock vs ours where
         # there is no NumPy reference); seed: lifted weights, random inputs, timed.
@@ -425,6 +558,8 @@ def main(argv=None) -> int:
             "peer": peer,
             "inputs": [_input_spec(k, v) for k, v in inputs.items()],
             "pipelines": {},
+            # float16 results: a relative tolerance of a few of their ulps (2^-10)
+            "tol": 1e-2 if any(v.dtype == np.float16 for v in inputs.values()) else 1e-3,
         }
         if check and ref is None:
             # backward graphs: stock TVM's result on this CPU is the reference
