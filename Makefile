@@ -32,9 +32,11 @@ demo: $(VENV)/.installed
 # Then the shape idioms: shape-only kernels and copies of their CUDA builds, stock vs ours.
 DEMO_MODELS := bert_mlm_torchscript,lstm_cell_torchscript
 
+# One pytest worker per core, whole files per worker; TVM's pool one thread per worker, so the
+# workers do not take each other's cores.
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check tvm_fusion tests scripts tutorials
-	$(PY) -m pytest -q
+	TVM_NUM_THREADS=1 $(PY) -m pytest -q -n $(NPROC) --dist loadfile
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check tvm_fusion tests scripts tutorials
