@@ -15,6 +15,7 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
+from .. import pool
 from ..errors import ModelError, TvmFusionError, UsageError, first_line
 from ..target import async_copy, is_gpu, num_cores, parse_target
 from .pipeline import build_pipeline, stock_pipeline
@@ -298,4 +299,7 @@ def allclose(outputs, reference, rtol: float, atol: float) -> bool:
 
 
 def threads_for(target: Target) -> int:
-    return num_cores(target)
+    """Threads for the other engines of a benchmark (ONNX Runtime, torch): as many as TVM's pool
+    runs (:func:`tvm_fusion.pool.threads`, a user's ``TVM_NUM_THREADS`` included), at most the
+    target's cores."""
+    return max(1, min(num_cores(target), pool.threads()))
