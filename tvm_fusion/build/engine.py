@@ -169,6 +169,28 @@ def torch_runner(make_fn: Callable, inputs: Sequence[np.ndarray], threads: int) 
     return run
 
 
+def inductor_runner(
+    make_fn: Callable, inputs: Sequence[np.ndarray], threads: int, dynamic: bool
+) -> tuple[Callable, list[np.ndarray], float]:
+    """``torch.compile`` (Inductor) of a workload's torch function: ``dynamic=False`` for static
+    shapes, ``dynamic=True`` for symbolic ones. Compiles on the first call, made here: returns
+    the runner, that call's outputs and its seconds (the compile time, kept apart from the run
+    time). Inductor's errors propagate (the caller reports them in one line)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    fn = torch.compile(make_fn(torch), dynamic=dynamic)
+    args = [torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]
+
+    def run():
+        with torch.inference_mode():
+            return [o.numpy() for o in fn(*args)]
+
+    start = time.perf_counter()
+    outputs = run()
+    return run, outputs, time.perf_counter() - start
+
+
 def time_runs(run: Callable, repeat: int = 10, warmup: int = 1, budget_s: float = 10.0) -> dict:
     """Median and min of ``repeat`` timed calls (at least 3, fewer when over ``budget_s``)."""
     for _ in range(warmup):
