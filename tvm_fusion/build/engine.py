@@ -175,10 +175,13 @@ def inductor_runner(
     """``torch.compile`` (Inductor) of a workload's torch function: ``dynamic=False`` for static
     shapes, ``dynamic=True`` for symbolic ones. Compiles on the first call, made here: returns
     the runner, that call's outputs and its seconds (the compile time, kept apart from the run
-    time). Inductor's errors propagate (the caller reports them in one line)."""
+    time). Inductor's errors propagate (the caller reports them in one line). Dynamo's caches
+    are reset first: workloads whose functions share code (SwiGLU and GeGLU) would otherwise
+    count as recompiles of one function, and past its limit Dynamo runs it eagerly, unsaid."""
     import torch
 
     torch.set_num_threads(threads)
+    torch._dynamo.reset()
     fn = torch.compile(make_fn(torch), dynamic=dynamic)
     args = [torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]
 
