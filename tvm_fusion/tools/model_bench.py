@@ -44,6 +44,7 @@ from .analysis import kernel_count
 from .bench import (
     EngineResult,
     _fmt_ms,
+    compile_notes,
     machine_info,
     ratio,
     ratios,
@@ -347,6 +348,7 @@ def markdown_table(results: Sequence[ModelResult], engines: Sequence[str]) -> st
         ]
         row += row_tail(res.engines, engines)
         lines.append("| " + " | ".join(row) + " |")
+    lines += compile_notes([(r.model, r.engines) for r in results])
     lines += skipped_notes([(r.model, r.engines) for r in results], "Failed")
     return "\n".join(lines)
 
