@@ -144,7 +144,14 @@ def run_condition(files: dict, condition: str, args) -> list[dict]:
     try:
         medians = []
         for _ in range(args.processes):
-            out = subprocess.run(command, env=env, capture_output=True, text=True)
+            try:
+                out = subprocess.run(
+                    command, env=env, capture_output=True, text=True, timeout=args.child_timeout
+                )
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(
+                    f"{condition}: a process ran past {args.child_timeout} s"
+                ) from None
             if out.returncode != 0:
                 raise RuntimeError(f"{condition}: child failed: {out.stderr.strip()[-500:]}")
             medians.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -202,6 +209,7 @@ def main(argv=None) -> int:
     parser.add_argument("--processes", type=int, default=20, help="fresh processes per condition")
     parser.add_argument("--calls", type=int, default=100, help="timed calls per engine and process")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--child-timeout", type=float, default=300, help="seconds per process")
     parser.add_argument("--mcpu", default=None, help="build for this CPU (LLVM's name)")
     parser.add_argument("--output", default="bench/neighbours.json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -237,7 +245,7 @@ def main(argv=None) -> int:
                         json.dumps({"workload": name, "condition": condition, **rows[condition]}),
                         flush=True,
                     )
-    except tvm_fusion.TvmFusionError as err:
+    except (tvm_fusion.TvmFusionError, RuntimeError) as err:
         print(f"bench_neighbours: error: {err}", file=sys.stderr)
         return 2
     result["bind_threads"] = os.environ.get("TVM_BIND_THREADS")
