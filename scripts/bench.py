@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark stock TVM, tvm_fusion, ONNX Runtime and PyTorch side by side in one process.
+"""Benchmark stock TVM, tvm_fusion, ONNX Runtime, Inductor and PyTorch side by side in one process.
 
 Same as ``tvm-fusion bench``; writes ``bench/results.json`` and ``bench/results.md``.
 
@@ -21,6 +21,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=10.0)
     parser.add_argument("--min-time", type=float, default=0.5)
     parser.add_argument("--target", default=None)
+    parser.add_argument("--mcpu", default=None, help="build for this CPU, e.g. znver3")
     parser.add_argument("--tuning-db", default=None)
     parser.add_argument("--output", default="bench/results.json")
     return parser.parse_args(argv)
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
         ("--workloads", args.workloads),
         ("--engines", args.engines),
         ("--target", args.target),
+        ("--mcpu", args.mcpu),
         ("--tuning-db", args.tuning_db),
     ]:
         if value:

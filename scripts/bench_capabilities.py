@@ -100,9 +100,9 @@ def _torch_take(inst, backward: bool, repeat: int, budget: float) -> float | Non
 
 
 def _threads() -> int:
-    import os
+    from tvm_fusion import pool
 
-    return int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))
+    return pool.threads()
 
 
 def bench_cross_entropy(target, repeat: int, budget: float, size: str) -> list[dict]:

@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     from tvm_fusion.tools.bench import machine_info
 
     warnings.simplefilter("ignore")
-    threads = int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))
+    threads = tvm_fusion.pool.threads()
     target = tvm_fusion.host_target()
     sections = args.only.split(",")
     if any(s in ("gate_up", "swiglu") for s in sections):

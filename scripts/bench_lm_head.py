@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
     from tvm_fusion.build import engine
     from tvm_fusion.tools.bench import machine_info
 
-    threads = int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))
+    threads = tvm_fusion.pool.threads()
     torch.set_num_threads(threads)
     target = tvm_fusion.host_target()
     head = _head(torch, args.hidden, args.vocab)

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     from tvm_fusion.transform import collect_rewrites
 
     warnings.simplefilter("ignore")
-    threads = int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))
+    threads = tvm_fusion.pool.threads()
     torch.set_num_threads(threads)
     target = tvm_fusion.host_target()
     rows = []

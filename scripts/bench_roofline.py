@@ -17,6 +17,7 @@ Times, engines alternating in rounds (``engine.time_interleaved``), medians:
 Prints GFLOP/s per row (2 flops per multiply-add) and writes them to ``--output`` as JSON.
 
     python scripts/bench_roofline.py --repeat 10 --output /tmp/roofline.json
+    python scripts/bench_roofline.py --mcpu znver3   # AVX2 code (and AVX2 peak) on this host
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--budget", type=float, default=3.0)
     parser.add_argument("--output", default="bench/roofline.json")
+    parser.add_argument(
+        "--mcpu", default=None, help="build for this CPU (LLVM's name, e.g. znver3, x86-64-v3)"
+    )
     args = parser.parse_args(argv)
     try:
         import torch
@@ -104,12 +108,16 @@ def main(argv=None) -> int:
 
     import tvm_fusion
     from tvm_fusion.build import engine
-    from tvm_fusion.tools.bench import machine_info
+    from tvm_fusion.tools.bench import bench_target, machine_info
 
     warnings.simplefilter("ignore")
-    threads = int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))
+    try:
+        target = bench_target(tvm_fusion.host_target(), args.mcpu)
+    except tvm_fusion.UsageError as err:
+        print(f"bench_roofline: error: {err}", file=sys.stderr)
+        return 2
+    threads = tvm_fusion.pool.threads()
     torch.set_num_threads(threads)
-    target = tvm_fusion.host_target()
     rng = np.random.default_rng(0)
     rows = []
 

@@ -5,6 +5,7 @@ Writes ``bench/sweep.json`` and ``bench/sweep.md`` (see :mod:`tvm_fusion.tools.s
 
     python scripts/bench_sweep.py                       # every case, about 10 minutes here
     python scripts/bench_sweep.py --family gemm,softmax --output /tmp/sweep.json
+    python scripts/bench_sweep.py --mcpu znver3          # AVX2 code on an AVX-512 host
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--budget", type=float, default=2.0, help="timed seconds per engine")
     parser.add_argument("--target", default="llvm")
+    parser.add_argument(
+        "--mcpu", default=None, help="build for this CPU (LLVM's name, e.g. znver3, x86-64-v3)"
+    )
     parser.add_argument("--output", default="bench/sweep.json")
     return parser.parse_args(argv)
 
@@ -31,10 +35,10 @@ def main(argv=None) -> int:
     from tvm_fusion.errors import UsageError
     from tvm_fusion.target import parse_target
     from tvm_fusion.tools import sweep
-    from tvm_fusion.tools.bench import machine_info
+    from tvm_fusion.tools.bench import bench_target, machine_info
 
     try:
-        target = parse_target(args.target)
+        target = bench_target(parse_target(args.target), args.mcpu)
     except UsageError as err:
         print(f"bench_sweep: error: {err}", file=sys.stderr)
         return 2

@@ -3,8 +3,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py for every subfolder
 
-os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-
 import pytest  # noqa: E402
 
 import tvm_fusion  # noqa: E402,F401  (registers the pipeline)

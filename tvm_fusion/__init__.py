@@ -8,11 +8,12 @@ Importing this package registers the Relax pipeline ``"tvm_fusion"``::
 
 from __future__ import annotations
 
-import os as _os
 import sys as _sys
 
-# TVM's thread pool starts with one thread on small machines unless told otherwise.
-_os.environ.setdefault("TVM_NUM_THREADS", str(len(_os.sched_getaffinity(0))))
+from . import pool as _pool
+
+# TVM's thread pool: threads and binding, before anything starts it; a user's settings win.
+_pool.configure()
 
 from . import _compat  # noqa: E402
 from .build.pipeline import (  # noqa: E402

@@ -45,13 +45,73 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def host_target(num_cores: int | None = None) -> Target:
-    """An llvm target for this machine's CPU: its ``mcpu`` and its core count."""
+def host_target(num_cores: int | None = None, mcpu: str | None = None) -> Target:
+    """An llvm target for this machine's CPU: its ``mcpu`` and its core count. ``mcpu``: build
+    for that CPU instead (LLVM's name, checked: :func:`check_mcpu`), e.g. ``znver3`` for AVX2
+    code on an AVX-512 machine."""
     from tvm.target.codegen import llvm_get_system_cpu
 
-    return Target(
-        {"kind": "llvm", "mcpu": llvm_get_system_cpu(), "num-cores": num_cores or cpu_count()}
-    )
+    cpu = check_mcpu(mcpu) if mcpu else llvm_get_system_cpu()
+    return Target({"kind": "llvm", "mcpu": cpu, "num-cores": num_cores or cpu_count()})
+
+
+def check_mcpu(mcpu: str, triple: str | None = None) -> str:
+    """``mcpu`` when LLVM knows it for ``triple`` (default: the host's), else a UsageError (LLVM
+    itself only warns and builds generic code)."""
+    from tvm.target.codegen import llvm_get_system_triple, llvm_is_valid_cpu
+
+    triple = triple or llvm_get_system_triple()
+    name = str(mcpu).strip()
+    if not name or not llvm_is_valid_cpu(name, triple):
+        raise UsageError(
+            f"unknown --mcpu {mcpu!r}: LLVM knows no such CPU for {triple} "
+            "(e.g. znver3, x86-64-v3, skylake-avx512)"
+        )
+    return name
+
+
+def with_mcpu(target: Target, mcpu: str | None) -> Target:
+    """``target`` built for CPU ``mcpu`` (checked by :func:`check_mcpu` against the target's
+    ``mtriple``); ``None`` returns ``target`` as it is. llvm targets only: a CUDA target is
+    refused (its host is the machine that runs it)."""
+    if not mcpu:
+        return target
+    if target.kind.name != "llvm":
+        raise UsageError(f"--mcpu applies to llvm targets, not {target.kind.name}")
+    attrs = {key: _plain(value) for key, value in target.attrs.items()}
+    attrs["mcpu"] = check_mcpu(mcpu, attrs.get("mtriple") or None)
+    attrs.pop("mattr", None)  # the host's features would undo the CPU's
+    return Target({"kind": "llvm", **attrs})
+
+
+# features whose code faults on a CPU without them (SIGILL): checked before a benchmark runs
+_RUN_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx512bf16", "avx2", "fma")
+
+
+def check_runs_here(target: Target) -> None:
+    """A UsageError when code built for the llvm ``target`` cannot run on this machine: another
+    triple, or a feature (AVX-512, AVX2, FMA) this CPU lacks; a benchmark would die of SIGILL."""
+    if target.kind.name != "llvm":
+        return
+    from tvm.target.codegen import llvm_get_system_triple, target_has_features
+
+    triple = str(target.attrs.get("mtriple", "") or "")
+    if triple and triple.split("-")[0] != llvm_get_system_triple().split("-")[0]:
+        raise UsageError(f"code built for {triple} cannot run on this machine")
+    host = host_target()
+    try:
+        lacking = [
+            f
+            for f in _RUN_FEATURES
+            if target_has_features(f, target) and not target_has_features(f, host)
+        ]
+    except Exception:  # non-x86 hosts do not know these feature names
+        return
+    if lacking:
+        raise UsageError(
+            f"code built for mcpu {target.attrs.get('mcpu', '')} needs {', '.join(lacking)}, "
+            "which this CPU lacks: it cannot run here"
+        )
 
 
 def cuda_target(arch: str = DEFAULT_CUDA_ARCH) -> Target:
@@ -91,6 +151,8 @@ def _tag_attrs(tag: str) -> dict:
 def _plain(value):
     if isinstance(value, tvm.tirx.IntImm | int):
         return int(value)
+    if isinstance(value, list | tuple | tvm.ir.Array):
+        return [_plain(v) for v in value]
     return str(value)
 
 

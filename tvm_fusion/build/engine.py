@@ -15,6 +15,7 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
+from .. import pool
 from ..errors import ModelError, TvmFusionError, UsageError, first_line
 from ..target import async_copy, is_gpu, num_cores, parse_target
 from .pipeline import build_pipeline, stock_pipeline
@@ -168,6 +169,31 @@ def torch_runner(make_fn: Callable, inputs: Sequence[np.ndarray], threads: int) 
     return run
 
 
+def inductor_runner(
+    make_fn: Callable, inputs: Sequence[np.ndarray], threads: int, dynamic: bool
+) -> tuple[Callable, list[np.ndarray], float]:
+    """``torch.compile`` (Inductor) of a workload's torch function: ``dynamic=False`` for static
+    shapes, ``dynamic=True`` for symbolic ones. Compiles on the first call, made here: returns
+    the runner, that call's outputs and its seconds (the compile time, kept apart from the run
+    time). Inductor's errors propagate (the caller reports them in one line). Dynamo's caches
+    are reset first: workloads whose functions share code (SwiGLU and GeGLU) would otherwise
+    count as recompiles of one function, and past its limit Dynamo runs it eagerly, unsaid."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch._dynamo.reset()
+    fn = torch.compile(make_fn(torch), dynamic=dynamic)
+    args = [torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]
+
+    def run():
+        with torch.inference_mode():
+            return [o.numpy() for o in fn(*args)]
+
+    start = time.perf_counter()
+    outputs = run()
+    return run, outputs, time.perf_counter() - start
+
+
 def time_runs(run: Callable, repeat: int = 10, warmup: int = 1, budget_s: float = 10.0) -> dict:
     """Median and min of ``repeat`` timed calls (at least 3, fewer when over ``budget_s``)."""
     for _ in range(warmup):
@@ -298,4 +324,7 @@ def allclose(outputs, reference, rtol: float, atol: float) -> bool:
 
 
 def threads_for(target: Target) -> int:
-    return num_cores(target)
+    """Threads for the other engines of a benchmark (ONNX Runtime, torch): as many as TVM's pool
+    runs (:func:`tvm_fusion.pool.threads`, a user's ``TVM_NUM_THREADS`` included), at most the
+    target's cores."""
+    return max(1, min(num_cores(target), pool.threads()))

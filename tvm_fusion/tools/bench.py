@@ -2,7 +2,10 @@
 
 Every engine runs in this one process on the same inputs: ``tvm-stock`` (stock TVM's fusing
 pipeline, ``relax.get_default_pipeline``), ``tvm-fusion`` (ours), ``onnxruntime`` (the workload's
-ONNX model) and ``torch`` (when installed). Each engine is prepared and its outputs are checked
+ONNX model), ``inductor`` (``torch.compile`` of the workload's torch function: ``dynamic=False``,
+``dynamic=True`` when the workload has symbolic dims; its compile time is the first call's,
+reported apart, never in the run times) and ``torch`` (eager; both when torch is installed).
+Each engine is prepared and its outputs are checked
 against the workload's NumPy reference; then all are timed together in alternating rounds
 (:func:`tvm_fusion.build.engine.time_interleaved`), so that a slow phase of the machine falls on
 every engine. The median and the minimum are kept and the ratios are computed from the medians.
@@ -24,13 +27,21 @@ from tvm.target import Target
 
 from .. import models
 from ..build import engine
-from ..errors import UsageError
-from ..target import parse_target
+from ..errors import UsageError, first_line
+from ..target import check_runs_here, parse_target, with_mcpu
 from .analysis import kernel_count
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("tvm-stock", "tvm-fusion", "onnxruntime", "torch")
+ENGINES = ("tvm-stock", "tvm-fusion", "onnxruntime", "inductor", "torch")
+
+
+def bench_target(target: Target, mcpu: str | None = None) -> Target:
+    """A benchmark's target: ``target`` built for ``mcpu`` (--mcpu) when given, refused in one
+    line when its code cannot run on this machine (another ISA, AVX-512 on an AVX2 CPU)."""
+    target = with_mcpu(target, mcpu)
+    check_runs_here(target)
+    return target
 
 
 def _have(module: str) -> bool:
@@ -164,15 +175,26 @@ def prepare_engine(
             return result, None
         run = engine.onnxruntime_runner(inst.onnx_model, inst.inputs, threads)
         outputs = [np.asarray(o) for o in run()]
-    elif name == "torch":
+    elif name in ("torch", "inductor"):
         if not _have("torch"):
             result.skipped = "torch is not installed"
             return result, None
         if inst.torch_fn is None:
-            result.skipped = "no torch function for this workload"
+            result.skipped = "no torch function for this workload (ONNX only)"
             return result, None
-        run = engine.torch_runner(inst.torch_fn, inst.input_list(), threads)
-        outputs = run()
+        if name == "torch":
+            run = engine.torch_runner(inst.torch_fn, inst.input_list(), threads)
+            outputs = run()
+        else:
+            dynamic = symbolic(inst.mod)
+            try:
+                run, outputs, compile_s = engine.inductor_runner(
+                    inst.torch_fn, inst.input_list(), threads, dynamic
+                )
+            except Exception as err:  # Inductor's many error types (no C++ compiler, ...)
+                result.skipped = f"torch.compile failed: {first_line(err)}"
+                return result, None
+            result.compile_s = round(compile_s, 3)
     else:  # pragma: no cover - parse_engines guards this
         raise UsageError(f"unknown engine {name}")
     result.max_abs_err = engine.max_error(outputs, reference)
@@ -185,6 +207,21 @@ def prepare_engine(
             result.max_abs_err,
         )
     return result, run
+
+
+def symbolic(mod) -> bool:
+    """Whether ``mod``'s ``main`` takes a tensor of a symbolic (or unknown) shape."""
+    from tvm import relax, tirx
+
+    for param in mod["main"].params:
+        sinfo = param.ty
+        if not isinstance(sinfo, relax.TensorType):
+            continue
+        if sinfo.shape is None or not isinstance(sinfo.shape, relax.ShapeExpr):
+            return True
+        if any(not isinstance(v, tirx.IntImm) for v in sinfo.shape.values):
+            return True
+    return False
 
 
 def run_bench(
@@ -250,8 +287,20 @@ def markdown_table(results: Sequence[WorkloadResult], engines: Sequence[str]) ->
         ]
         row += row_tail(res.engines, engines)
         lines.append("| " + " | ".join(row) + " |")
+    lines += compile_notes([(r.workload, r.engines) for r in results])
     lines += skipped_notes([(r.workload, r.engines) for r in results], "Skipped")
     return "\n".join(lines)
+
+
+def compile_notes(rows: Sequence[tuple[str, dict[str, EngineResult]]]) -> list[str]:
+    """One line per row: the engines' compile seconds (Inductor's: its first call), which the
+    run times above leave out."""
+    notes = []
+    for label, engines in rows:
+        cells = [f"{n} {r.compile_s:.1f}" for n, r in engines.items() if r.compile_s is not None]
+        if cells:
+            notes.append(f"- {label}: {', '.join(cells)}")
+    return ["", "Compile s (not in the run times):", *notes] if notes else []
 
 
 def machine_info(target) -> dict:

@@ -335,6 +335,7 @@ def _parse_dims(items: Sequence[str] | None) -> dict[str, int]:
 
 def cmd_bench_models(args) -> int:
     from . import model_bench
+    from .bench import bench_target
 
     if args.size != "seed" or _pipeline_options(args):
         raise UsageError("--models takes no --size, --tuning-db, --dump-dir or --disable")
@@ -344,7 +345,7 @@ def cmd_bench_models(args) -> int:
             f"--engines names no engine; known: {', '.join(model_bench.MODEL_ENGINES)}"
         )
     dims = _parse_dims(args.dim)
-    target = _target(args)
+    target = bench_target(_target(args), args.mcpu)
     output = "bench/models.json" if args.output is None else args.output
     if output:
         _check_output_file(output, "--output", make_parents=True)
@@ -376,7 +377,7 @@ def cmd_bench(args) -> int:
         raise UsageError("--dim needs --models DIR")
     engines = bench.parse_engines(args.engines)
     names = _workload_list(args.workloads)
-    target = _target(args)
+    target = bench.bench_target(_target(args), args.mcpu)
     output = "bench/results.json" if args.output is None else args.output
     if output:
         _check_output_file(output, "--output", make_parents=True)
@@ -533,8 +534,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engines",
         default=None,
-        help="comma-separated: tvm-stock,tvm-fusion,onnxruntime,torch (default all); with "
-        "--models: tvm-stock,stock-pipeline,tvm-fusion,onnxruntime",
+        help="comma-separated: tvm-stock,tvm-fusion,onnxruntime,inductor,torch (default all); "
+        "with --models: tvm-stock,stock-pipeline,tvm-fusion,onnxruntime",
+    )
+    p.add_argument(
+        "--mcpu",
+        default=None,
+        help="build for this CPU (LLVM's name, e.g. znver3 for AVX2 code on an AVX-512 host)",
     )
     p.add_argument("--size", default="seed", choices=["seed", "small"])
     p.add_argument("--repeat", type=_positive_int, default=20)

@@ -44,6 +44,7 @@ from .analysis import kernel_count
 from .bench import (
     EngineResult,
     _fmt_ms,
+    compile_notes,
     machine_info,
     ratio,
     ratios,
@@ -90,9 +91,15 @@ def parse_model_engines(spec: str | Sequence[str] | None) -> list[str]:
     names = [s.strip() for s in spec.split(",") if s.strip()] if isinstance(spec, str) else spec
     unknown = [n for n in names if n not in MODEL_ENGINES]
     if unknown:
+        torch_only = [n for n in unknown if n in ("inductor", "torch")]
+        why = (
+            f" ({' and '.join(torch_only)} need a torch module; --models runs ONNX files)"
+            if torch_only
+            else ""
+        )
         raise UsageError(
             f"unknown engine(s) for --models: {', '.join(unknown)}; "
-            f"known: {', '.join(MODEL_ENGINES)}"
+            f"known: {', '.join(MODEL_ENGINES)}{why}"
         )
     return list(names)
 
@@ -341,6 +348,7 @@ def markdown_table(results: Sequence[ModelResult], engines: Sequence[str]) -> st
         ]
         row += row_tail(res.engines, engines)
         lines.append("| " + " | ".join(row) + " |")
+    lines += compile_notes([(r.model, r.engines) for r in results])
     lines += skipped_notes([(r.model, r.engines) for r in results], "Failed")
     return "\n".join(lines)
 
