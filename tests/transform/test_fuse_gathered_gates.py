@@ -110,6 +110,33 @@ def test_must_not_fire(case):
     assert out.same_as(mod)
 
 
+def test_static_tokens_match_numpy():
+    """5 tokens, static: the CPU rule tiles several rows, each reading its own expert."""
+    mod = _expert_module(symbolic=False)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, H)).astype("float32")
+    scores = rng.standard_normal((5, E)).astype("float32")
+    with collect_rewrites() as counts:
+        compiled = engine.compile_module(mod, tvm_fusion.host_target(), "tvm_fusion")
+    assert counts["FuseGatheredGates"] == 1
+    got = engine.TvmRunner(compiled, [x, scores]).outputs()[0]
+    weight = next(c for c in _constants(mod)).astype("float64")
+    y = np.einsum("snk,sk->sn", weight[scores.argmax(-1)], x)
+    g, u = y[:, :INNER], y[:, INNER:]
+    np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-4)
+
+
+def _constants(mod):
+    found = []
+    relax.analysis.post_order_visit(
+        mod["main"].body,
+        lambda e: (
+            found.append(e.value.numpy()) if isinstance(e, tvm.ir.expr.GenericConst) else None
+        ),
+    )
+    return found
+
+
 def _down_module(scaled=True) -> tvm.IRModule:
     """The down projection: ``squeeze(bmm(take(Wd, ids), h[..., None])) * r`` (or unscaled)."""
     rng = np.random.default_rng(1)

@@ -89,18 +89,20 @@ class FuseGatheredGates:
 
 def _find_gathered(blk: _Block, mod: IRModule) -> list[_Gemm]:
     blk.mod = mod  # read by _index_range (topk dispatched to a library call)
+    bindings = [b for b in blk.bindings if isinstance(b, relax.VarBinding)]
     gemms = []
-    for binding in blk.bindings:
-        if not isinstance(binding, relax.VarBinding):
-            continue
+    for binding in bindings:
         pieces = _pieces(blk, binding) or _slice_pieces(blk, binding)
-        if pieces is not None:
-            gemm = _gathered_gemm(blk, *pieces)
-        elif _unsplit(blk, binding):  # the down projection: one piece, the whole result
-            width = _int(_shape(binding.var)[-1])
-            gemm = _gathered_gemm(blk, binding.var, [binding.var], None, width, {})
-        else:
-            gemm = None
+        gemm = _gathered_gemm(blk, *pieces) if pieces is not None else None
+        if gemm is not None:
+            gemms.append(gemm)
+    claimed = {v for g in gemms for v in g.chain}  # a split GEMM is not also an unsplit one
+    for binding in bindings:
+        if binding.var in claimed or not _unsplit(blk, binding):
+            continue
+        # the down projection: one piece, the whole result
+        width = _int(_shape(binding.var)[-1])
+        gemm = _gathered_gemm(blk, binding.var, [binding.var], None, width, {})
         if gemm is not None:
             gemms.append(gemm)
     return gemms
