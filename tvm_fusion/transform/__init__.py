@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ._common import collect_rewrites
 from .fuse_cross_entropy import FuseCrossEntropy
+from .fuse_gathered_gates import FuseGatheredGates
 from .fuse_linear_cross_entropy import FuseLinearCrossEntropy
 from .fuse_split_gates import FuseSplitGates
 from .gather_to_slice import GatherToSlice
@@ -24,6 +25,7 @@ from .strip_bookend_views import StripBookendViews
 GRAPH_PASSES: list[tuple[str, type]] = [
     ("place_shape_on_host", PlaceShapeOnHost),
     ("gather_to_slice", GatherToSlice),
+    ("fuse_gathered_gates", FuseGatheredGates),  # before FuseSplitGates
     ("fuse_split_gates", FuseSplitGates),
     ("fuse_cross_entropy", FuseCrossEntropy),
     ("fuse_linear_cross_entropy", FuseLinearCrossEntropy),  # chunks what the last one made
@@ -37,6 +39,7 @@ POST_FUSION_PASSES: list[tuple[str, type]] = [
 __all__ = [
     "GRAPH_PASSES",
     "FuseCrossEntropy",
+    "FuseGatheredGates",
     "FuseLinearCrossEntropy",
     "FuseSplitGates",
     "POST_FUSION_PASSES",

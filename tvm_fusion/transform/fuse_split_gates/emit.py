@@ -17,24 +17,36 @@ from .._common import get_logger, skip, use_counts
 from .group import _Group, _grow
 from .match import _Block, _find_gemms, _int
 from .ops import _ACC, _HALF, _emit_op
-from .plan import _blocked_weight, _emission_order, _plan_block
+from .plan import _blocked_weight, _emission_order, _gathered_weight, _plan_block
 
 logger = get_logger(__name__)
 GATE_ATTR = "tvm_fusion.gate_fusion"
 
 
-def _gemm_stage(x, w, layout: str, block: int, width: int, gates: int, n_rows: int, name: str):
+def _gemm_stage(
+    x, w, layout: str, block: int, width: int, gates: int, n_rows: int, name: str, ids=None
+):
     """``Y[rows, gate, d] = sum_k x[rows, k] * W(gate, d, k)`` for one weight layout. With the
     blocked weight, ``Y`` is blocked like it, ``Y[rows, gate, d // V, d % V]``: every index is
     then a plain iterator (an einsum, which ``pad_einsum`` can pad) and one ``V`` block of
-    units is one contiguous vector of each gate. Half-precision ``x`` and ``w`` are widened:
-    the sum accumulates in float32."""
+    units is one contiguous vector of each gate. ``gathered``: the blocked weight of expert
+    ``ids[rows]``, ``Wg[ids[rows], d // V, k, gate, d % V]``, read in place. Half-precision
+    ``x`` and ``w`` are widened: the sum accumulates in float32."""
     kk = te.reduce_axis((0, x.shape[-1]), name="k")
 
     def mul(a, b):
         if a.dtype == _ACC:
             return a * b
         return a.astype(_ACC) * b.astype(_ACC)
+
+    if layout == "gathered":  # (E, D/V, K, gates, V), expert ids[rows]
+
+        def gathered(*idx):
+            rows, gate, do, di = idx[:n_rows], idx[n_rows], idx[n_rows + 1], idx[n_rows + 2]
+            return te.sum(mul(x[(*rows, kk)], w[ids[rows], do, kk, gate, di]), axis=kk)
+
+        blocks = -(-width // block)
+        return te.compute((*x.shape[:-1], gates, blocks, block), gathered, name=name)
 
     if layout == "blocked":  # (D/V, K, gates, V)
 
@@ -57,7 +69,21 @@ def _gemm_stage(x, w, layout: str, block: int, width: int, gates: int, n_rows: i
     return te.compute((*x.shape[:-1], gates, width), body, name=name)
 
 
-def _bias_stage(y, bias, width: int, n_rows: int, name: str):
+def _bias_stage(y, bias, width: int, n_rows: int, name: str, ids=None):
+    """``y + bias``; with ``ids``, ``bias`` is ``(E, gates * width)`` and row ``r`` adds the
+    row of expert ``ids[r]``."""
+    if ids is not None:
+        blocked = len(y.shape) == n_rows + 3
+
+        def gathered(*idx):
+            gate = idx[n_rows]
+            d = idx[n_rows + 1] * y.shape[-1] + idx[n_rows + 2] if blocked else idx[n_rows + 1]
+            if blocked and _int(y.shape[-1]) * _int(y.shape[-2]) != width:
+                d = tirx.min(d, width - 1)
+            value = bias[ids[idx[:n_rows]], gate * width + d]
+            return y(*idx) + _widen(bias, value, y.dtype)
+
+        return te.compute(y.shape, gathered, name=name)
     if not bias.shape:  # a scalar bias (ONNX Add of a 0-d constant)
         return te.compute(y.shape, lambda *idx: y(*idx) + _widen(bias, bias(), y.dtype), name=name)
     per_feature = _int(bias.shape[-1]) != 1
@@ -128,9 +154,14 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
         for gi, g in enumerate(group.gemms):
             x, w = tensors[pos], tensors[pos + 1]
             pos += 2
-            y = _gemm_stage(x, w, layouts[gi], block, width, g.gates, n_rows, f"gemm{gi}")
+            ids = None
+            if g.ids is not None:  # the expert of each row, after the weight
+                ids = tensors[pos]
+                pos += 1
+            y = _gemm_stage(x, w, layouts[gi], block, width, g.gates, n_rows, f"gemm{gi}", ids)
             if g.bias is not None:
-                y = _bias_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_bias")
+                row_ids = ids if g.gathered_bias else None
+                y = _bias_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_bias", row_ids)
                 pos += 1
             for ai in range(len(g.addends)):
                 y = _addend_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_add{ai}")
@@ -180,10 +211,11 @@ def _round_to(t: te.Tensor, dtype: str) -> te.Tensor:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule, target):
+    def __init__(self, mod: IRModule, target, find=_find_gemms):
         super().__init__(mod)
         self.mod = mod
         self.target = target
+        self.find = find  # _Block -> [_Gemm] (FuseGatheredGates passes its own)
         self.count = 0
         self.uses: dict = {}
         self._blk: _Block | None = None
@@ -201,7 +233,7 @@ class _Rewriter(PyExprMutator):
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
         blk = _Block.of(block, self.uses)
         self._blk = blk
-        gemms = _find_gemms(blk)
+        gemms = self.find(blk)
         groups = _grow(blk, gemms) if gemms else []
         groups = [g for g in groups if _plan_block(g, self.target) is not None]
         if not groups:
@@ -227,7 +259,13 @@ class _Rewriter(PyExprMutator):
         layouts = []
         for gemm in group.gemms:
             args.append(self.visit_expr(gemm.x))
-            if isinstance(gemm.weight, GenericConst):
+            if gemm.ids is not None:  # matched only with a constant expert weight
+                w = gemm.weight.value.numpy()
+                blocked = _gathered_weight(w, gemm.transposed, gemm.gates, gemm.width, group.block)
+                args.append(relax.const(blocked, str(gemm.weight.ty.dtype)))
+                args.append(self.visit_expr(gemm.ids))
+                layouts.append("gathered")
+            elif isinstance(gemm.weight, GenericConst):
                 w = gemm.weight.value.numpy()
                 args.append(
                     relax.const(

@@ -49,7 +49,7 @@ def _grow(blk: _Block, gemms: list[_Gemm]) -> list[_Group]:
             owner[p] = gi
     ops: dict[int, list] = {}
     start = min(blk.index[p] for g in gemms for p in g.pieces)
-    inputs = [_ancestors(blk, [g.x, g.weight, *g.addends]) for g in gemms]
+    inputs = [_ancestors(blk, [g.x, g.weight, *_ids(g), *g.addends]) for g in gemms]
 
     def gis(root):
         return [gi for gi in range(len(gemms)) if find(gi) == root]
@@ -142,6 +142,11 @@ def _check_group(blk: _Block, gemms: list[_Gemm], ops: list) -> _Group | None:
     if not outputs:
         return skip(logger, what, "no result leaves the group") or None
     return _Group(gemms, [b.var for b in ops], outputs, externals, rows, width)
+
+
+def _ids(gemm: _Gemm) -> list:
+    """The expert ids a gathered GEMM reads (none for a plain one)."""
+    return [] if gemm.ids is None else [gemm.ids]
 
 
 def _broadcastable(arg, out_shape) -> bool:

@@ -35,6 +35,11 @@ class _Gemm:
     # non-constant tensors broadcast to the GEMM output, added to it before the split (an RNN
     # step's input projection): read in the epilogue, added to the accumulator tile
     addends: list = dataclasses.field(default_factory=list)
+    # a weight gathered per row (FuseGatheredGates): ``weight`` is the constant (E, k*D, K) or
+    # (E, K, k*D) expert weight, ``ids`` the (rows...) expert of each row, proven in [0, E);
+    # ``bias`` is then (E, k*D) and gathered likewise when ``gathered_bias``
+    ids: relax.Expr | None = None
+    gathered_bias: bool = False
 
     @property
     def gates(self) -> int:

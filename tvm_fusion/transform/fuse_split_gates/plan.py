@@ -1,6 +1,7 @@
 """Planning a gate group's kernel: the vector block ``V`` of the target's schedule
 (:func:`_plan_block`), the constant weight blocked for it (:func:`_blocked_weight`,
-``W (k*D, K) -> Wb (D/V, K, k, V)``, a ``D`` that no ``V`` divides padded with zero columns),
+``W (k*D, K) -> Wb (D/V, K, k, V)``, a ``D`` that no ``V`` divides padded with zero columns;
+gathered expert weights per expert, :func:`_gathered_weight`),
 and the order in which a block with fused groups is emitted again (:func:`_emission_order`).
 """
 
@@ -46,6 +47,12 @@ def _blocked_weight(w: np.ndarray, transposed: bool, gates: int, width: int, blo
     return np.ascontiguousarray(blocked)
 
 
+def _gathered_weight(w: np.ndarray, transposed: bool, gates: int, width: int, block: int):
+    """Expert weights (E, k*D, K) or (E, K, k*D) -> (E, ceil(D/V), K, k, V): each expert
+    blocked as :func:`_blocked_weight` does, the expert axis in front."""
+    return np.stack([_blocked_weight(we, transposed, gates, width, block) for we in w])
+
+
 def _emission_order(blk: _Block, groups: list[_Group]) -> list | None:
     """The block's bindings outside the groups and the groups (each one call), in an order
     that defines every variable before its use: block order, each group at its last binding,
@@ -63,7 +70,7 @@ def _emission_order(blk: _Block, groups: list[_Group]) -> list | None:
 
     def needs(item) -> set:
         if isinstance(item, _Group):
-            exprs = [e for g in item.gemms for e in (g.x, g.weight, g.bias) if e is not None]
+            exprs = [e for g in item.gemms for e in (g.x, g.weight, g.bias, g.ids) if e is not None]
             exprs += [a for g in item.gemms for a in g.addends]
             exprs += list(item.externals)
         else:
