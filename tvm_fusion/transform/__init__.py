@@ -12,6 +12,7 @@ module to lowering (``tvm_fusion.lower``) and, after FuseOps, to FuseTIR and the
 from __future__ import annotations
 
 from ._common import collect_rewrites
+from .check_gather_bounds import CheckGatherBounds
 from .fuse_cross_entropy import FuseCrossEntropy
 from .fuse_linear_cross_entropy import FuseLinearCrossEntropy
 from .fuse_split_gates import FuseSplitGates
@@ -23,6 +24,7 @@ from .strip_bookend_views import StripBookendViews
 
 GRAPH_PASSES: list[tuple[str, type]] = [
     ("place_shape_on_host", PlaceShapeOnHost),
+    ("check_gather_bounds", CheckGatherBounds),  # before anything rewrites a take
     ("gather_to_slice", GatherToSlice),
     ("fuse_split_gates", FuseSplitGates),
     ("fuse_cross_entropy", FuseCrossEntropy),
@@ -35,6 +37,7 @@ POST_FUSION_PASSES: list[tuple[str, type]] = [
 ]
 
 __all__ = [
+    "CheckGatherBounds",
     "GRAPH_PASSES",
     "FuseCrossEntropy",
     "FuseLinearCrossEntropy",
