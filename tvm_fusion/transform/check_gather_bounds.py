@@ -20,7 +20,8 @@ alias of ``bad``: the memory planner assumes packed calls keep none of their arg
 Left as they are (range proven, or no read outside the buffer possible):
 
 - ``mode="clip"`` / ``"wrap"``;
-- constant indices inside a static axis (outside it: ``ModelError`` at compile time);
+- constant indices provably inside the axis (outside it: a warning at compile time, and the
+  check, which raises on every call);
 - indices that are an arithmetic progression inside the axis (``arange``, a constant
   ``Range``; what GatherToSlice proves, through casts, reshapes, slices and the ONNX importer's
   negative-index ``where``);
@@ -45,7 +46,6 @@ from tvm.ir import StringImm
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..errors import ModelError
 from ._common import as_i64, get_logger, op_name, record_rewrite, skip
 from .gather_to_slice import _Values
 
@@ -147,7 +147,7 @@ class _Rewriter(PyExprMutator):
         if isinstance(extent, tirx.IntImm):
             high = relax.op.greater_equal(wide, relax.const(int(extent.value), "int64"))
         else:
-            high = relax.op.greater_equal(wide, relax.PrimValue(extent))
+            high = relax.op.greater_equal(wide, relax.prim_value(extent))
         outside = bb.emit(relax.op.logical_or(bb.emit(low), bb.emit(high)))
         bad = bb.emit(relax.op.sum(relax.op.astype(outside, "int64")))
         zero = bb.emit(
@@ -168,12 +168,9 @@ class _Rewriter(PyExprMutator):
             if arr.size == 0:
                 return True
             low, high = int(arr.min()), int(arr.max())
-            if isinstance(extent, tirx.IntImm) and not 0 <= low <= high < int(extent.value):
-                raise ModelError(
-                    f"{what}: constant index {low if low < 0 else high} outside [0, {extent})"
-                )
-            if analyzer.can_prove(as_i64(high) < extent) and low >= 0:
+            if low >= 0 and analyzer.can_prove(as_i64(high) < extent):
                 return _proved(what, "constant indices inside the axis")
+            logger.warning("%s: constant index outside [0, %s), checked at run time", what, extent)
             return False
         prog = self.values.progression(idx, analyzer)
         if prog is not None and prog.step != 0:

@@ -1,0 +1,282 @@
+"""CheckGatherBounds: a run-time range check before every take whose indices are unproven.
+
+Fires on: indices that are a function input (static and symbolic axis, int32 indices).
+Must not fire: constant indices inside the axis, ``arange`` inside the axis (static and
+symbolic), ``argmax`` indices of an axis no longer than the take's, ``mode="clip"``.
+Checked as well: a constant index outside the axis, an argmax over a longer axis.
+Numerical: ONNX Gather (against onnxruntime) and torch.export's ``nn.Embedding`` /
+``index_select`` (against torch): in-range ids give the same numbers, out-of-range ids (by 1, by
+10**8, negative beyond -n) raise one ``IndexError`` that names the op.
+"""
+
+import numpy as np
+import pytest
+import tvm
+import tvm.testing
+from helpers import Base
+from onnx import TensorProto, helper, numpy_helper
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+import tvm_fusion
+from tvm_fusion.build.engine import as_list, compile_module
+from tvm_fusion.transform import CheckGatherBounds, collect_rewrites
+
+CHECK = "tvm_fusion.check_gather_bounds"
+MESSAGE = "index out of range in take (ONNX Gather, torch embedding/index_select) of "
+
+
+class BoundsBase(Base):
+    transform = CheckGatherBounds()
+
+
+class TestInputIndices(BoundsBase):
+    """Token ids from the caller into a (4, 3) table: checked against [0, 4)."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 3), "float32"), ids: R.Tensor(("n",), "int64")):
+            n = T.int64()
+            with R.dataflow():
+                y = R.take(x, ids, axis=0)
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((4, 3), "float32"), ids: R.Tensor(("n",), "int64")):
+            n = T.int64()
+            with R.dataflow():
+                low = R.less(ids, R.const(0, "int64"))
+                high = R.greater_equal(ids, R.const(4, "int64"))
+                outside = R.logical_or(low, high)
+                bad = R.sum(R.astype(outside, "int64"))
+                zero = R.call_pure_packed(
+                    CHECK,
+                    bad,
+                    R.str("int64"),
+                    R.str(MESSAGE + "'x', axis 0 of extent 4"),
+                    ty_args=R.Tensor((), "int64"),
+                )
+                checked = R.add(ids, zero)
+                y = R.take(x, checked, axis=0)
+                R.output(y)
+            return y
+
+
+class TestSymbolicExtent(BoundsBase):
+    """int32 ids into a table of ``m`` rows: widened to int64, compared with ``m``."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("m", 3), "float32"), ids: R.Tensor((2,), "int32")):
+            m = T.int64()
+            with R.dataflow():
+                y = R.take(x, ids, axis=0)
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor(("m", 3), "float32"), ids: R.Tensor((2,), "int32")):
+            m = T.int64()
+            with R.dataflow():
+                wide = R.astype(ids, "int64")
+                low = R.less(wide, R.const(0, "int64"))
+                high = R.greater_equal(wide, R.prim_value(m))
+                outside = R.logical_or(low, high)
+                bad = R.sum(R.astype(outside, "int64"))
+                zero = R.call_pure_packed(
+                    CHECK,
+                    bad,
+                    R.str("int32"),
+                    R.str(MESSAGE + "'x', axis 0 of extent m"),
+                    ty_args=R.Tensor((), "int32"),
+                )
+                checked = R.add(ids, zero)
+                y = R.take(x, checked, axis=0)
+                R.output(y)
+            return y
+
+
+class TestConstantInside(BoundsBase):
+    """Constant indices inside the axis: proven, left alone."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 3), "float32")):
+            with R.dataflow():
+                y = R.take(x, R.const(np.array([0, 3, 1], "int64")), axis=0)
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+class TestConstantOutside(BoundsBase):
+    """A constant index past a static axis: checked (raises on every call)."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 3), "float32")):
+            with R.dataflow():
+                y = R.take(x, R.const(np.array([0, 4], "int64")), axis=0)
+                R.output(y)
+            return y
+
+    def test_compare(self):
+        with collect_rewrites() as counts:
+            self.transform(self.Before)
+        assert counts["CheckGatherBounds"] == 1
+
+
+class TestArangeInside(BoundsBase):
+    """``arange(0, m)`` on an axis of ``m`` (and a static one inside 10): left alone."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor(("m", 10), "float32")):
+            m = T.int64()
+            with R.dataflow():
+                rows = R.take(x, R.arange(0, m, 1, dtype="int64"), axis=0)
+                cols = R.take(rows, R.arange(2, 9, 3, dtype="int64"), axis=1)
+                R.output(cols)
+            return cols
+
+    Expected = Before
+
+
+class TestArgmax(BoundsBase):
+    """Indices of an argmax over an axis of 4, into an axis of 4: left alone."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 3), "float32"), scores: R.Tensor((2, 4), "float32")):
+            with R.dataflow():
+                best = R.argmax(scores, axis=1)
+                y = R.take(x, best, axis=0)
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+class TestArgmaxOfLongerAxis(BoundsBase):
+    """An argmax over 5 values into 4 rows is not proven: checked."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 3), "float32"), scores: R.Tensor((2, 5), "float32")):
+            with R.dataflow():
+                best = R.argmax(scores, axis=1)
+                y = R.take(x, best, axis=0)
+                R.output(y)
+            return y
+
+    def test_compare(self):
+        with collect_rewrites() as counts:
+            after = self.transform(self.Before)
+        assert counts["CheckGatherBounds"] == 1
+        assert CHECK in after.script()
+
+
+class TestClip(BoundsBase):
+    """``mode="clip"`` never reads outside the buffer: left alone."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 3), "float32"), ids: R.Tensor((2,), "int64")):
+            with R.dataflow():
+                y = R.take(x, ids, axis=0, mode="clip")
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+# ---------------------------------------------------------------------------------------------
+# numerical: ONNX Gather against onnxruntime, torch.export against torch
+
+TABLE = np.arange(12, dtype="float32").reshape(4, 3) * 0.5 - 1
+OUT_OF_RANGE = [[[4]], [[1, 2], [3, 10**8]], [[-5, 0]]]
+
+
+@pytest.fixture(scope="module")
+def gather_model():
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["W", "ids"], ["y"], axis=0)],
+        "embedding",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 3])],
+        [numpy_helper.from_array(TABLE, "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    vm = compile_module(tvm_fusion.load_onnx(model), "llvm").vm()
+    return model, vm
+
+
+def test_onnx_gather_in_range_matches_onnxruntime(gather_model):
+    ort = pytest.importorskip("onnxruntime")
+    model, vm = gather_model
+    ids = np.array([[0, 3, -1], [-4, 2, 1]], "int64")
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (want,) = sess.run(None, {"ids": ids})
+    (got,) = as_list(vm["main"](tvm.runtime.tensor(ids)))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("ids", OUT_OF_RANGE, ids=["by_1", "by_1e8", "below_minus_n"])
+def test_onnx_gather_out_of_range_raises(gather_model, ids):
+    _, vm = gather_model
+    with pytest.raises(IndexError, match="index out of range in take") as err:
+        vm["main"](tvm.runtime.tensor(np.array(ids, "int64")))
+    assert "extent 4" in str(err.value) and "\n" not in str(err.value).strip()
+
+
+def test_exported_embedding_and_index_select():
+    torch = pytest.importorskip("torch")
+
+    class Lookup(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(4, 3)
+
+        def forward(self, ids, cols):
+            return self.emb(ids), torch.index_select(self.emb.weight, 1, cols)
+
+    torch.manual_seed(0)
+    module = Lookup().eval()
+    ids, cols = torch.tensor([[0, 3], [2, 1]]), torch.tensor([2, 0])
+    program = torch.export.export(module, (ids, cols))
+    with collect_rewrites() as counts:
+        vm = compile_module(tvm_fusion.frontend.import_exported_program(program), "llvm").vm()
+    assert counts["CheckGatherBounds"] == 2
+    with torch.no_grad():
+        want = [t.numpy() for t in module(ids, cols)]
+    got = as_list(vm["main"](tvm.runtime.tensor(ids.numpy()), tvm.runtime.tensor(cols.numpy())))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    for bad_ids, bad_cols in (([[0, 4], [0, 0]], [0, 1]), ([[0, 1], [2, 3]], [-1, 0])):
+        with pytest.raises(IndexError, match="index out of range in take"):
+            vm["main"](
+                tvm.runtime.tensor(np.array(bad_ids, "int64")),
+                tvm.runtime.tensor(np.array(bad_cols, "int64")),
+            )
+    huge = np.array([[0, 10**8], [0, 0]], "int64")
+    with pytest.raises(IndexError, match="extent 4"):
+        vm["main"](tvm.runtime.tensor(huge), tvm.runtime.tensor(cols.numpy()))
+
+
+if __name__ == "__main__":
+    tvm.testing.main()
