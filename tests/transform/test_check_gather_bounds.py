@@ -2,8 +2,10 @@
 
 Fires on: indices that are a function input (static and symbolic axis, int32 indices).
 Must not fire: constant indices inside the axis, ``arange`` inside the axis (static and
-symbolic), ``argmax`` indices of an axis no longer than the take's, ``mode="clip"``.
-Checked as well: a constant index outside the axis, an argmax over a longer axis.
+symbolic), ``argmax`` / ``topk`` indices of an axis no longer than the take's, a slice of a
+constant ``position_ids`` buffer (symbolic length, broadcast), ``mode="clip"``.
+Checked as well: a constant index outside the axis, an argmax over a longer axis, a cast
+that wraps a constant.
 Numerical: ONNX Gather (against onnxruntime) and torch.export's ``nn.Embedding`` /
 ``index_select`` (against torch): in-range ids give the same numbers, out-of-range ids (by 1, by
 10**8, negative beyond -n) raise one ``IndexError`` that names the op.
@@ -188,6 +190,65 @@ class TestArgmaxOfLongerAxis(BoundsBase):
             after = self.transform(self.Before)
         assert counts["CheckGatherBounds"] == 1
         assert CHECK in after.script()
+
+
+class TestPositionIdsSlice(BoundsBase):
+    """``position_ids[:, :seq]`` of a constant (1, 16) buffer broadcast to the batch, through
+    the importer's negative-index ``where``: values of the constant, left alone."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(ids: R.Tensor(("batch", "seq"), "int64"), table: R.Tensor((16, 4), "float32")):
+            batch = T.int64()
+            seq = T.int64()
+            with R.dataflow():
+                pos = R.const(np.arange(16, dtype="int64").reshape(1, 16), "int64")
+                p = R.strided_slice(pos, (1,), (0,), (seq,), (1,), assume_inbound=True)
+                e = R.broadcast_to(p, R.shape([batch, seq]))
+                neg = R.less(e, R.const(0, "int64"))
+                idx = R.where(neg, R.add(e, R.const(16, "int64")), e)
+                y = R.take(table, idx, axis=0)
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+class TestTopkIndices(BoundsBase):
+    """The indices of a topk over 4 values, cast to int64, into 4 rows: left alone."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 3), "float32"), scores: R.Tensor((2, 4), "float32")):
+            with R.dataflow():
+                top = R.topk(scores, k=2, axis=1, ret_type="both", dtype="int32")
+                idx = R.astype(top[1], "int64")
+                y = R.take(x, idx, axis=0)
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+class TestNarrowingCast(BoundsBase):
+    """A constant 200 cast to int8 is -56: not a value inside the 256 rows, checked."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((256, 3), "float32")):
+            with R.dataflow():
+                idx = R.astype(R.const(np.array([200], "int64")), "int8")
+                y = R.take(x, idx, axis=0)
+                R.output(y)
+            return y
+
+    def test_compare(self):
+        with collect_rewrites() as counts:
+            self.transform(self.Before)
+        assert counts["CheckGatherBounds"] == 1
 
 
 class TestClip(BoundsBase):

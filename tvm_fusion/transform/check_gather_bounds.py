@@ -63,6 +63,7 @@ _VIEWS = (
     "relax.broadcast_to",
     "relax.flatten",
 )
+_INT_BITS = {"int8": 8, "int16": 16, "int32": 32, "int64": 64}
 _ZEROS: dict = {}
 
 
@@ -162,52 +163,81 @@ class _Rewriter(PyExprMutator):
         return bb.emit(relax.op.add(idx, zero))
 
     def _proven(self, what: str, idx, extent, analyzer) -> bool:
-        value = self.values.resolve(idx)
-        if isinstance(value, GenericConst):
-            arr = value.value.numpy()
-            if arr.size == 0:
-                return True
-            low, high = int(arr.min()), int(arr.max())
-            if low >= 0 and analyzer.can_prove(as_i64(high) < extent):
-                return _proved(what, "constant indices inside the axis")
-            logger.warning("%s: constant index outside [0, %s), checked at run time", what, extent)
-            return False
+        found = self._range(idx, analyzer)
+        if found is not None:
+            low, high = found
+            if analyzer.can_prove(low >= 0) and analyzer.can_prove(high <= extent):
+                return _proved(what, "index values (constants, argmax/topk) inside the axis")
+            if isinstance(self.values.resolve(idx), GenericConst):
+                logger.warning(
+                    "%s: constant index outside [0, %s), checked at run time", what, extent
+                )
+                return False
         prog = self.values.progression(idx, analyzer)
         if prog is not None and prog.step != 0:
             first, last = prog.start, prog.last()
             low, high = (first, last) if prog.step > 0 else (last, first)
-            if analyzer.can_prove(low >= 0) and analyzer.can_prove(high < extent):
+            # GatherToSlice's progression looks through casts; the values must fit the index
+            # dtype (a constant 200 cast to int8 is -56)
+            fits = _fits(analyzer, (low, high + 1), str(idx.ty.dtype))
+            if fits and analyzer.can_prove(high < extent):
                 return _proved(what, "an arithmetic progression inside the axis")
-        bound = self._bound(idx, analyzer)
-        if bound is not None and analyzer.can_prove(bound <= extent):
-            return _proved(what, "argmax/argmin/topk indices of an axis no longer")
         return False
 
-    def _bound(self, expr, analyzer, depth: int = 0) -> tirx.Expr | None:
-        """``b`` with ``0 <= expr < b`` for indices that an argmax/argmin/topk made, or None."""
+    def _range(self, expr, analyzer, depth: int = 0) -> tuple | None:
+        """``(low, high)`` with ``low <= expr < high`` for every value of the index: constants,
+        the indices an argmax/argmin/topk made, and views of those (slices, broadcasts,
+        reshapes, casts that keep the values, the importer's negative-index ``where``)."""
         if depth > 32:
             return None
         expr = self.values.resolve(expr)
+        if isinstance(expr, GenericConst):
+            arr = expr.value.numpy()
+            if arr.dtype.kind not in "iu":
+                return None
+            if arr.size == 0:
+                return as_i64(0), as_i64(0)
+            return as_i64(int(arr.min())), as_i64(int(arr.max()) + 1)
         if isinstance(expr, relax.TupleGetItem):
             inner = self.values.resolve(expr.tuple_value)
             if op_name(inner) == "relax.topk" and expr.index == 1:
-                return _extent(inner.args[0], inner.attrs.axis)
+                return _from_zero(_extent(inner.args[0], inner.attrs.axis))
             return None
         name = op_name(expr)
         if name in ("relax.argmax", "relax.argmin"):
-            return _extent(expr.args[0], expr.attrs.axis)
+            return _from_zero(_extent(expr.args[0], expr.attrs.axis))
         if name == "relax.topk" and str(expr.attrs.ret_type) == "indices":
-            return _extent(expr.args[0], expr.attrs.axis)
+            return _from_zero(_extent(expr.args[0], expr.attrs.axis))
         if name in _VIEWS:
-            return self._bound(expr.args[0], analyzer, depth + 1)
+            found = self._range(expr.args[0], analyzer, depth + 1)
+            if name == "relax.astype" and found is not None:
+                # a cast keeps the values only where the new type holds them
+                dtype = str(expr.ty.dtype)
+                if dtype not in _INT_BITS:
+                    return None
+                if not _fits(analyzer, found, dtype):
+                    return None
+            return found
         if name == "relax.where":
             # the ONNX importer's where(less(i, 0), add(i, n), i): i itself when i >= 0
-            plain = self._bound(expr.args[2], analyzer, depth + 1)
+            plain = self.values.resolve(expr.args[2])
             cond = self.values.resolve(expr.args[0])
-            if plain is not None and op_name(cond) == "relax.less":
-                if self.values.resolve(cond.args[0]).same_as(self.values.resolve(expr.args[2])):
-                    return plain
+            if op_name(cond) == "relax.less" and self.values.resolve(cond.args[0]).same_as(plain):
+                found = self._range(plain, analyzer, depth + 1)
+                if found is not None and analyzer.can_prove(found[0] >= 0):
+                    return found
         return None
+
+
+def _fits(analyzer, found: tuple, dtype: str) -> bool:
+    """``low >= 0`` and ``high <= 2**(bits - 1)``: a signed ``dtype`` holds every value."""
+    if dtype not in _INT_BITS or not analyzer.can_prove(found[0] >= 0):
+        return False
+    return dtype == "int64" or analyzer.can_prove(found[1] <= as_i64(1 << (_INT_BITS[dtype] - 1)))
+
+
+def _from_zero(extent) -> tuple | None:
+    return None if extent is None else (as_i64(0), extent)
 
 
 def _extent(x, axis) -> tirx.Expr | None:
