@@ -17,6 +17,11 @@ take: a pure call whose result nobody reads would be removed, and ``R.assert_op`
 (not allowed in a dataflow block nor in a pure function). The zero is a new tensor, never an
 alias of ``bad``: the memory planner assumes packed calls keep none of their arguments.
 
+Cost (CPU, measured on the corpus' distilbert/gpt2 exports at (3, 7), 1 thread): the Python
+callback and the two small kernels add 25-50 us per checked take and call, 80-95% of those
+toy models' 0.06-0.13 ms. A TIR kernel with an ``assert`` (no Python on the way) is the next
+step on CPU; on GPU the count must reach the host either way (a sync per check).
+
 Left as they are (range proven, or no read outside the buffer possible):
 
 - ``mode="clip"`` / ``"wrap"``;
