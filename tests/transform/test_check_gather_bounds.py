@@ -11,6 +11,8 @@ Numerical: ONNX Gather (against onnxruntime) and torch.export's ``nn.Embedding``
 10**8, negative beyond -n) raise one ``IndexError`` that names the op.
 """
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -25,16 +27,27 @@ import tvm_fusion
 from tvm_fusion.build.engine import as_list, compile_module
 from tvm_fusion.transform import CheckGatherBounds, collect_rewrites
 
-CHECK = "tvm_fusion.check_gather_bounds"
-MESSAGE = "index out of range in take (ONNX Gather, torch embedding/index_select) of "
+MESSAGE = "Gather/take of 'x' at 'ids' (ONNX Gather, torch embedding/index_select, "
 
 
 class BoundsBase(Base):
     transform = CheckGatherBounds()
 
 
+def _checks(mod) -> list[tuple[str, str]]:
+    """``(kernel name, IndexError message)`` of each check kernel in ``mod``."""
+    found = []
+    for gv, func in mod.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("check_"):
+            found += [
+                (gv.name_hint, m) for m in re.findall(r'"IndexError", \["([^"]*)"', func.script())
+            ]
+    return sorted(found)
+
+
 class TestInputIndices(BoundsBase):
-    """Token ids from the caller into a (4, 3) table: checked against [0, 4)."""
+    """Token ids from the caller into a (4, 3) table: one kernel checks them against [0, 4),
+    in place (no copy), and the take reads its output."""
 
     @I.ir_module
     class Before:
@@ -46,31 +59,16 @@ class TestInputIndices(BoundsBase):
                 R.output(y)
             return y
 
-    @I.ir_module
-    class Expected:
-        @R.function
-        def main(x: R.Tensor((4, 3), "float32"), ids: R.Tensor(("n",), "int64")):
-            n = T.int64()
-            with R.dataflow():
-                low = R.less(ids, R.const(0, "int64"))
-                high = R.greater_equal(ids, R.const(4, "int64"))
-                outside = R.logical_or(low, high)
-                bad = R.sum(R.astype(outside, "int64"))
-                zero = R.call_pure_packed(
-                    CHECK,
-                    bad,
-                    R.str("int64"),
-                    R.str(MESSAGE + "'x', axis 0 of extent 4"),
-                    ty_args=R.Tensor((), "int64"),
-                )
-                checked = R.add(ids, zero)
-                y = R.take(x, checked, axis=0)
-                R.output(y)
-            return y
+    def test_compare(self):
+        after = self.transform(self.Before)
+        assert _checks(after) == [("check_bounds", MESSAGE + "axis 0): index out of range [0, 4)")]
+        text = after.script()
+        assert "R.call_tir_inplace(cls.check_bounds, (x, ids)" in text
+        assert re.search(r"R\.take\(x, lv, axis=0", text), text
 
 
 class TestSymbolicExtent(BoundsBase):
-    """int32 ids into a table of ``m`` rows: widened to int64, compared with ``m``."""
+    """int32 ids into a table of ``m`` rows: the kernel reads ``m`` from the table's shape."""
 
     @I.ir_module
     class Before:
@@ -82,28 +80,58 @@ class TestSymbolicExtent(BoundsBase):
                 R.output(y)
             return y
 
+    def test_compare(self):
+        after = self.transform(self.Before)
+        assert _checks(after) == [("check_bounds", MESSAGE + "axis 0): index out of range [0, m)")]
+
+    def test_runs(self):
+        vm = compile_module(self.Before, "llvm").vm()
+        for rows in (4, 9):
+            x = np.arange(rows * 3, dtype="float32").reshape(rows, 3)
+            ids = np.array([rows - 1, 0], "int32")
+            (got,) = as_list(vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(ids)))
+            np.testing.assert_array_equal(got, x[ids])
+            for bad in ([rows, 0], [0, -1], [2**31 - 1, 0]):
+                with pytest.raises(IndexError, match=r"index out of range \[0, m\)"):
+                    vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(np.array(bad, "int32")))
+
+
+class TestPositionsPastTheTable(BoundsBase):
+    """``arange(0, seq)`` into 16 rows, ``seq`` unbounded: the span ``[0, seq - 1]`` is checked
+    (one scalar assert, the table passed through in place), the take stays a take of an arange
+    (GatherToSlice makes it a slice), ``seq`` = 17 raises."""
+
     @I.ir_module
-    class Expected:
+    class Before:
         @R.function
-        def main(x: R.Tensor(("m", 3), "float32"), ids: R.Tensor((2,), "int32")):
-            m = T.int64()
+        def main(ids: R.Tensor(("batch", "seq"), "int64"), table: R.Tensor((16, 4), "float32")):
+            batch = T.int64()
+            seq = T.int64()
             with R.dataflow():
-                wide = R.astype(ids, "int64")
-                low = R.less(wide, R.const(0, "int64"))
-                high = R.greater_equal(wide, R.prim_value(m))
-                outside = R.logical_or(low, high)
-                bad = R.sum(R.astype(outside, "int64"))
-                zero = R.call_pure_packed(
-                    CHECK,
-                    bad,
-                    R.str("int32"),
-                    R.str(MESSAGE + "'x', axis 0 of extent m"),
-                    ty_args=R.Tensor((), "int32"),
-                )
-                checked = R.add(ids, zero)
-                y = R.take(x, checked, axis=0)
-                R.output(y)
-            return y
+                p = R.arange(0, seq, 1, dtype="int64")
+                y = R.take(table, p, axis=0)
+                z = R.add(y, R.const(1.0, "float32"))
+                R.output(z)
+            return z
+
+    def test_compare(self):
+        after = self.transform(self.Before)
+        assert _checks(after) == [
+            ("check_span", MESSAGE.replace("'x' at 'ids'", "'table' at 'p'") + "axis 0): index out of range [0, 16)")
+        ]
+        assert "R.call_tir_inplace(cls.check_span, (table, 0, seq - 1)" in after.script()
+
+    def test_runs(self):
+        table = np.arange(64, dtype="float32").reshape(16, 4)
+        with collect_rewrites() as counts:
+            vm = compile_module(self.Before, "llvm").vm()
+        assert counts["CheckGatherBounds"] == 1 and counts["GatherToSlice"] == 1
+        for seq in (1, 16):
+            ids = tvm.runtime.tensor(np.zeros((2, seq), "int64"))
+            (got,) = as_list(vm["main"](ids, tvm.runtime.tensor(table)))
+            np.testing.assert_array_equal(got, table[:seq] + 1)
+        with pytest.raises(IndexError, match=r"index out of range \[0, 16\)"):
+            vm["main"](tvm.runtime.tensor(np.zeros((2, 17), "int64")), tvm.runtime.tensor(table))
 
 
 class TestConstantInside(BoundsBase):
@@ -189,7 +217,7 @@ class TestArgmaxOfLongerAxis(BoundsBase):
         with collect_rewrites() as counts:
             after = self.transform(self.Before)
         assert counts["CheckGatherBounds"] == 1
-        assert CHECK in after.script()
+        assert _checks(after)[0][0] == "check_bounds"
 
 
 class TestPositionIdsSlice(BoundsBase):
@@ -300,9 +328,12 @@ def test_onnx_gather_in_range_matches_onnxruntime(gather_model):
 @pytest.mark.parametrize("ids", OUT_OF_RANGE, ids=["by_1", "by_1e8", "below_minus_n"])
 def test_onnx_gather_out_of_range_raises(gather_model, ids):
     _, vm = gather_model
-    with pytest.raises(IndexError, match="index out of range in take") as err:
+    with pytest.raises(IndexError, match=r"index out of range \[0, 4\)") as err:
         vm["main"](tvm.runtime.tensor(np.array(ids, "int64")))
-    assert "extent 4" in str(err.value) and "\n" not in str(err.value).strip()
+    assert (
+        str(err.value)
+        == MESSAGE.replace("'x'", "a constant") + "axis 0): index out of range [0, 4)"
+    )
 
 
 def test_exported_embedding_and_index_select():
@@ -329,13 +360,13 @@ def test_exported_embedding_and_index_select():
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
     for bad_ids, bad_cols in (([[0, 4], [0, 0]], [0, 1]), ([[0, 1], [2, 3]], [-1, 0])):
-        with pytest.raises(IndexError, match="index out of range in take"):
+        with pytest.raises(IndexError, match=r"index out of range \[0, [34]\)"):
             vm["main"](
                 tvm.runtime.tensor(np.array(bad_ids, "int64")),
                 tvm.runtime.tensor(np.array(bad_cols, "int64")),
             )
     huge = np.array([[0, 10**8], [0, 0]], "int64")
-    with pytest.raises(IndexError, match="extent 4"):
+    with pytest.raises(IndexError, match=r"index out of range \[0, 4\)"):
         vm["main"](tvm.runtime.tensor(huge), tvm.runtime.tensor(cols.numpy()))
 
 

@@ -43,20 +43,18 @@ Not covered yet: ``gather_elements``, ``gather_nd``, ``take_backward`` and the s
 
 from __future__ import annotations
 
-import numpy as np
 import tvm
-import tvm_ffi
 from tvm import IRModule, relax, tirx
-from tvm.ir import StringImm
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.script import tirx as T
+from tvm.script.parser import parse as tvm_script_parse
 
 from ._common import as_i64, get_logger, op_name, record_rewrite, skip
 from .gather_to_slice import _Values
 
 logger = get_logger(__name__)
 NAME = "CheckGatherBounds"
-CHECK_FUNC = "tvm_fusion.check_gather_bounds"
 # ops whose output keeps a subset of its input's values
 _VIEWS = (
     "relax.astype",
@@ -69,21 +67,6 @@ _VIEWS = (
     "relax.flatten",
 )
 _INT_BITS = {"int8": 8, "int16": 16, "int32": 32, "int64": 64}
-_ZEROS: dict = {}
-
-
-@tvm_ffi.register_global_func(CHECK_FUNC, override=True)
-def _check(bad, dtype: str, message: str):
-    """Raise when ``bad`` (a 0-d count of out-of-range indices) is not 0, else return a cached
-    0-d zero of ``dtype`` on ``bad``'s device (nobody writes it: it is no planned buffer)."""
-    count = int(bad.numpy())
-    if count:
-        raise IndexError(f"{message}: {count} index value(s) outside it")
-    key = (bad.device.dlpack_device_type(), bad.device.index, dtype)
-    zero = _ZEROS.get(key)
-    if zero is None:
-        zero = _ZEROS[key] = tvm.runtime.tensor(np.zeros((), dtype), bad.device)
-    return zero
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -95,7 +78,8 @@ class CheckGatherBounds:
         self.target = target
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
-        rewriter = _Rewriter(mod)
+        target = self.target or tvm.target.Target.current(allow_none=True)
+        rewriter = _Rewriter(mod, _skip_reason(target))
         mod = rewriter.transform()
         record_rewrite(NAME, rewriter.count)
         return mod
@@ -103,9 +87,10 @@ class CheckGatherBounds:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule):
+    def __init__(self, mod: IRModule, skip_reason: str | None):
         super().__init__(mod)
         self.mod = mod
+        self.skip_reason = skip_reason
         self.count = 0
         self.values = _Values({})
 
@@ -125,49 +110,71 @@ class _Rewriter(PyExprMutator):
         if checked is None:
             return call
         self.count += 1
-        return relax.op.take(call.args[0], checked, call.attrs.axis, call.attrs.mode)
+        return relax.op.take(*checked, call.attrs.axis, call.attrs.mode)
 
-    def _checked(self, call: relax.Call) -> relax.Expr | None:
-        """The checked index of ``take``, or None when its range is proven (or unknowable)."""
+    def _checked(self, call: relax.Call) -> tuple | None:
+        """``(data, index)`` of the checked take, or None when the index range is proven (or
+        unknowable)."""
         x, idx = call.args
         what = f"take of {_name(x)}"
         if str(call.attrs.mode) in ("clip", "wrap"):
             return _leave(what, f"mode={call.attrs.mode} reads inside the buffer")
         extent = _extent(x, call.attrs.axis)
-        idx_sinfo = idx.ty
-        if extent is None or not isinstance(idx_sinfo, relax.TensorType):
+        x_ty, idx_ty = x.ty, idx.ty
+        if (
+            extent is None
+            or not isinstance(idx_ty, relax.TensorType)
+            or x_ty.ndim < 0
+            or idx_ty.ndim < 0
+        ):
             logger.warning("%s: data shape or index type unknown, left unchecked", what)
             return None
         analyzer = tvm.sym.Analyzer()
-        if self._proven(what, idx, extent, analyzer):
+        span = self._proven(what, idx, extent, analyzer)
+        if span is True:
+            return None
+        if self.skip_reason:
+            logger.warning("%s: left unchecked: %s", what, self.skip_reason)
             return None
         axis = "all" if call.attrs.axis is None else f"axis {int(call.attrs.axis)}"
         size = int(extent.value) if isinstance(extent, tirx.IntImm) else extent
         message = (
-            f"index out of range in take (ONNX Gather, torch embedding/index_select) of "
-            f"{_name(x)}, {axis} of extent {size}"
+            f"Gather/take of {_name(x)} at {self._source(idx)} (ONNX Gather, torch "
+            f"embedding/index_select, {axis}): index out of range [0, {size})"
         )
-        bb, dtype = self.builder_, str(idx_sinfo.dtype)
-        wide = idx if dtype == "int64" else bb.emit(relax.op.astype(idx, "int64"))
-        low = relax.op.less(wide, relax.const(0, "int64"))
-        if isinstance(extent, tirx.IntImm):
-            high = relax.op.greater_equal(wide, relax.const(int(extent.value), "int64"))
-        else:
-            high = relax.op.greater_equal(wide, relax.prim_value(extent))
-        outside = bb.emit(relax.op.logical_or(bb.emit(low), bb.emit(high)))
-        bad = bb.emit(relax.op.sum(relax.op.astype(outside, "int64")))
-        zero = bb.emit(
-            relax.op.call_pure_packed(
-                CHECK_FUNC,
-                bad,
-                StringImm(dtype),
-                StringImm(message),
-                ty_args=relax.TensorType((), dtype),
-            )
-        )
-        return bb.emit(relax.op.add(idx, zero))
+        bb = self.builder_
+        if span is not False:
+            # a progression: its first and last value, not the index tensor, are checked; the
+            # table goes through the check (unchanged, in place) so that GatherToSlice still
+            # sees take(table, arange) and the slice depends on the check
+            gv = bb.add_func(span_kernel(x_ty, call.attrs.axis, message), "check_span")
+            low, high = (relax.prim_value(analyzer.simplify(v)) for v in span)
+            return bb.emit(relax.call_tir_inplace(gv, (x, low, high), 0, x_ty)), idx
+        # in place on the index (which it only reads): no copy, no allocation
+        gv = bb.add_func(check_kernel(x_ty, call.attrs.axis, idx_ty, message), "check_bounds")
+        return x, bb.emit(relax.call_tir_inplace(gv, (x, idx), 1, idx_ty))
 
-    def _proven(self, what: str, idx, extent, analyzer) -> bool:
+    def _source(self, idx) -> str:
+        """The name of the index for a message: the function input it is made of (through
+        casts and the importer's negative-index ``where``), else its variable's name."""
+        expr = idx
+        for _ in range(8):
+            value = self.values.resolve(expr)
+            name = op_name(value)
+            if name == "relax.astype":
+                expr = value.args[0]
+            elif name == "relax.where" and op_name(self.values.resolve(value.args[0])) == (
+                "relax.less"
+            ):
+                expr = value.args[2]
+            else:
+                break
+        return _name(expr if isinstance(self.values.resolve(expr), relax.Var) else idx)
+
+    def _proven(self, what: str, idx, extent, analyzer) -> bool | tuple:
+        """True when every index value is inside ``[0, extent)``; ``(low, high)`` for a
+        progression of non-negative values from ``low`` to ``high`` not proven below
+        ``extent``; False otherwise."""
         found = self._range(idx, analyzer)
         if found is not None:
             low, high = found
@@ -187,6 +194,8 @@ class _Rewriter(PyExprMutator):
             fits = _fits(analyzer, (low, high + 1), str(idx.ty.dtype))
             if fits and analyzer.can_prove(high < extent):
                 return _proved(what, "an arithmetic progression inside the axis")
+            if fits:
+                return low, high
         return False
 
     def _range(self, expr, analyzer, depth: int = 0) -> tuple | None:
@@ -232,6 +241,84 @@ class _Rewriter(PyExprMutator):
                 if found is not None and analyzer.can_prove(found[0] >= 0):
                     return found
         return None
+
+
+def _skip_reason(target) -> str | None:
+    """Why takes cannot be checked on ``target`` (None: they can; no target: the host)."""
+    if target is None or str(target.kind.name) in ("llvm", "c"):
+        return None
+    return (
+        f"no run-time index check on {target.kind.name} targets yet (a device-side assert "
+        "would end the CUDA context)"
+    )
+
+
+def check_kernel(
+    x_ty: relax.TensorType, axis, ids_ty: relax.TensorType, message: str
+) -> tirx.PrimFunc:
+    """``check_bounds(x, ids)``, called in place on ``ids`` (which it only reads): fails with
+    ``IndexError: message`` when an id is outside ``[0, n)``, ``n`` the extent of ``x``'s
+    ``axis`` (every element of ``x`` for None) read from ``x``'s shape at run time. ``x`` is
+    not read."""
+    ds = [f"d{i}" for i in range(ids_ty.ndim)]
+    at = ", ".join(f"i{i}" for i in range(len(ds))) or "()"
+    dtype = repr(str(ids_ty.dtype))
+    lines, extent = _kernel_head("check_bounds", x_ty, axis, ["var_ids: T.handle"])
+    lines += [
+        *(f"    {d} = T.int64()" for d in ds),
+        f"    ids = T.match_buffer(var_ids, {_shape(ds)}, {dtype})",
+        '    with T.sblock("root"):',
+        '        bad = T.sblock_alloc_buffer((1,), "int64", scope="local")',
+        "        bad[0] = T.int64(0)",
+    ]
+    # one unsigned comparison per id (a negative id is a huge unsigned one) folded into a
+    # count-free flag, one assert after the loop: LLVM vectorises the loop (0.75 us for 4096
+    # ids here, 2.1 us with an assert per id)
+    n = f'T.Cast("uint64", {extent})'
+    indent = "        "
+    if ds:
+        lines.append(f"{indent}for {at} in T.grid({', '.join(ds)}):")
+        indent += "    "
+    lines += [
+        f'{indent}outside = T.Cast("uint64", T.Cast("int64", ids[{at}])) >= {n}',
+        f'{indent}bad[0] = T.max(bad[0], T.Cast("int64", outside))',
+        f'        T.Assert(bad[0] == T.int64(0), {message!r}, "IndexError")',
+    ]
+    return tvm_script_parse("\n".join(lines), {"T": T})
+
+
+def span_kernel(x_ty: relax.TensorType, axis, message: str) -> tirx.PrimFunc:
+    """``check_span(x, low, high)``, called in place on ``x`` (which it does not touch): fails
+    with ``IndexError: message`` unless ``0 <= low`` and ``high < n`` (``n`` as for
+    :func:`check_kernel`)."""
+    lines, extent = _kernel_head("check_span", x_ty, axis, ["low: T.int64", "high: T.int64"])
+    lines += [
+        '    with T.sblock("root"):',
+        f'        T.Assert(0 <= low and high < {extent}, {message!r}, "IndexError")',
+    ]
+    return tvm_script_parse("\n".join(lines), {"T": T})
+
+
+def _kernel_head(name: str, x_ty: relax.TensorType, axis, params: list[str]) -> tuple:
+    """The first lines of a check kernel's TVMScript (``x``'s buffer matched to its shape
+    variables) and ``n``, the extent of ``axis`` among them (all of ``x`` for None)."""
+    xs = [f"x{i}" for i in range(x_ty.ndim)]
+    if axis is None:
+        extent = " * ".join(xs) if xs else "T.int64(1)"
+    else:
+        extent = xs[int(axis) % len(xs)]
+    lines = [
+        "@T.prim_func(private=True, s_tir=True)",
+        f"def {name}(var_x: T.handle, {', '.join(params)}):",
+        '    T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})',
+        *(f"    {v} = T.int64()" for v in xs),
+        f"    x = T.match_buffer(var_x, {_shape(xs)}, {str(x_ty.dtype)!r})",
+    ]
+    return lines, extent
+
+
+def _shape(dims: list[str]) -> str:
+    return "(" + "".join(f"{d}, " for d in dims) + ")"
 
 
 def _fits(analyzer, found: tuple, dtype: str) -> bool:
