@@ -25,6 +25,7 @@ from tvm.script import tirx as T
 
 import tvm_fusion
 from tvm_fusion.build.engine import as_list, compile_module
+from tvm_fusion.target import cuda_target
 from tvm_fusion.transform import CheckGatherBounds, collect_rewrites
 
 MESSAGE = "Gather/take of 'x' at 'ids' (ONNX Gather, torch embedding/index_select, "
@@ -368,6 +369,17 @@ def test_exported_embedding_and_index_select():
     huge = np.array([[0, 10**8], [0, 0]], "int64")
     with pytest.raises(IndexError, match=r"index out of range \[0, 4\)"):
         vm["main"](tvm.runtime.tensor(huge), tvm.runtime.tensor(cols.numpy()))
+
+
+def test_cuda_builds_unchecked(gather_model):
+    """No check on CUDA (a device-side assert would end the context): the pass leaves the
+    takes alone there, with a warning, and the module builds for sm_90 (compile only)."""
+    model, _ = gather_model
+    with collect_rewrites() as counts:
+        compile_module(tvm_fusion.load_onnx(model), cuda_target("sm_90"))
+        compile_module(TestPositionsPastTheTable.Before, cuda_target("sm_90"))
+    assert counts["CheckGatherBounds"] == 0
+    assert counts["GatherToSlice"] == 1
 
 
 if __name__ == "__main__":

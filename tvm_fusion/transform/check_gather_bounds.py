@@ -4,23 +4,40 @@
 reads ``x`` at ``idx`` without a check: an id past the table reads the process's heap, a huge
 one kills it. Token ids come from the user, so every such take whose indices are not provably
 in ``[0, n)`` (``n`` the extent of ``axis``, static or symbolic; the product of all dims for a
-take without an axis) gets, before it::
+take without an axis) is checked at run time by a small TIR kernel of its own::
 
-    bad = sum(astype(logical_or(less(idx, 0), greater_equal(idx, n)), "int64"))   # one kernel
-    zero = call_pure_packed("tvm_fusion.check_gather_bounds", bad, dtype, message)
-    y = take(x, add(idx, zero), axis, mode="fast")
+    idx1 = call_tir_inplace(check_bounds, (x, idx), inplace_indices=1)   # idx1 is idx
+    y = take(x, idx1, axis, mode="fast")
 
-The packed function raises ``IndexError`` (one line naming the op, its data, the axis and the
-number of bad indices) when ``bad`` is not 0, and returns a zero of the index dtype otherwise,
-so in-range ids give exactly the results of the unchecked take. The zero ties the check to the
-take: a pure call whose result nobody reads would be removed, and ``R.assert_op`` is impure
-(not allowed in a dataflow block nor in a pure function). The zero is a new tensor, never an
-alias of ``bad``: the memory planner assumes packed calls keep none of their arguments.
+``check_bounds`` reads ``n`` from ``x``'s shape (``x``'s data is not read), compares every id
+as an unsigned number with ``n`` (a negative id is a huge one) into one flag, a loop LLVM
+vectorises, and asserts after the loop: ``IndexError: Gather/take of <table> at <index>
+(ONNX Gather, torch embedding/index_select, axis <a>): index out of range [0, <n>)``, the index
+named by the model input it comes from (through casts and the importer's ``where``). The
+kernel writes nothing: in place on ``idx`` it costs no copy and no allocation, in-range ids
+give exactly the unchecked results, and the take depends on it (so neither dead-code
+elimination nor reordering drops the check; ``R.assert_op`` is impure, not allowed in a
+dataflow block). Negative ids: the ONNX importer maps ``[-n, 0)`` to ``[0, n)`` before the
+take (``where(less(i, 0), add(i, n), i)``), so ONNX's negative indices pass and anything
+below ``-n`` fails; torch's ``embedding``/``index_select`` refuse negative ids, as here.
 
-Cost (CPU, measured on the corpus' distilbert/gpt2 exports at (3, 7), 1 thread): the Python
-callback and the two small kernels add 25-50 us per checked take and call, 80-95% of those
-toy models' 0.06-0.13 ms. A TIR kernel with an ``assert`` (no Python on the way) is the next
-step on CPU; on GPU the count must reach the host either way (a sync per check).
+An arithmetic progression not proven inside the axis (``take(wpe, arange(0, seq))``: position
+ids past a table of ``max_pos`` rows) is checked by its first and last value only::
+
+    x1 = call_tir_inplace(check_span, (x, low, high), inplace_indices=0)   # x1 is x
+    y = take(x1, arange(0, seq), axis)
+
+one scalar assert, no index tensor read; the take stays a take of an arange, which
+GatherToSlice turns into a slice as before.
+
+CUDA: no check (a warning at compile time). The kernel above has no thread binding and would
+run on the host against device pointers; a device-side flag would need a copy to the host and
+a sync per call. Left for later; the takes stay unchecked on CUDA as they were.
+
+Cost (CPU, 1 thread, ``scripts/bench_gather_bounds.py``): one kernel call per checked take,
+about 1 us per call plus 0.2 ns per id (4096 ids: 0.75 us in the kernel alone); on the
+corpus' distilbert/gpt2 exports at (3, 7) within the machine's noise (see the commit message
+of this change for the figures). The earlier Python callback cost 25-50 us per take.
 
 Left as they are (range proven, or no read outside the buffer possible):
 
@@ -34,8 +51,8 @@ Left as they are (range proven, or no read outside the buffer possible):
   casts, views and the importer's ``where``.
 
 Where it runs: early in Phase 1, after PlaceShapeOnHost, before GatherToSlice and
-FuseCrossEntropy (they see the same ``take``; its index becomes ``add(idx, zero)`` only where
-the range is unproven, which those passes do not rewrite anyway).
+FuseCrossEntropy (they see the same ``take``: its index or its table becomes the check's
+output only where the range is unproven).
 
 Not covered yet: ``gather_elements``, ``gather_nd``, ``take_backward`` and the scatter ops
 (writes), and data-dependent ``strided_slice`` bounds.
