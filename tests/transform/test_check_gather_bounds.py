@@ -28,7 +28,7 @@ from tvm_fusion.build.engine import as_list, compile_module
 from tvm_fusion.target import cuda_target
 from tvm_fusion.transform import CheckGatherBounds, collect_rewrites
 
-MESSAGE = "Gather/take of 'x' at 'ids' (ONNX Gather, torch embedding/index_select, "
+MESSAGE = "Gather/take (ONNX Gather, torch embedding/index_select) of 'x' at 'ids' ("
 
 
 class BoundsBase(Base):
@@ -118,7 +118,11 @@ class TestPositionsPastTheTable(BoundsBase):
     def test_compare(self):
         after = self.transform(self.Before)
         assert _checks(after) == [
-            ("check_span", MESSAGE.replace("'x' at 'ids'", "'table' at 'p'") + "axis 0): index out of range [0, 16)")
+            (
+                "check_span",
+                MESSAGE.replace("'x' at 'ids'", "'table' at 'p'")
+                + "axis 0): index out of range [0, 16)",
+            )
         ]
         assert "R.call_tir_inplace(cls.check_span, (table, 0, seq - 1)" in after.script()
 
@@ -369,6 +373,53 @@ def test_exported_embedding_and_index_select():
     huge = np.array([[0, 10**8], [0, 0]], "int64")
     with pytest.raises(IndexError, match=r"index out of range \[0, 4\)"):
         vm["main"](tvm.runtime.tensor(huge), tvm.runtime.tensor(cols.numpy()))
+
+
+def _elements_model(op: str):
+    """``GatherElements(W, ids, axis=1)`` / ``ScatterElements(W, ids, upd, axis=1)`` on a
+    (2, 4) table with (2, k) ids."""
+    inputs = [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, "k"])]
+    names = ["W", "ids"]
+    upd = op == "ScatterElements"
+    if upd:
+        inputs.append(helper.make_tensor_value_info("upd", TensorProto.FLOAT, [2, "k"]))
+        names.append("upd")
+    table = np.arange(8, dtype="float32").reshape(2, 4)
+    graph = helper.make_graph(
+        [helper.make_node(op, names, ["y"], axis=1)],
+        op,
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4 if upd else "k"])],
+        [numpy_helper.from_array(table, "W")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("op", ["GatherElements", "ScatterElements"])
+def test_elements_ops_match_onnxruntime_and_raise(op):
+    """In-range ids (negative ones included, as ONNX allows) give ORT's numbers; an id past the
+    axis of 4, below -4, or 10**8 raises one IndexError naming the op."""
+    ort = pytest.importorskip("onnxruntime")
+    model = _elements_model(op)
+    with collect_rewrites() as counts:
+        vm = compile_module(tvm_fusion.load_onnx(model), "llvm").vm()
+    assert counts["CheckGatherBounds"] == 1
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    upd = np.array([[10, 20], [30, 40]], "float32")
+
+    def feeds(ids):
+        ids = np.array(ids, "int64")
+        return {"ids": ids, "upd": upd} if op == "ScatterElements" else {"ids": ids}
+
+    for ids in ([[0, 3], [-1, 1]], [[-4, 2], [3, 0]]):
+        (want,) = sess.run(None, feeds(ids))
+        args = [tvm.runtime.tensor(a) for a in feeds(ids).values()]
+        (got,) = as_list(vm["main"](*args))
+        np.testing.assert_array_equal(got, want)
+    low = "-4" if op == "ScatterElements" else "0"
+    for bad in ([[0, 4], [0, 0]], [[0, -5], [0, 0]], [[10**8, 0], [0, 0]]):
+        with pytest.raises(IndexError, match=rf"^{op} of a constant .*\[{low}, 4\)$"):
+            vm["main"](*[tvm.runtime.tensor(a) for a in feeds(bad).values()])
 
 
 def test_cuda_builds_unchecked(gather_model):

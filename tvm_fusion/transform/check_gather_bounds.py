@@ -11,15 +11,19 @@ take without an axis) is checked at run time by a small TIR kernel of its own::
 
 ``check_bounds`` reads ``n`` from ``x``'s shape (``x``'s data is not read), compares every id
 as an unsigned number with ``n`` (a negative id is a huge one) into one flag, a loop LLVM
-vectorises, and asserts after the loop: ``IndexError: Gather/take of <table> at <index>
-(ONNX Gather, torch embedding/index_select, axis <a>): index out of range [0, <n>)``, the index
-named by the model input it comes from (through casts and the importer's ``where``). The
+vectorises, and asserts after the loop: ``IndexError: Gather/take (ONNX Gather, torch
+embedding/index_select) of <table> at <index> (axis <a>): index out of range [0, <n>)``, the
+index named by the model input it comes from (through casts and the importer's ``where``). The
 kernel writes nothing: in place on ``idx`` it costs no copy and no allocation, in-range ids
 give exactly the unchecked results, and the take depends on it (so neither dead-code
 elimination nor reordering drops the check; ``R.assert_op`` is impure, not allowed in a
 dataflow block). Negative ids: the ONNX importer maps ``[-n, 0)`` to ``[0, n)`` before the
 take (``where(less(i, 0), add(i, n), i)``), so ONNX's negative indices pass and anything
 below ``-n`` fails; torch's ``embedding``/``index_select`` refuse negative ids, as here.
+
+``gather_elements`` (ONNX GatherElements: negatives mapped by the importer) is checked the same
+way against ``[0, n)``, ``scatter_elements`` (ONNX ScatterElements: its kernel counts negative
+indices from the end) against ``[-n, n)`` (one unsigned compare of ``id + n`` with ``2n``).
 
 An arithmetic progression not proven inside the axis (``take(wpe, arange(0, seq))``: position
 ids past a table of ``max_pos`` rows) is checked by its first and last value only::
@@ -54,8 +58,8 @@ Where it runs: early in Phase 1, after PlaceShapeOnHost, before GatherToSlice an
 FuseCrossEntropy (they see the same ``take``: its index or its table becomes the check's
 output only where the range is unproven).
 
-Not covered yet: ``gather_elements``, ``gather_nd``, ``take_backward`` and the scatter ops
-(writes), and data-dependent ``strided_slice`` bounds.
+Not covered yet: ``gather_nd`` / ``scatter_nd`` (one extent per index component),
+``take_backward``, and data-dependent ``strided_slice`` bounds.
 """
 
 from __future__ import annotations
@@ -83,6 +87,13 @@ _VIEWS = (
     "relax.broadcast_to",
     "relax.flatten",
 )
+# op: (the op in messages, whether negative indices count from the end in its kernel); the
+# ONNX importer maps Gather's and GatherElements' negative indices before the op
+_OPS = {
+    "relax.take": ("Gather/take (ONNX Gather, torch embedding/index_select)", False),
+    "relax.gather_elements": ("GatherElements", False),
+    "relax.scatter_elements": ("ScatterElements", True),
+}
 _INT_BITS = {"int8": 8, "int16": 16, "int32": 32, "int64": 64}
 
 
@@ -121,21 +132,23 @@ class _Rewriter(PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if op_name(call) != "relax.take":
+        if op_name(call) not in _OPS:
             return call
         checked = self._checked(call)
         if checked is None:
             return call
         self.count += 1
-        return relax.op.take(*checked, call.attrs.axis, call.attrs.mode)
+        return relax.Call(call.op, [*checked, *call.args[2:]], call.attrs, call.ty_args)
 
     def _checked(self, call: relax.Call) -> tuple | None:
-        """``(data, index)`` of the checked take, or None when the index range is proven (or
-        unknowable)."""
-        x, idx = call.args
-        what = f"take of {_name(x)}"
-        if str(call.attrs.mode) in ("clip", "wrap"):
-            return _leave(what, f"mode={call.attrs.mode} reads inside the buffer")
+        """``(data, index)`` of the checked take / gather_elements / scatter_elements, or None
+        when the index range is proven (or unknowable)."""
+        x, idx = call.args[:2]
+        label, negatives = _OPS[op_name(call)]
+        what = f"{label} of {_name(x)}"
+        mode = getattr(call.attrs, "mode", None)
+        if str(mode) in ("clip", "wrap"):
+            return _leave(what, f"mode={mode} reads inside the buffer")
         extent = _extent(x, call.attrs.axis)
         x_ty, idx_ty = x.ty, idx.ty
         if (
@@ -147,7 +160,7 @@ class _Rewriter(PyExprMutator):
             logger.warning("%s: data shape or index type unknown, left unchecked", what)
             return None
         analyzer = tvm.sym.Analyzer()
-        span = self._proven(what, idx, extent, analyzer)
+        span = False if negatives else self._proven(what, idx, extent, analyzer)
         if span is True:
             return None
         if self.skip_reason:
@@ -156,8 +169,8 @@ class _Rewriter(PyExprMutator):
         axis = "all" if call.attrs.axis is None else f"axis {int(call.attrs.axis)}"
         size = int(extent.value) if isinstance(extent, tirx.IntImm) else extent
         message = (
-            f"Gather/take of {_name(x)} at {self._source(idx)} (ONNX Gather, torch "
-            f"embedding/index_select, {axis}): index out of range [0, {size})"
+            f"{label} of {_name(x)} at {self._source(idx)} ({axis}): index out of range "
+            f"[{f'-{size}' if negatives else 0}, {size})"
         )
         bb = self.builder_
         if span is not False:
@@ -168,7 +181,9 @@ class _Rewriter(PyExprMutator):
             low, high = (relax.prim_value(analyzer.simplify(v)) for v in span)
             return bb.emit(relax.call_tir_inplace(gv, (x, low, high), 0, x_ty)), idx
         # in place on the index (which it only reads): no copy, no allocation
-        gv = bb.add_func(check_kernel(x_ty, call.attrs.axis, idx_ty, message), "check_bounds")
+        gv = bb.add_func(
+            check_kernel(x_ty, call.attrs.axis, idx_ty, message, negatives), "check_bounds"
+        )
         return x, bb.emit(relax.call_tir_inplace(gv, (x, idx), 1, idx_ty))
 
     def _source(self, idx) -> str:
@@ -271,12 +286,12 @@ def _skip_reason(target) -> str | None:
 
 
 def check_kernel(
-    x_ty: relax.TensorType, axis, ids_ty: relax.TensorType, message: str
+    x_ty: relax.TensorType, axis, ids_ty: relax.TensorType, message: str, negatives: bool
 ) -> tirx.PrimFunc:
     """``check_bounds(x, ids)``, called in place on ``ids`` (which it only reads): fails with
     ``IndexError: message`` when an id is outside ``[0, n)``, ``n`` the extent of ``x``'s
-    ``axis`` (every element of ``x`` for None) read from ``x``'s shape at run time. ``x`` is
-    not read."""
+    ``axis`` (every element of ``x`` for None) read from ``x``'s shape at run time, or outside
+    ``[-n, n)`` with ``negatives``. ``x`` is not read."""
     ds = [f"d{i}" for i in range(ids_ty.ndim)]
     at = ", ".join(f"i{i}" for i in range(len(ds))) or "()"
     dtype = repr(str(ids_ty.dtype))
@@ -292,12 +307,13 @@ def check_kernel(
     # count-free flag, one assert after the loop: LLVM vectorises the loop (0.75 us for 4096
     # ids here, 2.1 us with an assert per id)
     n = f'T.Cast("uint64", {extent})'
+    shift, n = (f" + {n}", f"{n} * T.uint64(2)") if negatives else ("", n)
     indent = "        "
     if ds:
         lines.append(f"{indent}for {at} in T.grid({', '.join(ds)}):")
         indent += "    "
     lines += [
-        f'{indent}outside = T.Cast("uint64", T.Cast("int64", ids[{at}])) >= {n}',
+        f'{indent}outside = T.Cast("uint64", T.Cast("int64", ids[{at}])){shift} >= {n}',
         f'{indent}bad[0] = T.max(bad[0], T.Cast("int64", outside))',
         f'        T.Assert(bad[0] == T.int64(0), {message!r}, "IndexError")',
     ]
