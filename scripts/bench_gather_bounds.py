@@ -82,10 +82,11 @@ def main(argv=None) -> int:
             np.testing.assert_array_equal(a, b)
         times = time_interleaved(runners, repeat=args.repeat, budget_s=args.budget, min_time_s=1)
         on, off, again = (times[k]["median_ms"] * 1e3 for k in runners)
+        fastest = ", ".join(f"{k} {times[k]['min_ms'] * 1e3:.1f}" for k in runners)
         print(
             f"{name}: {checks} check(s); checked {on:.1f} us, unchecked {off:.1f} us, "
             f"{on - off:+.1f} us ({(on / off - 1) * 100:+.1f}%); unchecked again {again:.1f} us "
-            f"({(again / off - 1) * 100:+.1f}%)"
+            f"({(again / off - 1) * 100:+.1f}%); fastest: {fastest} us"
         )
     return 0
 
