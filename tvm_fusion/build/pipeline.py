@@ -182,7 +182,9 @@ def _pointer_params(func: tvm.tirx.PrimFunc) -> int:
     count = 0
     for param in func.params:
         ty = getattr(param, "ty", None)
-        if isinstance(ty, tvm.tirx.buffer.BufferType) or str(param.dtype) == "handle":
+        # a scalar parameter (a Var without BufferType) has no dtype attribute in 0.27
+        dtype = str(getattr(param, "dtype", ""))
+        if isinstance(ty, tvm.tirx.buffer.BufferType) or dtype == "handle":
             count += 1
     return count
 

@@ -12,6 +12,7 @@ module to lowering (``tvm_fusion.lower``) and, after FuseOps, to FuseTIR and the
 from __future__ import annotations
 
 from ._common import collect_rewrites
+from .check_gather_bounds import CheckGatherBounds
 from .fuse_cross_entropy import FuseCrossEntropy
 from .fuse_gathered_gates import FuseGatheredGates
 from .fuse_linear_cross_entropy import FuseLinearCrossEntropy
@@ -24,6 +25,7 @@ from .strip_bookend_views import StripBookendViews
 
 GRAPH_PASSES: list[tuple[str, type]] = [
     ("place_shape_on_host", PlaceShapeOnHost),
+    ("check_gather_bounds", CheckGatherBounds),  # before anything rewrites a take
     ("gather_to_slice", GatherToSlice),
     ("fuse_gathered_gates", FuseGatheredGates),  # before FuseSplitGates
     ("fuse_split_gates", FuseSplitGates),
@@ -37,6 +39,7 @@ POST_FUSION_PASSES: list[tuple[str, type]] = [
 ]
 
 __all__ = [
+    "CheckGatherBounds",
     "GRAPH_PASSES",
     "FuseCrossEntropy",
     "FuseGatheredGates",
