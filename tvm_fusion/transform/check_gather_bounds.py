@@ -34,6 +34,10 @@ ids past a table of ``max_pos`` rows) is checked by its first and last value onl
 one scalar assert, no index tensor read; the take stays a take of an arange, which
 GatherToSlice turns into a slice as before.
 
+The ``check_bounds`` kernel of a take with an axis carries what it guarantees, for later
+passes' range proofs (FuseGatheredGates): ``CHECKED_AXIS`` (the axis of ``x`` whose extent
+bounds the ids) and ``CHECKED_SIGNED`` (ids in ``[-n, n)`` rather than ``[0, n)``).
+
 CUDA: no check (a warning at compile time). The kernel above has no thread binding and would
 run on the host against device pointers; a device-side flag would need a copy to the host and
 a sync per call. Left for later; the takes stay unchecked on CUDA as they were.
@@ -97,6 +101,10 @@ _OPS = {
     "relax.scatter_elements": ("ScatterElements", True),
 }
 _INT_BITS = {"int8": 8, "int16": 16, "int32": 32, "int64": 64}
+
+
+CHECKED_AXIS = "tvm_fusion.checked_axis"
+CHECKED_SIGNED = "tvm_fusion.checked_signed"
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -183,9 +191,12 @@ class _Rewriter(PyExprMutator):
             low, high = (relax.prim_value(analyzer.simplify(v)) for v in span)
             return bb.emit(relax.call_tir_inplace(gv, (x, low, high), 0, x_ty)), idx
         # in place on the index (which it only reads): no copy, no allocation
-        gv = bb.add_func(
-            check_kernel(x_ty, call.attrs.axis, idx_ty, message, negatives), "check_bounds"
-        )
+        kernel = check_kernel(x_ty, call.attrs.axis, idx_ty, message, negatives)
+        if call.attrs.axis is not None:  # what it guarantees, for later passes' range proofs
+            kernel = kernel.with_attr(CHECKED_AXIS, int(call.attrs.axis)).with_attr(
+                CHECKED_SIGNED, bool(negatives)
+            )
+        gv = bb.add_func(kernel, "check_bounds")
         return x, bb.emit(relax.call_tir_inplace(gv, (x, idx), 1, idx_ty))
 
     def _source(self, idx) -> str:

@@ -57,6 +57,7 @@ from tvm.ir.expr import GenericConst
 from .. import target as _target
 from ..tir_util import iter_stmts
 from ._common import get_logger, record_rewrite, skip
+from .check_gather_bounds import CHECKED_AXIS, CHECKED_SIGNED
 from .fuse_split_gates.emit import _Rewriter
 from .fuse_split_gates.match import _Block, _Gemm, _int, _op, _pieces, _shape, _slice_pieces
 from .fuse_split_gates.ops import _DTYPES, _ELEMENTWISE
@@ -312,6 +313,9 @@ def _index_range(blk: _Block, expr, depth: int = 16) -> tuple[int, int] | None:
         return None
     if isinstance(value, relax.TupleGetItem) or isinstance(value, relax.Var):
         return _index_range(blk, value, depth - 1)
+    checked = _checked_range(blk, value)
+    if checked is not None:
+        return checked
     name = _op(value)
     library = _library_topk(blk, value)
     if library is not None and library[0] == "indices":
@@ -349,6 +353,26 @@ def _index_range(blk: _Block, expr, depth: int = 16) -> tuple[int, int] | None:
             return None
         return max(inner[0], lo), min(inner[1], hi)
     return None
+
+
+def _checked_range(blk: _Block, call) -> tuple[int, int] | None:
+    """The ids CheckGatherBounds' ``call_tir_inplace(check_bounds, (x, ids))`` lets through:
+    the kernel fails at run time unless every id is in ``[0, n)`` (``[-n, n)`` when signed),
+    ``n`` the static extent of ``x``'s checked axis; None for anything else."""
+    if _op(call) != "relax.call_tir_inplace" or not isinstance(call.args[0], tvm.ir.GlobalVar):
+        return None
+    mod = getattr(blk, "mod", None)
+    func = mod[call.args[0]] if mod is not None and call.args[0] in mod else None
+    if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is None:
+        return None
+    axis = func.attrs.get(CHECKED_AXIS)
+    if axis is None or not isinstance(call.args[1], relax.Tuple) or len(call.args[1].fields) != 2:
+        return None
+    shape = _shape(call.args[1].fields[0])
+    extent = None if shape is None else _int(shape[int(axis) % len(shape)])
+    if extent is None:
+        return None
+    return (-extent if bool(func.attrs.get(CHECKED_SIGNED, False)) else 0), extent - 1
 
 
 def _library_topk(blk: _Block, call) -> tuple[str, int] | None:
