@@ -12,6 +12,7 @@ module to lowering (``tvm_fusion.lower``) and, after FuseOps, to FuseTIR and the
 from __future__ import annotations
 
 from ._common import collect_rewrites
+from .fuse_attention import FuseAttention
 from .fuse_cross_entropy import FuseCrossEntropy
 from .fuse_linear_cross_entropy import FuseLinearCrossEntropy
 from .fuse_split_gates import FuseSplitGates
@@ -27,6 +28,7 @@ GRAPH_PASSES: list[tuple[str, type]] = [
     ("fuse_split_gates", FuseSplitGates),
     ("fuse_cross_entropy", FuseCrossEntropy),
     ("fuse_linear_cross_entropy", FuseLinearCrossEntropy),  # chunks what the last one made
+    ("fuse_attention", FuseAttention),
     ("sink_views_past_epilogues", SinkViewsPastEpilogues),
 ]
 POST_FUSION_PASSES: list[tuple[str, type]] = [
@@ -36,6 +38,7 @@ POST_FUSION_PASSES: list[tuple[str, type]] = [
 
 __all__ = [
     "GRAPH_PASSES",
+    "FuseAttention",
     "FuseCrossEntropy",
     "FuseLinearCrossEntropy",
     "FuseSplitGates",

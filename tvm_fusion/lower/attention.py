@@ -1,0 +1,212 @@
+"""The fused attention kernel that :class:`~tvm_fusion.transform.fuse_attention.FuseAttention`
+emits: ``softmax(Q K^T * scale + mask) V`` with an online softmax, one scheduled TIR PrimFunc
+(``tirx.is_scheduled``: the schedule rules leave it as written; ``op_pattern`` opaque: FuseOps
+leaves it alone).
+
+``attention_kernel(d, dv, scale, mask_dims, empty_rows)`` -> PrimFunc
+``(q (B, H, S, D), k (B, H, N, D), v (B, H, N, Dv)[, mask (MB, MH, MS, MN)]) -> o (B, H, S, Dv)``,
+float32. ``B, H, S, N`` (and the mask's dims) are symbolic in the kernel, ``D`` and ``Dv`` are
+fixed. The mask is 4-D; ``mask_dims[i]`` False means that axis is broadcast (read at 0).
+
+Per tile of ``QB`` query rows of one (batch, head), in parallel over all tiles: the running
+maximum ``m``, the running sum ``l`` of ``exp(score - m)`` and a ``(QB, Dv)`` accumulator stay
+in local buffers; the keys go by in blocks of ``KB``: the block's scores (the K block transposed
+into a ``(D, KB)`` buffer, so a query element times ``KB`` keys is one vector multiply-add),
+scaled and masked, the block maximum, the correction ``exp(m_old - m_new)`` applied to ``l`` and
+the accumulator once per block, then ``exp(score - m_new)`` times the block's V rows. The
+``(B, H, S, N)`` scores never exist in memory; a tile's working set is ``QB x (Dv + KB)`` plus
+the K block. Keys past ``N`` in the last block weigh exactly 0; rows past ``S`` are computed on a
+clamped row and not written.
+
+``exp`` is the polynomial of :func:`tvm_fusion.lower.legalize.exp_below_max` (arguments <= 0;
+below -87 it gives 1.6e-38, not 0, as the legalised softmax does). A row whose every score is
+``-inf`` (fully masked) gets ``empty_rows``: ``"nan"`` (what ``softmax`` gives: 0/0) or
+``"zero"`` (torch's SDPA decomposition, which replaces such rows by 0).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .legalize import _EXP_POLY, _ROUNDING
+
+QB = 8  # query rows per tile
+KB = 16  # keys per block: two AVX2 float32 vectors, one AVX-512 one
+KERNEL_NAME = "fused_attention"
+
+
+def _exp_nonpositive(r):
+    """``exp(r)`` for ``r <= 0`` (see :func:`tvm_fusion.lower.legalize.exp_below_max`)."""
+    r = tirx.max(r, tirx.const(-87.0, "float32"))
+    bias = tirx.const(_ROUNDING + 127.0, "float32")
+    one = tirx.const(1.0, "float32")
+    biased = r * tirx.const(1.4426950408889634, "float32") + bias
+    same = tirx.reinterpret("float32", tirx.reinterpret("int32", biased))
+    f = r - (same - bias) * tirx.const(0.6931471805599453, "float32")
+    poly = tirx.const(_EXP_POLY[0], "float32")
+    for c in _EXP_POLY[1:]:
+        poly = poly * f + tirx.const(c, "float32")
+    two_n = tirx.reinterpret("float32", tirx.reinterpret("int32", biased) << 23)
+    return ((poly * f + one) * f + one) * two_n
+
+
+def _let(value, body):
+    var = tirx.Var("e", "float32")
+    return tirx.Let(var, value, body(var))
+
+
+def attention_kernel(
+    d: int,
+    dv: int,
+    scale: float,
+    mask_dims: tuple[bool, bool, bool, bool] | None,
+    empty_rows: str = "nan",
+    where_fill: tuple[float, bool] | None = None,
+) -> tirx.PrimFunc:
+    """The scheduled PrimFunc (see the module docstring). ``mask_dims`` None: no mask
+    parameter. ``where_fill`` ``(fill, keep_when)``: the mask is boolean and selects, a score
+    stays where the mask is ``keep_when`` and is ``fill`` elsewhere; None: the mask is float32
+    and added."""
+    if empty_rows not in ("nan", "zero"):
+        raise ValueError(f"empty_rows must be 'nan' or 'zero', not {empty_rows!r}")
+    mask_dtype = "bool" if where_fill is not None else "float32"
+    has_mask = mask_dims is not None
+    keep = mask_dims if has_mask else (False,) * 4
+    neg_inf = tirx.const(float("-inf"), "float32")
+    zero = tirx.const(0.0, "float32")
+    scale_c = tirx.const(scale, "float32")
+
+    def masked(score, mask, bb, hh, i, j):
+        """The scaled score with the mask applied."""
+        if not has_mask:
+            return score
+        index = [x if kept else 0 for x, kept in zip((bb, hh, i, j), keep, strict=True)]
+        value = mask[index[0], index[1], index[2], index[3]]
+        if where_fill is None:
+            return score + value
+        fill, keep_when = where_fill
+        cond = value if keep_when else tirx.Not(value)
+        return tirx.Select(cond, score, tirx.const(fill, "float32"))
+
+    def empty_value(n):
+        if empty_rows == "zero":
+            return zero
+        return tirx.Select(n > 0, tirx.const(float("nan"), "float32"), zero)
+
+    def base_of(x):
+        """The shift of the exponentials: the running maximum, 0 while it is -inf."""
+        return tirx.Select(x == neg_inf, zero, x)
+
+    @T.prim_func(private=True, s_tir=True)
+    def fused_attention(p_q: T.handle, p_k: T.handle, p_v: T.handle, p_m: T.handle, p_o: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        b = T.int64()
+        h = T.int64()
+        s = T.int64()
+        n = T.int64()
+        mb = T.int64()
+        mh = T.int64()
+        ms = T.int64()
+        mn = T.int64()
+        q = T.match_buffer(p_q, (b, h, s, d))
+        k = T.match_buffer(p_k, (b, h, n, d))
+        v = T.match_buffer(p_v, (b, h, n, dv))
+        mask = T.match_buffer(p_m, (mb, mh, ms, mn), mask_dtype)
+        o = T.match_buffer(p_o, (b, h, s, dv))
+        for t in T.parallel(b * h * ((s + QB - 1) // QB)):
+            acc = T.decl_buffer((QB, dv), "float32", scope="local")
+            run_max = T.decl_buffer((QB,), "float32", scope="local")
+            run_sum = T.decl_buffer((QB,), "float32", scope="local")
+            new_max = T.decl_buffer((QB,), "float32", scope="local")
+            sc = T.decl_buffer((QB, KB), "float32", scope="local")
+            kt = T.decl_buffer((d, KB), "float32", scope="local")
+            for r in range(QB):
+                run_max[r] = neg_inf
+                run_sum[r] = zero
+                for c in T.vectorized(dv):
+                    acc[r, c] = zero
+            for jb in range((n + KB - 1) // KB):
+                for jj, c in T.grid(KB, d):
+                    kt[c, jj] = k[
+                        t // ((s + QB - 1) // QB) // h,
+                        t // ((s + QB - 1) // QB) % h,
+                        T.min(jb * KB + jj, n - 1),
+                        c,
+                    ]
+                for r in range(QB):
+                    for jj in T.vectorized(KB):
+                        sc[r, jj] = zero
+                for c in range(d):
+                    for r in T.unroll(QB):
+                        for jj in T.vectorized(KB):
+                            sc[r, jj] = (
+                                sc[r, jj]
+                                + q[
+                                    t // ((s + QB - 1) // QB) // h,
+                                    t // ((s + QB - 1) // QB) % h,
+                                    T.min(t % ((s + QB - 1) // QB) * QB + r, s - 1),
+                                    c,
+                                ]
+                                * kt[c, jj]
+                            )
+                for r in range(QB):
+                    for jj in T.vectorized(KB):
+                        sc[r, jj] = T.if_then_else(
+                            jb * KB + jj < n,
+                            masked(
+                                sc[r, jj] * scale_c,
+                                mask,
+                                t // ((s + QB - 1) // QB) // h,
+                                t // ((s + QB - 1) // QB) % h,
+                                T.min(t % ((s + QB - 1) // QB) * QB + r, s - 1),
+                                T.min(jb * KB + jj, n - 1),
+                            ),
+                            neg_inf,
+                        )
+                    new_max[r] = run_max[r]
+                    for jj in range(KB):
+                        new_max[r] = T.max(new_max[r], sc[r, jj])
+                    run_sum[r] = run_sum[r] * _exp_nonpositive(
+                        run_max[r] - base_of(new_max[r])
+                    )
+                    for c in T.vectorized(dv):
+                        acc[r, c] = acc[r, c] * _exp_nonpositive(
+                            run_max[r] - base_of(new_max[r])
+                        )
+                    for jj in T.vectorized(KB):
+                        sc[r, jj] = T.if_then_else(
+                            jb * KB + jj < n,
+                            _exp_nonpositive(sc[r, jj] - base_of(new_max[r])),
+                            zero,
+                        )
+                    for jj in range(KB):
+                        run_sum[r] = run_sum[r] + sc[r, jj]
+                    run_max[r] = new_max[r]
+                    for jj in range(KB):
+                        for c in T.vectorized(dv):
+                            acc[r, c] = acc[r, c] + sc[r, jj] * v[
+                                t // ((s + QB - 1) // QB) // h,
+                                t // ((s + QB - 1) // QB) % h,
+                                T.min(jb * KB + jj, n - 1),
+                                c,
+                            ]
+            for r in range(QB):
+                if t % ((s + QB - 1) // QB) * QB + r < s:
+                    for c in T.vectorized(dv):
+                        o[
+                            t // ((s + QB - 1) // QB) // h,
+                            t // ((s + QB - 1) // QB) % h,
+                            t % ((s + QB - 1) // QB) * QB + r,
+                            c,
+                        ] = T.if_then_else(
+                            run_max[r] == neg_inf,
+                            empty_value(n),
+                            acc[r, c] * (T.float32(1.0) / run_sum[r]),
+                        )
+
+    if has_mask:
+        return fused_attention
+    params = list(fused_attention.params)
+    func = fused_attention
+    return tirx.PrimFunc(params[:3] + params[4:], func.body, func.ret_type, func.attrs)
