@@ -3,20 +3,24 @@ emits: ``softmax(Q K^T * scale + mask) V`` with an online softmax, one scheduled
 (``tirx.is_scheduled``: the schedule rules leave it as written; ``op_pattern`` opaque: FuseOps
 leaves it alone).
 
-``attention_kernel(d, dv, scale, mask_dims, empty_rows)`` -> PrimFunc
-``(q (B, H, S, D), k (B, H, N, D), v (B, H, N, Dv)[, mask (MB, MH, MS, MN)]) -> o (B, H, S, Dv)``,
-float32. ``B, H, S, N`` (and the mask's dims) are symbolic in the kernel, ``D`` and ``Dv`` are
-fixed. The mask is 4-D; ``mask_dims[i]`` False means that axis is broadcast (read at 0).
+``attention_kernel(d, dv, scale, mask_dims, empty_rows, where_fill)`` -> PrimFunc
+``(q (B, H, S, D), kt (B, H, D, N), v (B, H, N, Dv)[, mask (MB, MH, MS, MN)]) -> o (B, H, S, Dv)``,
+float32, ``kt`` the keys transposed (what the exporters' ``Transpose`` / ``permute_dims`` of K
+gives). ``B, H, S, N`` (and the mask's dims) are symbolic in the kernel, ``D`` and ``Dv`` are
+fixed. The mask is 4-D; ``mask_dims[i]`` False means that axis is broadcast (read at 0). An
+added float32 mask, or with ``where_fill`` a boolean one that keeps or replaces scores.
 
 Per tile of ``QB`` query rows of one (batch, head), in parallel over all tiles: the running
-maximum ``m``, the running sum ``l`` of ``exp(score - m)`` and a ``(QB, Dv)`` accumulator stay
-in local buffers; the keys go by in blocks of ``KB``: the block's scores (the K block transposed
-into a ``(D, KB)`` buffer, so a query element times ``KB`` keys is one vector multiply-add),
-scaled and masked, the block maximum, the correction ``exp(m_old - m_new)`` applied to ``l`` and
-the accumulator once per block, then ``exp(score - m_new)`` times the block's V rows. The
-``(B, H, S, N)`` scores never exist in memory; a tile's working set is ``QB x (Dv + KB)`` plus
-the K block. Keys past ``N`` in the last block weigh exactly 0; rows past ``S`` are computed on a
-clamped row and not written.
+maximum ``m``, the running sum ``l`` of ``exp(score - m)`` (both vectors over the tile's rows)
+and a ``(QB, Dv)`` accumulator stay in local buffers, the tile's Q rows transposed into a
+``(D, QB)`` buffer once. The keys go by in blocks of ``KB``: the block's ``(KB, QB)`` scores
+(a query column times one key element is one vector multiply-add), scaled and masked, the block
+maximum, the correction ``exp(m_old - m_new)`` applied to ``l`` and the accumulator once per
+block, then ``exp(score - m_new)`` times the block's V rows (the accumulator in ``Dv`` blocks of
+16 columns). The ``(B, H, S, N)`` scores never exist in memory. Keys past ``N`` in the last
+block weigh exactly 0 (that block reads clamped indices; the others read whole vectors); rows
+past ``S`` are computed on a clamped row and not written. Not yet: skipping the blocks above
+the diagonal of a causal mask (the mask is read and every block computed).
 
 ``exp`` is the polynomial of :func:`tvm_fusion.lower.legalize.exp_below_max` (arguments <= 0;
 below -87 it gives 1.6e-38, not 0, as the legalised softmax does). A row whose every score is
@@ -51,9 +55,29 @@ def _exp_nonpositive(r):
     return ((poly * f + one) * f + one) * two_n
 
 
-def _let(value, body):
-    var = tirx.Var("e", "float32")
-    return tirx.Let(var, value, body(var))
+def _tiles(s):
+    return (s + QB - 1) // QB
+
+
+def _batch(t, s, h):
+    """The batch of tile ``t`` (tiles ordered batch, head, row block)."""
+    return t // _tiles(s) // h
+
+
+def _head(t, s, h):
+    return t // _tiles(s) % h
+
+
+def _row0(t, s):
+    return t % _tiles(s) * QB
+
+
+def _lanes(dv: int) -> int:
+    """The output columns one register block holds: 16, or what of it divides ``Dv``."""
+    for lanes in (16, 8, 4, 2):
+        if dv % lanes == 0:
+            return lanes
+    return 1
 
 
 def attention_kernel(
@@ -98,6 +122,82 @@ def attention_kernel(
         """The shift of the exponentials: the running maximum, 0 while it is -inf."""
         return tirx.Select(x == neg_inf, zero, x)
 
+    cb = _lanes(dv)
+
+    @T.macro
+    def key_block(qt, kt, v, mask, acc, run_max, run_sum, new_max, corr, sc, t, jb, s, h, n, tail):
+        """Scores of keys ``jb * KB ...`` for the tile's rows, the online-softmax update, and
+        their probabilities times V into ``acc``. ``tail``: the block may pass ``n`` (indices
+        clamped, keys past ``n`` weigh 0). ``sc`` is (keys, rows): the row statistics are
+        vector operations over the tile's rows."""
+        for jj in range(KB):
+            for r in T.vectorized(QB):
+                sc[jj, r] = zero
+        for c in range(d):
+            for jj in T.unroll(KB):
+                for r in T.vectorized(QB):
+                    if tail:
+                        sc[jj, r] = (
+                            sc[jj, r]
+                            + qt[c, r]
+                            * kt[_batch(t, s, h), _head(t, s, h), c, T.min(jb * KB + jj, n - 1)]
+                        )
+                    else:
+                        sc[jj, r] = (
+                            sc[jj, r]
+                            + qt[c, r] * kt[_batch(t, s, h), _head(t, s, h), c, jb * KB + jj]
+                        )
+        for jj in range(KB):
+            for r in T.vectorized(QB):
+                sc[jj, r] = T.if_then_else(
+                    jb * KB + jj < n,
+                    masked(
+                        sc[jj, r] * scale_c,
+                        mask,
+                        _batch(t, s, h),
+                        _head(t, s, h),
+                        T.min(_row0(t, s) + r, s - 1),
+                        T.min(jb * KB + jj, n - 1),
+                    ),
+                    neg_inf,
+                )
+        for r in T.vectorized(QB):
+            new_max[r] = run_max[r]
+        for jj in range(KB):
+            for r in T.vectorized(QB):
+                new_max[r] = T.max(new_max[r], sc[jj, r])
+        for r in T.vectorized(QB):
+            corr[r] = _exp_nonpositive(run_max[r] - base_of(new_max[r]))
+            run_sum[r] = run_sum[r] * corr[r]
+        for jj in range(KB):
+            for r in T.vectorized(QB):
+                sc[jj, r] = T.if_then_else(
+                    jb * KB + jj < n, _exp_nonpositive(sc[jj, r] - base_of(new_max[r])), zero
+                )
+        for jj in range(KB):
+            for r in T.vectorized(QB):
+                run_sum[r] = run_sum[r] + sc[jj, r]
+        for r in T.vectorized(QB):
+            run_max[r] = new_max[r]
+        for r in range(QB):
+            for c in T.vectorized(dv):
+                acc[r, c] = acc[r, c] * corr[r]
+        # acc[:, c block] stays in registers over the keys (its addresses do not change in jj)
+        for cbo in range(dv // cb):
+            for jj in range(KB):
+                for r in T.unroll(QB):
+                    for ci in T.vectorized(cb):
+                        acc[r, cbo * cb + ci] = (
+                            acc[r, cbo * cb + ci]
+                            + sc[jj, r]
+                            * v[
+                                _batch(t, s, h),
+                                _head(t, s, h),
+                                T.min(jb * KB + jj, n - 1),
+                                cbo * cb + ci,
+                            ]
+                        )
+
     @T.prim_func(private=True, s_tir=True)
     def fused_attention(p_q: T.handle, p_k: T.handle, p_v: T.handle, p_m: T.handle, p_o: T.handle):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
@@ -110,7 +210,7 @@ def attention_kernel(
         ms = T.int64()
         mn = T.int64()
         q = T.match_buffer(p_q, (b, h, s, d))
-        k = T.match_buffer(p_k, (b, h, n, d))
+        kt = T.match_buffer(p_k, (b, h, d, n))
         v = T.match_buffer(p_v, (b, h, n, dv))
         mask = T.match_buffer(p_m, (mb, mh, ms, mn), mask_dtype)
         o = T.match_buffer(p_o, (b, h, s, dv))
@@ -119,87 +219,45 @@ def attention_kernel(
             run_max = T.decl_buffer((QB,), "float32", scope="local")
             run_sum = T.decl_buffer((QB,), "float32", scope="local")
             new_max = T.decl_buffer((QB,), "float32", scope="local")
-            sc = T.decl_buffer((QB, KB), "float32", scope="local")
-            kt = T.decl_buffer((d, KB), "float32", scope="local")
+            corr = T.decl_buffer((QB,), "float32", scope="local")
+            sc = T.decl_buffer((KB, QB), "float32", scope="local")
+            qt = T.decl_buffer((d, QB), "float32", scope="local")
+            for c, r in T.grid(d, QB):
+                qt[c, r] = q[_batch(t, s, h), _head(t, s, h), T.min(_row0(t, s) + r, s - 1), c]
             for r in range(QB):
                 run_max[r] = neg_inf
                 run_sum[r] = zero
                 for c in T.vectorized(dv):
                     acc[r, c] = zero
-            for jb in range((n + KB - 1) // KB):
-                for jj, c in T.grid(KB, d):
-                    kt[c, jj] = k[
-                        t // ((s + QB - 1) // QB) // h,
-                        t // ((s + QB - 1) // QB) % h,
-                        T.min(jb * KB + jj, n - 1),
-                        c,
-                    ]
-                for r in range(QB):
-                    for jj in T.vectorized(KB):
-                        sc[r, jj] = zero
-                for c in range(d):
-                    for r in T.unroll(QB):
-                        for jj in T.vectorized(KB):
-                            sc[r, jj] = (
-                                sc[r, jj]
-                                + q[
-                                    t // ((s + QB - 1) // QB) // h,
-                                    t // ((s + QB - 1) // QB) % h,
-                                    T.min(t % ((s + QB - 1) // QB) * QB + r, s - 1),
-                                    c,
-                                ]
-                                * kt[c, jj]
-                            )
-                for r in range(QB):
-                    for jj in T.vectorized(KB):
-                        sc[r, jj] = T.if_then_else(
-                            jb * KB + jj < n,
-                            masked(
-                                sc[r, jj] * scale_c,
-                                mask,
-                                t // ((s + QB - 1) // QB) // h,
-                                t // ((s + QB - 1) // QB) % h,
-                                T.min(t % ((s + QB - 1) // QB) * QB + r, s - 1),
-                                T.min(jb * KB + jj, n - 1),
-                            ),
-                            neg_inf,
-                        )
-                    new_max[r] = run_max[r]
-                    for jj in range(KB):
-                        new_max[r] = T.max(new_max[r], sc[r, jj])
-                    run_sum[r] = run_sum[r] * _exp_nonpositive(
-                        run_max[r] - base_of(new_max[r])
-                    )
-                    for c in T.vectorized(dv):
-                        acc[r, c] = acc[r, c] * _exp_nonpositive(
-                            run_max[r] - base_of(new_max[r])
-                        )
-                    for jj in T.vectorized(KB):
-                        sc[r, jj] = T.if_then_else(
-                            jb * KB + jj < n,
-                            _exp_nonpositive(sc[r, jj] - base_of(new_max[r])),
-                            zero,
-                        )
-                    for jj in range(KB):
-                        run_sum[r] = run_sum[r] + sc[r, jj]
-                    run_max[r] = new_max[r]
-                    for jj in range(KB):
-                        for c in T.vectorized(dv):
-                            acc[r, c] = acc[r, c] + sc[r, jj] * v[
-                                t // ((s + QB - 1) // QB) // h,
-                                t // ((s + QB - 1) // QB) % h,
-                                T.min(jb * KB + jj, n - 1),
-                                c,
-                            ]
+            # (no names for the tile's batch, head and first row: a TVMScript assignment here
+            # becomes a one-element buffer, allocated per tile and read from memory)
+            for jb in range(n // KB):
+                key_block(
+                    qt, kt, v, mask, acc, run_max, run_sum, new_max, corr, sc, t, jb, s, h, n, False
+                )
+            if n % KB > 0:
+                key_block(
+                    qt,
+                    kt,
+                    v,
+                    mask,
+                    acc,
+                    run_max,
+                    run_sum,
+                    new_max,
+                    corr,
+                    sc,
+                    t,
+                    n // KB,
+                    s,
+                    h,
+                    n,
+                    True,
+                )
             for r in range(QB):
-                if t % ((s + QB - 1) // QB) * QB + r < s:
+                if _row0(t, s) + r < s:
                     for c in T.vectorized(dv):
-                        o[
-                            t // ((s + QB - 1) // QB) // h,
-                            t // ((s + QB - 1) // QB) % h,
-                            t % ((s + QB - 1) // QB) * QB + r,
-                            c,
-                        ] = T.if_then_else(
+                        o[_batch(t, s, h), _head(t, s, h), _row0(t, s) + r, c] = T.if_then_else(
                             run_max[r] == neg_inf,
                             empty_value(n),
                             acc[r, c] * (T.float32(1.0) / run_sum[r]),

@@ -17,8 +17,9 @@ Matched, all float32, starting from the second matmul ``O = matmul(P, V)``:
   from ``arange`` comparisons: any values), or ``X = Sc``;
 - ``Sc = S0 * c`` / ``c * S0`` / ``S0 / c`` for a scalar constant ``c``, or ``Sc = S0``;
 - ``S0 = matmul(Q, K^T)`` with ``Q (B, H, S, D)``, ``K^T (B, H, D, N)``, ``V (B, H, N, Dv)``
-  (``D``, ``Dv`` static; ``B, H, S, N`` static or symbolic); ``K^T = permute_dims(K, [0, 1, 3,
-  2])`` is read as ``K``, any other ``K^T`` is transposed once (a ``(B, H, N, D)`` copy);
+  (``D``, ``Dv`` static; ``B, H, S, N`` static or symbolic); the kernel reads ``K^T`` as it is
+  (the exporters' ``Transpose`` of K stays: a ``(B, H, D, N)`` copy, so that a block of keys
+  is one vector load per query element);
 - the same on 3-D operands, as torch.export decomposes SDPA: each of ``Q``, ``K^T``, ``P``,
   ``V`` is ``reshape(broadcast_to(x, shape(x)), (B * H, ., .))`` of a 4-D ``x``, the scores
   ``reshape(matmul(...), (B, H, S, N))`` and ``O`` 3-D (the kernel's 4-D result reshaped).
@@ -81,8 +82,8 @@ class FuseAttention:
 class _Plan:
     """One matched chain: the 4-D operands and what the kernel needs."""
 
-    def __init__(self, q, k, k_is_transposed, v, mask, scale, guard, out_3d):
-        self.q, self.k, self.k_is_transposed, self.v = q, k, k_is_transposed, v
+    def __init__(self, q, kt, v, mask, scale, guard, out_3d):
+        self.q, self.kt, self.v = q, kt, v
         self.mask, self.scale, self.guard, self.out_3d = mask, scale, guard, out_3d
 
 
@@ -277,12 +278,7 @@ class _Matcher:
             mask_dims = _mask_dims(mask, (b, h, _s, n), dtype)
             if mask_dims is None:
                 return skip(logger, what, f"mask not {dtype} or not broadcastable") or None
-        k, transposed = kt, False
-        permute = self.value(kt, "relax.permute_dims")
-        if permute is not None and permute.attrs.axes is not None:
-            if [int(a) for a in permute.attrs.axes] == [0, 1, 3, 2]:
-                k, transposed = permute.args[0], True
-        return _Plan(q, k, transposed, v, (mask, mask_dims, where_fill), scale, guard, out_3d)
+        return _Plan(q, kt, v, (mask, mask_dims, where_fill), scale, guard, out_3d)
 
 
 def _same_shape(a, b) -> bool:
@@ -372,11 +368,9 @@ class _Rewriter(PyExprMutator):
             return super().visit_call_(call)
         bb = self.builder_
         q, v = self.visit_expr(plan.q), self.visit_expr(plan.v)
-        k = self.visit_expr(plan.k)
-        if not plan.k_is_transposed:
-            k = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
+        kt = self.visit_expr(plan.kt)
         mask, mask_dims, where_fill = plan.mask
-        args = [q, k, v]
+        args = [q, kt, v]
         if mask is not None:
             mask = self.visit_expr(mask)
             if mask.ty.ndim < 4:
