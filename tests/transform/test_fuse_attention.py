@@ -5,8 +5,9 @@ Forms: the ONNX exporters' MatMul / Transpose / Div or Mul / Add or Where / Soft
 scaled_dot_product_attention (no mask, attn_mask, is_causal), a symbolic sequence length.
 Numbers through ``tvm.compile(..., relax_pipeline="tvm_fusion")`` against numpy / torch at
 sequence lengths 1, 7, 33 (the kernel's 8-row tiles and 16-key blocks both have tails there).
-Must not fire: softmax over a non-last axis, scores also returned, probabilities read twice, a
-scale that is a tensor, float16, K with one head broadcast over the others.
+Must not fire: softmax over a non-last axis, Q K^T or the scaled scores also returned,
+probabilities read twice, a scale that is a tensor, float16, K with one head broadcast over the
+others, a CUDA target.
 """
 
 import numpy as np
@@ -72,9 +73,9 @@ def _bindings(func):
 # ONNX-exporter form
 
 
-def _onnx_model(s="S", scale_op="Div", mask=None, causal_where=False):
+def _onnx_model(s="S", scale_op="Div", mask=None, causal_where=False, cast=False):
     """MatMul(Q, Transpose(K)) -> Div/Mul -> [Add(mask) | Where(causal, ., -inf)] -> Softmax ->
-    MatMul(V); ``s`` the sequence length (a name: symbolic)."""
+    [Cast] -> MatMul(V); ``s`` the sequence length (a name: symbolic)."""
     shape = [B, H, s, D]
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in "qkv"]
     inits = [
@@ -99,10 +100,10 @@ def _onnx_model(s="S", scale_op="Div", mask=None, causal_where=False):
         inits.append(helper.make_tensor("ninf", TensorProto.FLOAT, [], [-np.inf]))
         nodes.append(helper.make_node("Where", ["tri", x, "ninf"], ["xw"]))
         x = "xw"
-    nodes += [
-        helper.make_node("Softmax", [x], ["p"], axis=-1),
-        helper.make_node("MatMul", ["p", "v"], ["o"]),
-    ]
+    nodes.append(helper.make_node("Softmax", [x], ["p"], axis=-1))
+    if cast:  # the legacy exporter's Cast after the softmax
+        nodes.append(helper.make_node("Cast", ["p"], ["pc"], to=TensorProto.FLOAT))
+    nodes.append(helper.make_node("MatMul", ["pc" if cast else "p", "v"], ["o"]))
     out = helper.make_tensor_value_info("o", TensorProto.FLOAT, [B, H, s, D])
     graph = helper.make_graph(nodes, "attention", inputs, [out], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -132,6 +133,7 @@ def test_onnx_form_numbers(form, s):
         scale_op="Mul" if form == "mul_mask" else "Div",
         mask=mask_shape,
         causal_where=form == "causal_where",
+        cast=form == "mul_mask",
     )
     mod = load_onnx(model)
     assert _fused(mod) == 1
@@ -216,6 +218,7 @@ def test_torch_sdpa_numbers(form, s):
 
 def _decomposed(
     softmax_axis=-1,
+    return_matmul=False,
     return_scores=False,
     probs_twice=False,
     dtype="float32",
@@ -238,6 +241,8 @@ def _decomposed(
             p = bb.emit(R.nn.softmax(s1, axis=softmax_axis))
             o = bb.emit(R.matmul(p, v))
             outs = [o]
+            if return_matmul:
+                outs.append(s0)
             if return_scores:
                 outs.append(s1)
             if probs_twice:
@@ -261,6 +266,7 @@ def test_decomposed_fires():
     "change",
     [
         {"softmax_axis": 2},
+        {"return_matmul": True},
         {"return_scores": True},
         {"probs_twice": True},
         {"dtype": "float16"},

@@ -9,7 +9,8 @@ over blocks of keys) and the output accumulator; the scores exist one block at a
 
 Matched, all float32, starting from the second matmul ``O = matmul(P, V)``:
 
-- ``P = softmax(X, axis=-1)``, or torch's SDPA guard around it
+- ``P = softmax(X, axis=-1)`` (after identity casts ``astype(., float32)``, which the legacy
+  ONNX exporter writes after a softmax), or torch's SDPA guard around it
   ``where(not(max(X != -inf over the row)), full_like(P0, 0), P0)`` (a fully masked row gives 0
   instead of NaN; the kernel then does the same);
 - ``X = Sc + M`` / ``M + Sc`` with a mask ``M`` of rank <= 4 whose every dim is 1 or the
@@ -151,6 +152,9 @@ class _Matcher:
             return None
         if not self.single_use(p):
             return skip(logger, what, "probabilities read elsewhere") or None
+        p = self._strip_casts(p)
+        if p is None:
+            return skip(logger, what, "a cast of the probabilities read elsewhere") or None
         guard, sm = self._guard(p)
         if sm is None:
             return skip(logger, what, "not the matmul of a last-axis softmax") or None
@@ -185,6 +189,17 @@ class _Matcher:
             return skip(logger, what, "scores are not matmul(Q, K^T)") or None
         q, kt = operands
         return self._check(what, q, kt, v, (mask, where_fill), scale, guard, out_3d)
+
+    def _strip_casts(self, p):
+        """``p`` past identity casts ``astype(x, float32)`` of float32 ``x`` (the legacy ONNX
+        exporter's ``Cast`` after a softmax), each read once; None when one is read twice."""
+        cast = self.value(p, "relax.astype")
+        while cast is not None and cast.args[0].ty.dtype == cast.ty.dtype:
+            p = cast.args[0]
+            if not self.single_use(p):
+                return None
+            cast = self.value(p, "relax.astype")
+        return p
 
     def _guard(self, p):
         """(guard?, softmax call) of ``P``: the softmax itself or torch's NaN guard around it."""
