@@ -50,23 +50,13 @@ def _fused(mod) -> int:
 
 
 def _assert_no_scores(mod, fused: int):
-    """Where the pass fired: a call of the kernel and no (B, H, S, S) tensor in main (every
-    test here has S != D)."""
+    """Where the pass fired: a call of the kernel, and no softmax nor matmul left in main
+    (these graphs hold attention only), so no (B, H, S, N) scores."""
     if not fused:
         return
-    assert KERNEL_NAME in mod["main"].script()
-    for binding in _bindings(mod["main"]):
-        ty = binding.var.ty
-        if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.ndim != 4:
-            continue
-        dims = ty.shape.values
-        scores = [str(dims[0]), str(dims[1])] == [str(B), str(H)] and str(dims[2]) == str(dims[3])
-        assert not scores, binding
-
-
-def _bindings(func):
-    for block in func.body.blocks:
-        yield from block.bindings
+    text = mod["main"].script()
+    assert KERNEL_NAME in text
+    assert "R.nn.softmax" not in text and "R.matmul" not in text, text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,9 +184,7 @@ class _SDPA(torch.nn.Module):
         )
 
 
-@pytest.mark.parametrize(
-    "form, s", [("plain", 1), ("causal", 7), ("mask", 33), ("causal", 33), ("plain", 16)]
-)
+@pytest.mark.parametrize("form, s", [("plain", 1), ("causal", 7), ("mask", 33), ("causal", 33)])
 def test_torch_sdpa_numbers(form, s):
     q, k, v = (torch.from_numpy(a) for a in _qkv(s))
     args = (q, k, v)
@@ -210,6 +198,25 @@ def test_torch_sdpa_numbers(form, s):
     with torch.no_grad():
         ref = module(*args).numpy()
     np.testing.assert_allclose(_run(mod, [a.numpy() for a in args]), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_torch_sdpa_dynamic_sequence():
+    """torch.export with a dynamic sequence (causal): one build, run at 2, 7 and 33."""
+    module = _SDPA(causal=True)
+    example = [torch.randn(1, 2, 9, D) for _ in range(3)]  # distinct: export dedups aliases
+    seq = torch.export.Dim("seq", min=2, max=256)
+    ep = torch.export.export(module, tuple(example), dynamic_shapes=({2: seq},) * 3)
+    mod = import_exported_program(ep)
+    assert _fused(mod) == 1
+    ex = tvm.compile(mod, LLVM, relax_pipeline="tvm_fusion")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    for s in (2, 7, 33):
+        args = [torch.randn(1, 2, s, D) for _ in range(3)]
+        out = vm["main"](*[tvm.runtime.tensor(a.numpy()) for a in args])
+        out = out if hasattr(out, "numpy") else out[0]
+        with torch.no_grad():
+            ref = module(*args).numpy()
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
