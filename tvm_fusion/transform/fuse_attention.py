@@ -15,7 +15,9 @@ Matched, all float32, starting from the second matmul ``O = matmul(P, V)``:
   instead of NaN; the kernel then does the same);
 - ``X = Sc + M`` / ``M + Sc`` with a mask ``M`` of rank <= 4 whose every dim is 1 or the
   scores' dim (a padding mask ``(B, 1, 1, N)``, a causal ``(S, N)`` constant or one computed
-  from ``arange`` comparisons: any values), or ``X = Sc``;
+  from ``arange`` comparisons: any values), ``X = where(C, Sc, c)`` / ``where(C, c, Sc)`` with
+  a boolean ``C`` of such a shape and a scalar constant ``c`` (the ONNX exporters' causal
+  ``Where(tril, scores, -inf)``), or ``X = Sc``;
 - ``Sc = S0 * c`` / ``c * S0`` / ``S0 / c`` for a scalar constant ``c``, or ``Sc = S0``;
 - ``S0 = matmul(Q, K^T)`` with ``Q (B, H, S, D)``, ``K^T (B, H, D, N)``, ``V (B, H, N, Dv)``
   (``D``, ``Dv`` static; ``B, H, S, N`` static or symbolic); the kernel reads ``K^T`` as it is
@@ -25,18 +27,22 @@ Matched, all float32, starting from the second matmul ``O = matmul(P, V)``:
   ``V`` is ``reshape(broadcast_to(x, shape(x)), (B * H, ., .))`` of a 4-D ``x``, the scores
   ``reshape(matmul(...), (B, H, S, N))`` and ``O`` 3-D (the kernel's 4-D result reshaped).
 
-So the ONNX exporters' ``MatMul(Q, Transpose(K)) -> Div/Mul -> Add(mask) -> Softmax ->
-MatMul(V)`` and torch.export's decomposed ``scaled_dot_product_attention`` (scale folded into
-Q and K^T, attn_mask / is_causal as an added float mask, the NaN guard) become one kernel.
+So the ONNX exporters' ``MatMul(Q, Transpose(K)) -> Div/Mul -> Add(mask) | Where -> Softmax
+[-> Cast] -> MatMul(V)`` (both torch exporters: GPT-2, Llama, BERT, ViT... of the corpus)
+and torch.export's decomposed ``scaled_dot_product_attention`` (scale folded into Q and K^T,
+attn_mask / is_causal as an added float mask, the NaN guard) become one kernel.
 Every intermediate (scores, scaled, masked, probabilities, the 3-D views of them) must be read
 by the chain alone, else the chain stays. Run before LegalizeOps.
 
 Left alone (reason at debug level): other dtypes (float16 / bfloat16), a softmax over another
-axis, a symbolic ``D`` / ``Dv``, a mask of another dtype (bool masks reach us as float adds
-or ``where``: a ``where(cond, X, -inf)`` mask is not matched yet), broadcast heads (grouped-query
-``expand``: a ``broadcast_to`` that changes the shape), a scale that is not a scalar constant.
-Not yet: skipping the key blocks above the diagonal for causal masks (the mask is read, every
-block computed), a CUDA kernel (on CUDA targets the pass does nothing).
+axis, a symbolic ``D`` / ``Dv``, a mask of another dtype, the mask added before the scale,
+broadcast heads inside the matmul (K or V with one head for many: grouped-query heads that the
+exporter already copied with ``expand`` + ``reshape`` are ordinary 4-D operands and do fuse), a
+scale that is not a scalar constant. ``R.nn.attention`` is not matched: torch 2.13's
+``torch.export`` decomposes ``scaled_dot_product_attention`` before our importer sees it (the
+3-D form above), and no frontend of ours emits the op. Not yet: skipping the key blocks above
+the diagonal for causal masks (the mask is read, every block computed), a CUDA kernel (on CUDA
+targets the pass does nothing).
 """
 
 from __future__ import annotations
@@ -167,7 +173,7 @@ class _Matcher:
         if add is not None:
             a, b = add.args
             for s_, m_ in ((a, b), (b, a)):
-                if self._scores_like(s_) and self.single_use(s_):
+                if self._is_scores(s_):
                     scores, mask = s_, m_
                     break
             else:
@@ -176,7 +182,7 @@ class _Matcher:
             cond, a, b = where.args
             for s_, fill, keep_when in ((a, b, True), (b, a, False)):
                 value = _scalar(fill)
-                if value is not None and self._scores_like(s_) and self.single_use(s_):
+                if value is not None and self._is_scores(s_):
                     scores, mask, where_fill = s_, cond, (value, keep_when)
                     break
             else:
@@ -235,9 +241,16 @@ class _Matcher:
             return None, None
         return True, sm
 
-    def _scores_like(self, expr) -> bool:
+    def _is_scores(self, expr) -> bool:
+        """``expr`` is the (scaled) ``Q K^T``, read once (which addend is the mask: a 4-D
+        bias such as T5's ``(1, H, S, N)`` looks like scores too)."""
         shape = static_shape(expr)
-        return shape is not None and len(shape) == 4 and expr.ty.dtype == "float32"
+        if shape is None or len(shape) != 4 or expr.ty.dtype != "float32":
+            return False
+        if not self.single_use(expr):
+            return False
+        unscaled, _ = self._scale(expr)
+        return unscaled is not None and self._qk(unscaled) is not None
 
     def _scale(self, expr):
         """(unscaled scores, scale)."""
