@@ -87,6 +87,7 @@ def attention_kernel(
     mask_dims: tuple[bool, bool, bool, bool] | None,
     empty_rows: str = "nan",
     where_fill: tuple[float, bool] | None = None,
+    vector_registers: int = 16,
 ) -> tirx.PrimFunc:
     """The scheduled PrimFunc (see the module docstring). ``mask_dims`` None: no mask
     parameter. ``where_fill`` ``(fill, keep_when)``: the mask is boolean and selects, a score
@@ -123,6 +124,14 @@ def attention_kernel(
         return tirx.Select(x == neg_inf, zero, x)
 
     cb = _lanes(dv)
+    # register blocking: the accumulators of one pass, the operand vectors and a broadcast
+    # must fit in the target's SIMD registers (AVX2: 16; a spilled accumulator is a
+    # store-to-load chain through the stack on every iteration)
+    rp = QB if vector_registers >= 2 * QB + 4 else QB // 2
+
+    def key(jb, jj, n, tail):
+        """Key ``jj`` of block ``jb``; in the tail block clamped to the last key."""
+        return T.min(jb * KB + jj, n - 1) if tail else jb * KB + jj
 
     @T.macro
     def key_block(qt, kt, v, mask, acc, run_max, run_sum, new_max, corr, sc, t, jb, s, h, n, tail):
@@ -130,73 +139,79 @@ def attention_kernel(
         their probabilities times V into ``acc``. ``tail``: the block may pass ``n`` (indices
         clamped, keys past ``n`` weigh 0). ``sc`` is (keys, rows): the row statistics are
         vector operations over the tile's rows."""
-        for jj in range(KB):
-            for r in T.vectorized(QB):
-                sc[jj, r] = zero
-        for c in range(d):
-            for jj in T.unroll(KB):
-                for r in T.vectorized(QB):
-                    if tail:
-                        sc[jj, r] = (
-                            sc[jj, r]
-                            + qt[c, r]
-                            * kt[_batch(t, s, h), _head(t, s, h), c, T.min(jb * KB + jj, n - 1)]
-                        )
-                    else:
-                        sc[jj, r] = (
-                            sc[jj, r]
-                            + qt[c, r] * kt[_batch(t, s, h), _head(t, s, h), c, jb * KB + jj]
-                        )
-        for jj in range(KB):
-            for r in T.vectorized(QB):
-                sc[jj, r] = T.if_then_else(
-                    jb * KB + jj < n,
+        for r in range(QB):
+            for jj in T.vectorized(KB):
+                sc[r, jj] = zero
+        # rp rows at a time, vectorised over the block's keys (K^T rows are contiguous in
+        # them): the rows' accumulators stay in registers over c
+        for rh in range(QB // rp):
+            for c in range(d):
+                for r in T.unroll(rp):
+                    for jj in T.vectorized(KB):
+                        sc[rh * rp + r, jj] = sc[rh * rp + r, jj] + qt[c, rh * rp + r] * kt[
+                            _batch(t, s, h), _head(t, s, h), c, key(jb, jj, n, tail)
+                        ]
+        for r in range(QB):
+            for jj in T.vectorized(KB):
+                sc[r, jj] = T.if_then_else(
+                    jb * KB + jj < n or not tail,
                     masked(
-                        sc[jj, r] * scale_c,
+                        sc[r, jj] * scale_c,
                         mask,
                         _batch(t, s, h),
                         _head(t, s, h),
                         T.min(_row0(t, s) + r, s - 1),
-                        T.min(jb * KB + jj, n - 1),
+                        key(jb, jj, n, tail),
                     ),
                     neg_inf,
                 )
-        for r in T.vectorized(QB):
+        for r in range(QB):
             new_max[r] = run_max[r]
-        for jj in range(KB):
-            for r in T.vectorized(QB):
-                new_max[r] = T.max(new_max[r], sc[jj, r])
+            for jj in range(KB):
+                new_max[r] = T.max(new_max[r], sc[r, jj])
         for r in T.vectorized(QB):
             corr[r] = _exp_nonpositive(run_max[r] - base_of(new_max[r]))
-            run_sum[r] = run_sum[r] * corr[r]
-        for jj in range(KB):
-            for r in T.vectorized(QB):
-                sc[jj, r] = T.if_then_else(
-                    jb * KB + jj < n, _exp_nonpositive(sc[jj, r] - base_of(new_max[r])), zero
+        for r in range(QB):
+            for jj in T.vectorized(KB):
+                sc[r, jj] = T.if_then_else(
+                    jb * KB + jj < n or not tail,
+                    _exp_nonpositive(sc[r, jj] - base_of(new_max[r])),
+                    zero,
                 )
-        for jj in range(KB):
-            for r in T.vectorized(QB):
-                run_sum[r] = run_sum[r] + sc[jj, r]
+        # the running sums per (row, key lane): vector operations, added up at the end
+        for r in range(QB):
+            for jj in T.vectorized(KB):
+                run_sum[r, jj] = run_sum[r, jj] * corr[r] + sc[r, jj]
         for r in T.vectorized(QB):
             run_max[r] = new_max[r]
-        for r in range(QB):
-            for c in T.vectorized(dv):
-                acc[r, c] = acc[r, c] * corr[r]
-        # acc[:, c block] stays in registers over the keys (its addresses do not change in jj)
+        # acc[rows block, c block] stays in registers over the keys (its addresses do not
+        # change in jj)
         for cbo in range(dv // cb):
-            for jj in range(KB):
-                for r in T.unroll(QB):
+            for rh in range(QB // rp):
+                # the correction where the block's accumulators come into registers
+                for r in T.unroll(rp):
                     for ci in T.vectorized(cb):
-                        acc[r, cbo * cb + ci] = (
-                            acc[r, cbo * cb + ci]
-                            + sc[jj, r]
-                            * v[
-                                _batch(t, s, h),
-                                _head(t, s, h),
-                                T.min(jb * KB + jj, n - 1),
-                                cbo * cb + ci,
-                            ]
+                        acc[rh * rp + r, cbo * cb + ci] = (
+                            acc[rh * rp + r, cbo * cb + ci] * corr[rh * rp + r]
                         )
+                for jj in range(KB):
+                    for r in T.unroll(rp):
+                        for ci in T.vectorized(cb):
+                            if tail:
+                                acc[rh * rp + r, cbo * cb + ci] = acc[
+                                    rh * rp + r, cbo * cb + ci
+                                ] + sc[rh * rp + r, jj] * v[
+                                    _batch(t, s, h),
+                                    _head(t, s, h),
+                                    T.min(jb * KB + jj, n - 1),
+                                    cbo * cb + ci,
+                                ]
+                            else:
+                                acc[rh * rp + r, cbo * cb + ci] = (
+                                    acc[rh * rp + r, cbo * cb + ci]
+                                    + sc[rh * rp + r, jj]
+                                    * v[_batch(t, s, h), _head(t, s, h), jb * KB + jj, cbo * cb + ci]
+                                )
 
     @T.prim_func(private=True, s_tir=True)
     def fused_attention(p_q: T.handle, p_k: T.handle, p_v: T.handle, p_m: T.handle, p_o: T.handle):
@@ -217,16 +232,17 @@ def attention_kernel(
         for t in T.parallel(b * h * ((s + QB - 1) // QB)):
             acc = T.decl_buffer((QB, dv), "float32", scope="local")
             run_max = T.decl_buffer((QB,), "float32", scope="local")
-            run_sum = T.decl_buffer((QB,), "float32", scope="local")
+            run_sum = T.decl_buffer((QB, KB), "float32", scope="local")
             new_max = T.decl_buffer((QB,), "float32", scope="local")
             corr = T.decl_buffer((QB,), "float32", scope="local")
-            sc = T.decl_buffer((KB, QB), "float32", scope="local")
+            sc = T.decl_buffer((QB, KB), "float32", scope="local")
             qt = T.decl_buffer((d, QB), "float32", scope="local")
             for c, r in T.grid(d, QB):
                 qt[c, r] = q[_batch(t, s, h), _head(t, s, h), T.min(_row0(t, s) + r, s - 1), c]
             for r in range(QB):
                 run_max[r] = neg_inf
-                run_sum[r] = zero
+                for jj in T.vectorized(KB):
+                    run_sum[r, jj] = zero
                 for c in T.vectorized(dv):
                     acc[r, c] = zero
             # (no names for the tile's batch, head and first row: a TVMScript assignment here
@@ -255,12 +271,16 @@ def attention_kernel(
                     True,
                 )
             for r in range(QB):
+                corr[r] = zero  # now the row's sum
+                for jj in range(KB):
+                    corr[r] = corr[r] + run_sum[r, jj]
+            for r in range(QB):
                 if _row0(t, s) + r < s:
                     for c in T.vectorized(dv):
                         o[_batch(t, s, h), _head(t, s, h), _row0(t, s) + r, c] = T.if_then_else(
                             run_max[r] == neg_inf,
                             empty_value(n),
-                            acc[r, c] * (T.float32(1.0) / run_sum[r]),
+                            acc[r, c] * (T.float32(1.0) / corr[r]),
                         )
 
     if has_mask:
