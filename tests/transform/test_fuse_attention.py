@@ -303,5 +303,27 @@ def test_kernel_symbolic_dims():
     assert kernel.attrs["tirx.is_scheduled"]
 
 
+@pytest.mark.parametrize("registers", [16, 32])
+def test_kernel_register_blocks(registers):
+    """The kernel's register blocking for 16 SIMD registers (AVX2: 4 query rows per pass) and
+    for 32 (AVX-512, AArch64: all 8 rows), run on the host: numbers at S = 13, N = 37 (row and
+    key tails) with an added (B, 1, S, N) mask."""
+    from tvm_fusion.lower.attention import attention_kernel
+
+    s, n = 13, 37
+    rng = np.random.default_rng(registers)
+    q = rng.standard_normal((B, H, s, D)).astype("float32")
+    k = rng.standard_normal((B, H, n, D)).astype("float32")
+    v = rng.standard_normal((B, H, n, D)).astype("float32")
+    mask = rng.standard_normal((B, 1, s, n)).astype("float32")
+    kernel = attention_kernel(D, D, 0.5, (True, False, True, True), vector_registers=registers)
+    lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), LLVM)
+    args = [q, np.ascontiguousarray(k.transpose(0, 1, 3, 2)), v, mask, np.zeros_like(q)]
+    args = [tvm.runtime.tensor(a) for a in args]
+    lib["main"](*args)
+    ref = _reference(q, k, v, 0.5, mask)
+    np.testing.assert_allclose(args[-1].numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
 if __name__ == "__main__":
     tvm.testing.main()

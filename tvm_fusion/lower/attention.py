@@ -3,7 +3,8 @@ emits: ``softmax(Q K^T * scale + mask) V`` with an online softmax, one scheduled
 (``tirx.is_scheduled``: the schedule rules leave it as written; ``op_pattern`` opaque: FuseOps
 leaves it alone).
 
-``attention_kernel(d, dv, scale, mask_dims, empty_rows, where_fill)`` -> PrimFunc
+``attention_kernel(d, dv, scale, mask_dims, empty_rows, where_fill, vector_registers)`` ->
+PrimFunc
 ``(q (B, H, S, D), kt (B, H, D, N), v (B, H, N, Dv)[, mask (MB, MH, MS, MN)]) -> o (B, H, S, Dv)``,
 float32, ``kt`` the keys transposed (what the exporters' ``Transpose`` / ``permute_dims`` of K
 gives). ``B, H, S, N`` (and the mask's dims) are symbolic in the kernel, ``D`` and ``Dv`` are
@@ -11,16 +12,21 @@ fixed. The mask is 4-D; ``mask_dims[i]`` False means that axis is broadcast (rea
 added float32 mask, or with ``where_fill`` a boolean one that keeps or replaces scores.
 
 Per tile of ``QB`` query rows of one (batch, head), in parallel over all tiles: the running
-maximum ``m``, the running sum ``l`` of ``exp(score - m)`` (both vectors over the tile's rows)
-and a ``(QB, Dv)`` accumulator stay in local buffers, the tile's Q rows transposed into a
-``(D, QB)`` buffer once. The keys go by in blocks of ``KB``: the block's ``(KB, QB)`` scores
-(a query column times one key element is one vector multiply-add), scaled and masked, the block
-maximum, the correction ``exp(m_old - m_new)`` applied to ``l`` and the accumulator once per
-block, then ``exp(score - m_new)`` times the block's V rows (the accumulator in ``Dv`` blocks of
-16 columns). The ``(B, H, S, N)`` scores never exist in memory. Keys past ``N`` in the last
-block weigh exactly 0 (that block reads clamped indices; the others read whole vectors); rows
-past ``S`` are computed on a clamped row and not written. Not yet: skipping the blocks above
-the diagonal of a causal mask (the mask is read and every block computed).
+maximum ``m`` (a vector over the tile's rows), the running sums of ``exp(score - m)`` per row
+and key lane (a ``(QB, KB)`` buffer, added up at the end) and a ``(QB, Dv)`` accumulator stay
+in local buffers, the tile's Q rows transposed into a ``(D, QB)`` buffer once. The keys go by
+in blocks of ``KB``: the block's ``(QB, KB)`` scores as register-blocked GEMMs vectorised
+along the keys (a K^T row is contiguous in them; ``rp`` rows per pass, their accumulators in
+registers over ``D``: 4 rows x 16 keys = 8 ymm on AVX2, all 8 rows where the target has 32
+SIMD registers), scaled and masked, the row maxima, the correction ``exp(m_old - m_new)``,
+then ``exp(score - m_new)`` (vectors over keys) times the block's V rows (the accumulator in
+``rp`` rows x ``Dv`` blocks of 16 columns, corrected as it comes into registers). A spilled
+accumulator is a store-to-load chain through the stack on every iteration (the blocking of
+8 x 16 accumulators before, 16 ymm plus operands, spilled 3 to 5 of them).
+The ``(B, H, S, N)`` scores never exist in memory. Keys past ``N`` in the last block weigh
+exactly 0 (that block reads clamped indices; the others read whole vectors); rows past ``S``
+are computed on a clamped row and not written. Not yet: skipping the blocks above the
+diagonal of a causal mask (the mask is read and every block computed).
 
 ``exp`` is the polynomial of :func:`tvm_fusion.lower.legalize.exp_below_max` (arguments <= 0;
 below -87 it gives 1.6e-38, not 0, as the legalised softmax does). A row whose every score is
@@ -92,7 +98,8 @@ def attention_kernel(
     """The scheduled PrimFunc (see the module docstring). ``mask_dims`` None: no mask
     parameter. ``where_fill`` ``(fill, keep_when)``: the mask is boolean and selects, a score
     stays where the mask is ``keep_when`` and is ``fill`` elsewhere; None: the mask is float32
-    and added."""
+    and added. ``vector_registers``: the target's SIMD registers
+    (:func:`tvm_fusion.target.vector_registers`), which size the register blocks."""
     if empty_rows not in ("nan", "zero"):
         raise ValueError(f"empty_rows must be 'nan' or 'zero', not {empty_rows!r}")
     mask_dtype = "bool" if where_fill is not None else "float32"
@@ -137,8 +144,8 @@ def attention_kernel(
     def key_block(qt, kt, v, mask, acc, run_max, run_sum, new_max, corr, sc, t, jb, s, h, n, tail):
         """Scores of keys ``jb * KB ...`` for the tile's rows, the online-softmax update, and
         their probabilities times V into ``acc``. ``tail``: the block may pass ``n`` (indices
-        clamped, keys past ``n`` weigh 0). ``sc`` is (keys, rows): the row statistics are
-        vector operations over the tile's rows."""
+        clamped, keys past ``n`` weigh 0). ``sc`` is (rows, keys): scores, exponentials and
+        sums are vector operations over the block's keys."""
         for r in range(QB):
             for jj in T.vectorized(KB):
                 sc[r, jj] = zero
@@ -148,9 +155,11 @@ def attention_kernel(
             for c in range(d):
                 for r in T.unroll(rp):
                     for jj in T.vectorized(KB):
-                        sc[rh * rp + r, jj] = sc[rh * rp + r, jj] + qt[c, rh * rp + r] * kt[
-                            _batch(t, s, h), _head(t, s, h), c, key(jb, jj, n, tail)
-                        ]
+                        sc[rh * rp + r, jj] = (
+                            sc[rh * rp + r, jj]
+                            + qt[c, rh * rp + r]
+                            * kt[_batch(t, s, h), _head(t, s, h), c, key(jb, jj, n, tail)]
+                        )
         for r in range(QB):
             for jj in T.vectorized(KB):
                 sc[r, jj] = T.if_then_else(
@@ -197,21 +206,16 @@ def attention_kernel(
                 for jj in range(KB):
                     for r in T.unroll(rp):
                         for ci in T.vectorized(cb):
-                            if tail:
-                                acc[rh * rp + r, cbo * cb + ci] = acc[
-                                    rh * rp + r, cbo * cb + ci
-                                ] + sc[rh * rp + r, jj] * v[
+                            acc[rh * rp + r, cbo * cb + ci] = (
+                                acc[rh * rp + r, cbo * cb + ci]
+                                + sc[rh * rp + r, jj]
+                                * v[
                                     _batch(t, s, h),
                                     _head(t, s, h),
-                                    T.min(jb * KB + jj, n - 1),
+                                    key(jb, jj, n, tail),
                                     cbo * cb + ci,
                                 ]
-                            else:
-                                acc[rh * rp + r, cbo * cb + ci] = (
-                                    acc[rh * rp + r, cbo * cb + ci]
-                                    + sc[rh * rp + r, jj]
-                                    * v[_batch(t, s, h), _head(t, s, h), jb * KB + jj, cbo * cb + ci]
-                                )
+                            )
 
     @T.prim_func(private=True, s_tir=True)
     def fused_attention(p_q: T.handle, p_k: T.handle, p_v: T.handle, p_m: T.handle, p_o: T.handle):

@@ -80,7 +80,8 @@ class FuseAttention:
         target = self.target or tvm.target.Target.current(allow_none=True)
         if target is not None and not _target.is_cpu(target):
             return mod
-        rewriter = _Rewriter(mod)
+        registers = _target.vector_registers(target) if target is not None else 16
+        rewriter = _Rewriter(mod, registers)
         mod = rewriter.transform()
         record_rewrite(NAME, rewriter.count)
         return mod
@@ -366,9 +367,10 @@ def _mask_dims(mask, dims, dtype: str):
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule):
+    def __init__(self, mod: IRModule, registers: int):
         super().__init__(mod)
         self.mod = mod
+        self.registers = registers
         self.count = 0
         self.plans: dict = {}
 
@@ -413,6 +415,7 @@ class _Rewriter(PyExprMutator):
             mask_dims,
             "zero" if plan.guard else "nan",
             where_fill,
+            self.registers,
         )
         gv = bb.add_func(kernel, KERNEL_NAME)
         out_sinfo = relax.TensorType([qs[0], qs[1], qs[2], vs[3]], "float32")
