@@ -23,10 +23,17 @@ from tvm.relax import op as R
 
 from tvm_fusion.frontend import import_exported_program, load_onnx
 from tvm_fusion.lower.attention import KERNEL_NAME
-from tvm_fusion.transform import FuseAttention, collect_rewrites
+from tvm_fusion.transform import FuseAttention, collect_rewrites, fuse_attention
 
 LLVM = tvm.target.Target({"kind": "llvm"})
 B, H, D = 2, 3, 8
+
+
+@pytest.fixture(autouse=True)
+def _no_size_gate(monkeypatch):
+    """These tests' static sequences are far below the size gate: off, except where a test
+    sets it."""
+    monkeypatch.setattr(fuse_attention, "MIN_STATIC_SCORES", 0)
 
 
 def _softmax(x):
@@ -323,6 +330,19 @@ def test_kernel_register_blocks(registers):
     lib["main"](*args)
     ref = _reference(q, k, v, 0.5, mask)
     np.testing.assert_allclose(args[-1].numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_size_gate(monkeypatch):
+    """Static S x N below MIN_STATIC_SCORES stays unfused, at or above it fuses; a symbolic
+    sequence fuses whatever the gate; the default gate leaves a static S = 7 alone."""
+    monkeypatch.setattr(fuse_attention, "MIN_STATIC_SCORES", 32 * 32)
+    assert _fused(load_onnx(_onnx_model(s=31))) == 0
+    assert _fused(load_onnx(_onnx_model(s=32))) == 1
+    assert _fused(load_onnx(_onnx_model(s="S"))) == 1
+    monkeypatch.undo()  # the module's own gate
+    assert fuse_attention.MIN_STATIC_SCORES > 7 * 7
+    assert _fused(load_onnx(_onnx_model(s=7))) == 0
+    assert _fused(load_onnx(_onnx_model(s="S"))) == 1
 
 
 if __name__ == "__main__":
