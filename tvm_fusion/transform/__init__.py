@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ._common import collect_rewrites
 from .check_gather_bounds import CheckGatherBounds
+from .fuse_attention import FuseAttention
 from .fuse_cross_entropy import FuseCrossEntropy
 from .fuse_gathered_gates import FuseGatheredGates
 from .fuse_linear_cross_entropy import FuseLinearCrossEntropy
@@ -31,6 +32,7 @@ GRAPH_PASSES: list[tuple[str, type]] = [
     ("fuse_split_gates", FuseSplitGates),
     ("fuse_cross_entropy", FuseCrossEntropy),
     ("fuse_linear_cross_entropy", FuseLinearCrossEntropy),  # chunks what the last one made
+    ("fuse_attention", FuseAttention),
     ("sink_views_past_epilogues", SinkViewsPastEpilogues),
 ]
 POST_FUSION_PASSES: list[tuple[str, type]] = [
@@ -41,6 +43,7 @@ POST_FUSION_PASSES: list[tuple[str, type]] = [
 __all__ = [
     "CheckGatherBounds",
     "GRAPH_PASSES",
+    "FuseAttention",
     "FuseCrossEntropy",
     "FuseGatheredGates",
     "FuseLinearCrossEntropy",

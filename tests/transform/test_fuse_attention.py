@@ -1,0 +1,349 @@
+"""FuseAttention: softmax(Q K^T * scale + mask) V as one online-softmax kernel.
+
+Forms: the ONNX exporters' MatMul / Transpose / Div or Mul / Add or Where / Softmax / MatMul
+(built with onnx.helper, imported with load_onnx), torch.export's decomposed
+scaled_dot_product_attention (no mask, attn_mask, is_causal), a symbolic sequence length.
+Numbers through ``tvm.compile(..., relax_pipeline="tvm_fusion")`` against numpy / torch at
+sequence lengths 1, 7, 33 (the kernel's 8-row tiles and 16-key blocks both have tails there).
+Must not fire: softmax over a non-last axis, Q K^T or the scaled scores also returned,
+probabilities read twice, a scale that is a tensor, float16, K with one head broadcast over the
+others, a CUDA target.
+"""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+import tvm
+import tvm.testing
+from onnx import TensorProto, helper
+from tvm import relax, tirx
+from tvm.relax import op as R
+
+from tvm_fusion.frontend import import_exported_program, load_onnx
+from tvm_fusion.lower.attention import KERNEL_NAME
+from tvm_fusion.transform import FuseAttention, collect_rewrites, fuse_attention
+
+LLVM = tvm.target.Target({"kind": "llvm"})
+B, H, D = 2, 3, 8
+
+
+@pytest.fixture(autouse=True)
+def _no_size_gate(monkeypatch):
+    """These tests' static sequences are far below the size gate: off, except where a test
+    sets it."""
+    monkeypatch.setattr(fuse_attention, "MIN_STATIC_SCORES", 0)
+
+
+def _softmax(x):
+    with np.errstate(invalid="ignore"):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+
+def _run(mod, inputs):
+    ex = tvm.compile(mod, LLVM, relax_pipeline="tvm_fusion")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in inputs])
+    return (out if hasattr(out, "numpy") else out[0]).numpy()
+
+
+def _fused(mod) -> int:
+    with collect_rewrites() as counts:
+        after = FuseAttention(LLVM)(mod)
+    _assert_no_scores(after, counts["FuseAttention"])
+    return counts["FuseAttention"]
+
+
+def _assert_no_scores(mod, fused: int):
+    """Where the pass fired: a call of the kernel, and no softmax nor matmul left in main
+    (these graphs hold attention only), so no (B, H, S, N) scores."""
+    if not fused:
+        return
+    text = mod["main"].script()
+    assert KERNEL_NAME in text
+    assert "R.nn.softmax" not in text and "R.matmul" not in text, text
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX-exporter form
+
+
+def _onnx_model(s="S", scale_op="Div", mask=None, causal_where=False, cast=False):
+    """MatMul(Q, Transpose(K)) -> Div/Mul -> [Add(mask) | Where(causal, ., -inf)] -> Softmax ->
+    [Cast] -> MatMul(V); ``s`` the sequence length (a name: symbolic)."""
+    shape = [B, H, s, D]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in "qkv"]
+    inits = [
+        helper.make_tensor(
+            "c", TensorProto.FLOAT, [], [np.sqrt(D) if scale_op == "Div" else 1 / np.sqrt(D)]
+        )
+    ]
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["s0"]),
+        helper.make_node(scale_op, ["s0", "c"], ["s1"]),
+    ]
+    x = "s1"
+    if mask is not None:
+        inputs.append(helper.make_tensor_value_info("m", TensorProto.FLOAT, list(mask)))
+        nodes.append(helper.make_node("Add", ["s1", "m"], ["x"]))
+        x = "x"
+    if causal_where:
+        n = int(s)
+        tri = np.tril(np.ones((n, n), bool))
+        inits.append(helper.make_tensor("tri", TensorProto.BOOL, [n, n], tri.ravel().tolist()))
+        inits.append(helper.make_tensor("ninf", TensorProto.FLOAT, [], [-np.inf]))
+        nodes.append(helper.make_node("Where", ["tri", x, "ninf"], ["xw"]))
+        x = "xw"
+    nodes.append(helper.make_node("Softmax", [x], ["p"], axis=-1))
+    if cast:  # the legacy exporter's Cast after the softmax
+        nodes.append(helper.make_node("Cast", ["p"], ["pc"], to=TensorProto.FLOAT))
+    nodes.append(helper.make_node("MatMul", ["pc" if cast else "p", "v"], ["o"]))
+    out = helper.make_tensor_value_info("o", TensorProto.FLOAT, [B, H, s, D])
+    graph = helper.make_graph(nodes, "attention", inputs, [out], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    return model
+
+
+def _qkv(s, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((B, H, s, D)).astype("float32") for _ in range(3)]
+
+
+def _reference(q, k, v, scale, mask=None, keep=None):
+    x = q @ k.transpose(0, 1, 3, 2) * scale
+    if mask is not None:
+        x = x + mask
+    if keep is not None:
+        x = np.where(keep, x, -np.inf)
+    return _softmax(x) @ v
+
+
+@pytest.mark.parametrize("form, s", [("div", 1), ("mul_mask", 7), ("causal_where", 33)])
+def test_onnx_form_numbers(form, s):
+    mask_shape = (1, 1, s, s) if form == "mul_mask" else None
+    model = _onnx_model(
+        s=s,
+        scale_op="Mul" if form == "mul_mask" else "Div",
+        mask=mask_shape,
+        causal_where=form == "causal_where",
+        cast=form == "mul_mask",
+    )
+    mod = load_onnx(model)
+    assert _fused(mod) == 1
+    q, k, v = _qkv(s)
+    inputs = [q, k, v]
+    mask = keep = None
+    if mask_shape:
+        mask = np.random.default_rng(1).standard_normal(mask_shape).astype("float32")
+        inputs.append(mask)
+    if form == "causal_where":
+        keep = np.tril(np.ones((s, s), bool))
+    ref = _reference(q, k, v, 1 / np.sqrt(D), mask, keep)
+    np.testing.assert_allclose(_run(mod, inputs), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_symbolic_sequence():
+    """S a named dim: one kernel for every length, checked at 1, 7 and 33."""
+    mod = load_onnx(_onnx_model(s="S", mask=(B, 1, 1, "S")))
+    assert _fused(mod) == 1
+    ex = tvm.compile(mod, LLVM, relax_pipeline="tvm_fusion")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    for s in (1, 7, 33):
+        q, k, v = _qkv(s, seed=s)
+        mask = np.random.default_rng(s).standard_normal((B, 1, 1, s)).astype("float32")
+        out = vm["main"](*[tvm.runtime.tensor(a) for a in (q, k, v, mask)])
+        out = out if hasattr(out, "numpy") else out[0]
+        ref = _reference(q, k, v, 1 / np.sqrt(D), mask)
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fully_masked_row_is_nan_as_softmax():
+    """A row whose every score is -inf: softmax gives NaN (0 / 0), so does the kernel."""
+    s = 7
+    model = _onnx_model(s=s, mask=(1, 1, s, s))
+    mod = load_onnx(model)
+    q, k, v = _qkv(s)
+    mask = np.zeros((1, 1, s, s), "float32")
+    mask[..., 2, :] = -np.inf
+    out = _run(mod, [q, k, v, mask])
+    assert np.isnan(out[:, :, 2]).all()
+    rows = [i for i in range(s) if i != 2]
+    ref = _reference(q, k, v, 1 / np.sqrt(D), mask)
+    np.testing.assert_allclose(out[:, :, rows], ref[:, :, rows], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.export form
+
+
+class _SDPA(torch.nn.Module):
+    def __init__(self, causal=False):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v, *mask):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[0] if mask else None, is_causal=self.causal
+        )
+
+
+@pytest.mark.parametrize("form, s", [("plain", 1), ("causal", 7), ("mask", 33), ("causal", 33)])
+def test_torch_sdpa_numbers(form, s):
+    q, k, v = (torch.from_numpy(a) for a in _qkv(s))
+    args = (q, k, v)
+    if form == "mask":
+        mask = torch.randn(s, s)
+        mask[0, :] = -torch.inf  # a fully masked row: torch's decomposition gives 0, as we do
+        args += (mask,)
+    module = _SDPA(causal=form == "causal")
+    mod = import_exported_program(torch.export.export(module, args))
+    assert _fused(mod) == 1
+    with torch.no_grad():
+        ref = module(*args).numpy()
+    np.testing.assert_allclose(_run(mod, [a.numpy() for a in args]), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_torch_sdpa_dynamic_sequence():
+    """torch.export with a dynamic sequence (causal): one build, run at 2, 7 and 33."""
+    module = _SDPA(causal=True)
+    example = [torch.randn(1, 2, 9, D) for _ in range(3)]  # distinct: export dedups aliases
+    seq = torch.export.Dim("seq", min=2, max=256)
+    ep = torch.export.export(module, tuple(example), dynamic_shapes=({2: seq},) * 3)
+    mod = import_exported_program(ep)
+    assert _fused(mod) == 1
+    ex = tvm.compile(mod, LLVM, relax_pipeline="tvm_fusion")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    for s in (2, 7, 33):
+        args = [torch.randn(1, 2, s, D) for _ in range(3)]
+        out = vm["main"](*[tvm.runtime.tensor(a.numpy()) for a in args])
+        out = out if hasattr(out, "numpy") else out[0]
+        with torch.no_grad():
+            ref = module(*args).numpy()
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# must not fire
+
+
+def _decomposed(
+    softmax_axis=-1,
+    return_matmul=False,
+    return_scores=False,
+    probs_twice=False,
+    dtype="float32",
+    k_heads=H,
+    tensor_scale=False,
+):
+    s = 7
+    q = relax.Var("q", relax.TensorType((B, H, s, D), dtype))
+    k = relax.Var("k", relax.TensorType((B, k_heads, s, D), dtype))
+    v = relax.Var("v", relax.TensorType((B, H, s, D), dtype))
+    c = relax.Var("c", relax.TensorType((), dtype))
+    params = [q, k, v] + ([c] if tensor_scale else [])
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            kt = bb.emit(R.permute_dims(k, [0, 1, 3, 2]))
+            s0 = bb.emit(R.matmul(q, kt))
+            scale = c if tensor_scale else relax.const(0.35, dtype)
+            s1 = bb.emit(R.multiply(s0, scale))
+            p = bb.emit(R.nn.softmax(s1, axis=softmax_axis))
+            o = bb.emit(R.matmul(p, v))
+            outs = [o]
+            if return_matmul:
+                outs.append(s0)
+            if return_scores:
+                outs.append(s1)
+            if probs_twice:
+                outs.append(bb.emit(R.sum(p, axis=[-1])))
+            out = bb.emit_output(relax.Tuple(outs) if len(outs) > 1 else o)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_decomposed_fires():
+    """The must-not-fire cases below differ from this one in one thing each."""
+    mod = _decomposed()
+    assert _fused(mod) == 1
+    q, k, v = _qkv(7)
+    np.testing.assert_allclose(
+        _run(mod, [q, k, v]), _reference(q, k, v, 0.35), rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"softmax_axis": 2},
+        {"return_matmul": True},
+        {"return_scores": True},
+        {"probs_twice": True},
+        {"dtype": "float16"},
+        {"k_heads": 1},
+        {"tensor_scale": True},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_not_fired(change):
+    mod = _decomposed(**change)
+    after = FuseAttention(LLVM)(mod)
+    tvm.ir.assert_structural_equal(after, mod)
+
+
+def test_not_on_cuda():
+    mod = _decomposed()
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    tvm.ir.assert_structural_equal(FuseAttention(cuda)(mod), mod)
+
+
+def test_kernel_symbolic_dims():
+    """The kernel's B, H, S, N are variables: one PrimFunc serves any length."""
+    mod = load_onnx(_onnx_model(s="S"))
+    after = FuseAttention(LLVM)(mod)
+    (kernel,) = [f for gv, f in after.functions_items() if gv.name_hint.startswith(KERNEL_NAME)]
+    assert isinstance(kernel, tirx.PrimFunc)
+    assert kernel.attrs["tirx.is_scheduled"]
+
+
+@pytest.mark.parametrize("registers", [16, 32])
+def test_kernel_register_blocks(registers):
+    """The kernel's register blocking for 16 SIMD registers (AVX2: 4 query rows per pass) and
+    for 32 (AVX-512, AArch64: all 8 rows), run on the host: numbers at S = 13, N = 37 (row and
+    key tails) with an added (B, 1, S, N) mask."""
+    from tvm_fusion.lower.attention import attention_kernel
+
+    s, n = 13, 37
+    rng = np.random.default_rng(registers)
+    q = rng.standard_normal((B, H, s, D)).astype("float32")
+    k = rng.standard_normal((B, H, n, D)).astype("float32")
+    v = rng.standard_normal((B, H, n, D)).astype("float32")
+    mask = rng.standard_normal((B, 1, s, n)).astype("float32")
+    kernel = attention_kernel(D, D, 0.5, (True, False, True, True), vector_registers=registers)
+    lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), LLVM)
+    args = [q, np.ascontiguousarray(k.transpose(0, 1, 3, 2)), v, mask, np.zeros_like(q)]
+    args = [tvm.runtime.tensor(a) for a in args]
+    lib["main"](*args)
+    ref = _reference(q, k, v, 0.5, mask)
+    np.testing.assert_allclose(args[-1].numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_size_gate(monkeypatch):
+    """Static S x N below MIN_STATIC_SCORES stays unfused, at or above it fuses; a symbolic
+    sequence fuses whatever the gate; the default gate leaves a static S = 7 alone."""
+    monkeypatch.setattr(fuse_attention, "MIN_STATIC_SCORES", 32 * 32)
+    assert _fused(load_onnx(_onnx_model(s=31))) == 0
+    assert _fused(load_onnx(_onnx_model(s=32))) == 1
+    assert _fused(load_onnx(_onnx_model(s="S"))) == 1
+    monkeypatch.undo()  # the module's own gate
+    assert fuse_attention.MIN_STATIC_SCORES > 7 * 7
+    assert _fused(load_onnx(_onnx_model(s=7))) == 0
+    assert _fused(load_onnx(_onnx_model(s="S"))) == 1
+
+
+if __name__ == "__main__":
+    tvm.testing.main()

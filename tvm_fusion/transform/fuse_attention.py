@@ -1,0 +1,442 @@
+"""FuseAttention: ``softmax(Q K^T * scale + mask) V`` as one kernel with an online softmax.
+
+Stock Relax computes attention as a matmul, elementwise ops, a softmax and a second matmul, with
+the ``(B, H, S, N)`` scores written to memory and read back three times (1 GiB at batch 1, 8
+heads, S = N = 8192, float32). This pass replaces the chain by one ``call_tir`` of
+:func:`tvm_fusion.lower.attention.attention_kernel`: per tile of query rows the running maximum
+and running sum of exponentials (the log-sum-exp of :mod:`._cross_entropy_kernel`, kept online
+over blocks of keys) and the output accumulator; the scores exist one block at a time.
+
+Matched, all float32, starting from the second matmul ``O = matmul(P, V)``:
+
+- ``P = softmax(X, axis=-1)`` (after identity casts ``astype(., float32)``, which the legacy
+  ONNX exporter writes after a softmax), or torch's SDPA guard around it
+  ``where(not(max(X != -inf over the row)), full_like(P0, 0), P0)`` (a fully masked row gives 0
+  instead of NaN; the kernel then does the same);
+- ``X = Sc + M`` / ``M + Sc`` with a mask ``M`` of rank <= 4 whose every dim is 1 or the
+  scores' dim (a padding mask ``(B, 1, 1, N)``, a causal ``(S, N)`` constant or one computed
+  from ``arange`` comparisons: any values), ``X = where(C, Sc, c)`` / ``where(C, c, Sc)`` with
+  a boolean ``C`` of such a shape and a scalar constant ``c`` (the ONNX exporters' causal
+  ``Where(tril, scores, -inf)``), or ``X = Sc``;
+- ``Sc = S0 * c`` / ``c * S0`` / ``S0 / c`` for a scalar constant ``c``, or ``Sc = S0``;
+- ``S0 = matmul(Q, K^T)`` with ``Q (B, H, S, D)``, ``K^T (B, H, D, N)``, ``V (B, H, N, Dv)``
+  (``D``, ``Dv`` static; ``B, H, S, N`` static or symbolic); the kernel reads ``K^T`` as it is
+  (the exporters' ``Transpose`` of K stays: a ``(B, H, D, N)`` copy, so that a block of keys
+  is one vector load per query element);
+- the same on 3-D operands, as torch.export decomposes SDPA: each of ``Q``, ``K^T``, ``P``,
+  ``V`` is ``reshape(broadcast_to(x, shape(x)), (B * H, ., .))`` of a 4-D ``x``, the scores
+  ``reshape(matmul(...), (B, H, S, N))`` and ``O`` 3-D (the kernel's 4-D result reshaped).
+
+So the ONNX exporters' ``MatMul(Q, Transpose(K)) -> Div/Mul -> Add(mask) | Where -> Softmax
+[-> Cast] -> MatMul(V)`` (both torch exporters: GPT-2, Llama, BERT, ViT... of the corpus)
+and torch.export's decomposed ``scaled_dot_product_attention`` (scale folded into Q and K^T,
+attn_mask / is_causal as an added float mask, the NaN guard) become one kernel.
+Every intermediate (scores, scaled, masked, probabilities, the 3-D views of them) must be read
+by the chain alone, else the chain stays. Run before LegalizeOps.
+
+Size gate: where ``S`` and ``N`` are both static, the chain is fused only when one (batch,
+head)'s scores ``S * N`` reach ``MIN_STATIC_SCORES`` (4096 x 4096, 64 MiB of float32 scores per
+head); a symbolic ``S`` or ``N`` always fuses (no bound on the scores' size). The kernel saves
+memory (S = N = 2048, B = 1, H = 8, D = 64: 0.021x stock's planned peak) but is not faster
+than our unfused pipeline at any size measured: ONNX form, B = 1, H = 8, D = 64, no mask,
+znver3, one thread, CPU time per call (``time.thread_time``, the machine shared), fused vs
+unfused: S = N = 128: 0.91 vs 0.63 ms, 256: 3.5 vs 2.6, 512: 12.4 vs 10.4, 1024: 59 vs 41,
+2048: 252 vs 159. No speed crossover up to 2048, so the gate is where the unfused scores'
+memory, not time, decides. So the corpus's ViT and Whisper encoder (static sequences of a few
+tokens) stay unfused; its text models (a symbolic ``seq``) fuse.
+
+Left alone (reason at debug level): other dtypes (float16 / bfloat16), a softmax over another
+axis, a symbolic ``D`` / ``Dv``, a mask of another dtype, the mask added before the scale,
+broadcast heads inside the matmul (K or V with one head for many: grouped-query heads that the
+exporter already copied with ``expand`` + ``reshape`` are ordinary 4-D operands and do fuse), a
+scale that is not a scalar constant. ``R.nn.attention`` is not matched: torch 2.13's
+``torch.export`` decomposes ``scaled_dot_product_attention`` before our importer sees it (the
+3-D form above), and no frontend of ours emits the op. Not yet: skipping the key blocks above
+the diagonal for causal masks (the mask is read, every block computed), a CUDA kernel (on CUDA
+targets the pass does nothing).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import IRModule, relax, tirx
+from tvm.ir.expr import GenericConst
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .. import target as _target
+from ..lower.attention import KERNEL_NAME, attention_kernel
+from ._common import (
+    get_logger,
+    op_name,
+    prove_equal_shapes,
+    record_rewrite,
+    skip,
+    static_shape,
+    use_counts,
+)
+
+NAME = "FuseAttention"
+# the size gate (module docstring): static S * N of one (batch, head) below this stays unfused
+MIN_STATIC_SCORES = 4096 * 4096
+logger = get_logger(__name__)
+
+
+@tvm.transform.module_pass(opt_level=0, name=NAME)
+class FuseAttention:
+    """``softmax(Q K^T * scale + mask) V`` chains as one online-softmax kernel (see the module
+    docstring). CPU targets only."""
+
+    def __init__(self, target=None):
+        self.target = target
+
+    def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
+        target = self.target or tvm.target.Target.current(allow_none=True)
+        if target is not None and not _target.is_cpu(target):
+            return mod
+        registers = _target.vector_registers(target) if target is not None else 16
+        rewriter = _Rewriter(mod, registers)
+        mod = rewriter.transform()
+        record_rewrite(NAME, rewriter.count)
+        return mod
+
+
+class _Plan:
+    """One matched chain: the 4-D operands and what the kernel needs."""
+
+    def __init__(self, q, kt, v, mask, scale, guard, out_3d):
+        self.q, self.kt, self.v = q, kt, v
+        self.mask, self.scale, self.guard, self.out_3d = mask, scale, guard, out_3d
+
+
+class _Matcher:
+    def __init__(self, func: relax.Function):
+        self.bound: dict = {}
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                if isinstance(binding, relax.VarBinding):
+                    self.bound[binding.var] = binding.value
+        self.uses = use_counts(func)
+
+    def value(self, expr, op: str | None = None):
+        """The call bound to var ``expr`` (of ``op`` when given), else None."""
+        value = self.bound.get(expr) if isinstance(expr, relax.Var) else None
+        if value is None or (op is not None and op_name(value) != op):
+            return None
+        return value
+
+    def single_use(self, var) -> bool:
+        return self.uses.get(var, 0) == 1
+
+    def unview(self, expr, single: bool):
+        """A 4-D ``x`` when ``expr`` is ``reshape(broadcast_to(x, shape(x)), (B*H, a, c))``;
+        with ``single`` the two views must be read once."""
+        reshape = self.value(expr, "relax.reshape")
+        if reshape is None or (single and not self.single_use(expr)):
+            return None
+        inner = reshape.args[0]
+        bcast = self.value(inner, "relax.broadcast_to")
+        if bcast is not None:
+            if single and not self.single_use(inner):
+                return None
+            x = bcast.args[0]
+            if not _same_shape(static_shape(x), static_shape(inner)):
+                return None
+        else:
+            x = inner
+        src, dst = static_shape(x), static_shape(expr)
+        if src is None or dst is None or len(src) != 4 or len(dst) != 3:
+            return None
+        if not (
+            prove_equal_shapes(src[0] * src[1], dst[0])
+            and prove_equal_shapes(src[2], dst[1])
+            and prove_equal_shapes(src[3], dst[2])
+        ):
+            return None
+        return x
+
+    def match(self, call: relax.Call):
+        """A :class:`_Plan` for ``O = matmul(P, V)``, else None (reason logged)."""
+        what = f"matmul {call}"[:80]
+        p, v = call.args
+        out = static_shape(call)
+        if out is None or call.ty.dtype != "float32":
+            return skip(logger, what, "not a float32 tensor of known rank") or None
+        out_3d = len(out) == 3
+        if out_3d:
+            p4, v4 = self.unview(p, single=True), self.unview(v, single=False)
+            if p4 is None or v4 is None:
+                return skip(logger, what, "3-D operands that are not views of 4-D ones") or None
+            p = p4
+            v = v4
+        elif len(out) != 4:
+            return None
+        if not self.single_use(p):
+            return skip(logger, what, "probabilities read elsewhere") or None
+        p = self._strip_casts(p)
+        if p is None:
+            return skip(logger, what, "a cast of the probabilities read elsewhere") or None
+        guard, sm = self._guard(p)
+        if sm is None:
+            return skip(logger, what, "not the matmul of a last-axis softmax") or None
+        x = sm.args[0]
+        if guard is None and not self.single_use(x):
+            return skip(logger, what, "softmax input read elsewhere") or None
+        scores, mask, where_fill = x, None, None
+        add = self.value(x, "relax.add")
+        where = self.value(x, "relax.where")
+        if add is not None:
+            a, b = add.args
+            for s_, m_ in ((a, b), (b, a)):
+                if self._is_scores(s_):
+                    scores, mask = s_, m_
+                    break
+            else:
+                return skip(logger, what, "an add that is not scores + mask") or None
+        elif where is not None:
+            cond, a, b = where.args
+            for s_, fill, keep_when in ((a, b, True), (b, a, False)):
+                value = _scalar(fill)
+                if value is not None and self._is_scores(s_):
+                    scores, mask, where_fill = s_, cond, (value, keep_when)
+                    break
+            else:
+                return skip(logger, what, "a where that is not where(mask, scores, c)") or None
+        scores, scale = self._scale(scores)
+        if scores is None:
+            return skip(logger, what, "no scalar-constant scale") or None
+        operands = self._qk(scores)
+        if operands is None:
+            return skip(logger, what, "scores are not matmul(Q, K^T)") or None
+        q, kt = operands
+        return self._check(what, q, kt, v, (mask, where_fill), scale, guard, out_3d)
+
+    def _strip_casts(self, p):
+        """``p`` past identity casts ``astype(x, float32)`` of float32 ``x`` (the legacy ONNX
+        exporter's ``Cast`` after a softmax), each read once; None when one is read twice."""
+        cast = self.value(p, "relax.astype")
+        while cast is not None and cast.args[0].ty.dtype == cast.ty.dtype:
+            p = cast.args[0]
+            if not self.single_use(p):
+                return None
+            cast = self.value(p, "relax.astype")
+        return p
+
+    def _guard(self, p):
+        """(guard?, softmax call) of ``P``: the softmax itself or torch's NaN guard around it."""
+        sm = self.value(p, "relax.nn.softmax")
+        if sm is not None:
+            return (None, sm) if _last_axis(sm) else (None, None)
+        where = self.value(p, "relax.where")
+        if where is None:
+            return None, None
+        cond, zeros, p0 = where.args
+        sm = self.value(p0, "relax.nn.softmax")
+        fl = self.value(zeros, "relax.full_like")
+        if sm is None or not _last_axis(sm) or fl is None or not _is_const(fl.args[1], 0.0):
+            return None, None
+        if not fl.args[0].same_as(p0) or self.uses.get(p0, 0) != 2:
+            return None, None
+        x = sm.args[0]
+        # cond = not(astype(max(astype(not(equal(x, -inf)), int8), -1, keepdims), bool))
+        chain = ["relax.logical_not", "relax.astype", "relax.max", "relax.astype"]
+        e = cond
+        for op in chain:
+            value = self.value(e, op)
+            if value is None:
+                return None, None
+            if op == "relax.max" and not _last_axis_reduce(value):
+                return None, None
+            e = value.args[0]
+        neg = self.value(e, "relax.logical_not")
+        eq = self.value(neg.args[0], "relax.equal") if neg is not None else None
+        if eq is None or not eq.args[0].same_as(x) or not _is_const(eq.args[1], float("-inf")):
+            return None, None
+        if self.uses.get(x, 0) != 2:
+            return None, None
+        return True, sm
+
+    def _is_scores(self, expr) -> bool:
+        """``expr`` is the (scaled) ``Q K^T``, read once (which addend is the mask: a 4-D
+        bias such as T5's ``(1, H, S, N)`` looks like scores too)."""
+        shape = static_shape(expr)
+        if shape is None or len(shape) != 4 or expr.ty.dtype != "float32":
+            return False
+        if not self.single_use(expr):
+            return False
+        unscaled, _ = self._scale(expr)
+        return unscaled is not None and self._qk(unscaled) is not None
+
+    def _scale(self, expr):
+        """(unscaled scores, scale)."""
+        for op in ("relax.multiply", "relax.divide"):
+            call = self.value(expr, op)
+            if call is None:
+                continue
+            a, b = call.args
+            if op == "relax.multiply" and _scalar(a) is not None:
+                a, b = b, a
+            c = _scalar(b)
+            if c is None or not self.single_use(a):
+                return None, None
+            if op == "relax.divide":
+                return (a, 1.0 / c) if c != 0 else (None, None)
+            return a, c
+        return expr, 1.0
+
+    def _qk(self, scores):
+        """(Q, K^T) 4-D of ``scores = matmul(Q, K^T)`` (or its 3-D form reshaped)."""
+        mm = self.value(scores, "relax.matmul")
+        if mm is not None:
+            return tuple(mm.args) if len(static_shape(scores)) == 4 else None
+        reshape = self.value(scores, "relax.reshape")
+        if reshape is None:
+            return None
+        mm = self.value(reshape.args[0], "relax.matmul")
+        if mm is None or not self.single_use(reshape.args[0]):
+            return None
+        q, kt = (self.unview(a, single=False) for a in mm.args)
+        return None if q is None or kt is None else (q, kt)
+
+    def _check(self, what, q, kt, v, mask, scale, guard, out_3d):
+        qs, kts, vs = static_shape(q), static_shape(kt), static_shape(v)
+        if any(s is None or len(s) != 4 for s in (qs, kts, vs)):
+            return skip(logger, what, "operands not 4-D") or None
+        if any(e.ty.dtype != "float32" for e in (q, kt, v)):
+            return skip(logger, what, "not float32") or None
+        b, h, _s, d = qs
+        n = kts[3]
+        same = all(
+            prove_equal_shapes(x, y)
+            for x, y in ((kts[0], b), (kts[1], h), (kts[2], d), (vs[0], b), (vs[1], h), (vs[2], n))
+        )
+        if not same:
+            return skip(logger, what, "Q, K, V shapes do not agree (broadcast heads?)") or None
+        if not isinstance(d, tirx.IntImm) or not isinstance(vs[3], tirx.IntImm):
+            return skip(logger, what, "head dim not static") or None
+        if isinstance(_s, tirx.IntImm) and isinstance(n, tirx.IntImm):
+            if int(_s) * int(n) < MIN_STATIC_SCORES:
+                return skip(logger, what, f"static S x N = {_s} x {n}: faster unfused") or None
+        mask, where_fill = mask
+        mask_dims = None
+        if mask is not None:
+            dtype = "bool" if where_fill is not None else "float32"
+            mask_dims = _mask_dims(mask, (b, h, _s, n), dtype)
+            if mask_dims is None:
+                return skip(logger, what, f"mask not {dtype} or not broadcastable") or None
+        return _Plan(q, kt, v, (mask, mask_dims, where_fill), scale, guard, out_3d)
+
+
+def _same_shape(a, b) -> bool:
+    return (
+        a is not None
+        and b is not None
+        and len(a) == len(b)
+        and all(prove_equal_shapes(x, y) for x, y in zip(a, b, strict=True))
+    )
+
+
+def _last_axis(softmax: relax.Call) -> bool:
+    ndim = softmax.args[0].ty.ndim
+    return ndim > 0 and int(softmax.attrs.axis) % ndim == ndim - 1
+
+
+def _last_axis_reduce(call: relax.Call) -> bool:
+    ndim = call.args[0].ty.ndim
+    axes = call.attrs.axis
+    return (
+        axes is not None
+        and len(axes) == 1
+        and int(axes[0]) % ndim == ndim - 1
+        and bool(call.attrs.keepdims)
+    )
+
+
+def _scalar(expr) -> float | None:
+    if isinstance(expr, GenericConst):
+        arr = expr.value.numpy()
+        if arr.size == 1 and arr.dtype.name == "float32":
+            return float(arr.reshape(-1)[0])
+    return None
+
+
+def _is_const(expr, value: float) -> bool:
+    c = _scalar(expr)
+    return c is not None and (c == value)
+
+
+def _mask_dims(mask, dims, dtype: str):
+    """Per scores axis, whether the mask varies along it (False: broadcast), or None."""
+    shape = static_shape(mask)
+    if shape is None or mask.ty.dtype != dtype or len(shape) > 4:
+        return None
+    shape = [tirx.IntImm("int64", 1)] * (4 - len(shape)) + shape
+    kept = []
+    for m, s in zip(shape, dims, strict=True):
+        if prove_equal_shapes(m, s):
+            kept.append(True)
+        elif isinstance(m, tirx.IntImm) and int(m) == 1:
+            kept.append(False)
+        else:
+            return None
+    return tuple(kept)
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: IRModule, registers: int):
+        super().__init__(mod)
+        self.mod = mod
+        self.registers = registers
+        self.count = 0
+        self.plans: dict = {}
+
+    def transform(self) -> IRModule:
+        for gv, func in self.mod.functions_items():
+            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
+                continue
+            matcher = _Matcher(func)
+            self.plans = {}
+            for value in matcher.bound.values():
+                if op_name(value) == "relax.matmul":
+                    plan = matcher.match(value)
+                    if plan is not None:
+                        self.plans[value] = plan
+            if not self.plans:
+                continue
+            new_func = self.visit_expr(func)
+            new_func = relax.analysis.remove_all_unused(new_func)
+            self.builder_.update_func(gv, new_func)
+        return self.builder_.get()
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        plan = self.plans.get(call)
+        if plan is None:
+            return super().visit_call_(call)
+        bb = self.builder_
+        q, v = self.visit_expr(plan.q), self.visit_expr(plan.v)
+        kt = self.visit_expr(plan.kt)
+        mask, mask_dims, where_fill = plan.mask
+        args = [q, kt, v]
+        if mask is not None:
+            mask = self.visit_expr(mask)
+            if mask.ty.ndim < 4:
+                shape = [1] * (4 - mask.ty.ndim) + list(mask.ty.shape.values)
+                mask = bb.emit(relax.op.reshape(mask, shape))
+            args.append(mask)
+        qs, vs = q.ty.shape.values, v.ty.shape.values
+        kernel = attention_kernel(
+            int(qs[3]),
+            int(vs[3]),
+            plan.scale,
+            mask_dims,
+            "zero" if plan.guard else "nan",
+            where_fill,
+            self.registers,
+        )
+        gv = bb.add_func(kernel, KERNEL_NAME)
+        out_sinfo = relax.TensorType([qs[0], qs[1], qs[2], vs[3]], "float32")
+        out = bb.emit(relax.call_tir(gv, args, out_sinfo))
+        self.count += 1
+        if plan.out_3d:
+            return relax.op.reshape(out, call.ty.shape)
+        return out
