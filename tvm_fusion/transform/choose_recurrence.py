@@ -1,4 +1,4 @@
-"""ChooseRecurrence: a recurrence over a static sequence as the loop kernel on CPU, unrolled elsewhere.
+"""ChooseRecurrence: a static-sequence recurrence as the loop kernel on CPU, unrolled elsewhere.
 
 The frontends (``frontend/onnx_rnn.py`` for ONNX ``LSTM`` / ``GRU`` / ``RNN``,
 ``frontend/torch_rnn.py`` for torch.export's ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``) write each
