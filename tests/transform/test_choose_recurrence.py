@@ -194,3 +194,32 @@ def test_switched_off_keeps_the_unrolled_steps():
     assert not any("loop" in n for n in _kernels(compiled))
     for g, w in zip(got, _outputs(module, x), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+class _WithStates(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(4, 5, num_layers=2)
+
+    def forward(self, x, h, c):
+        return self.rnn(x, (h, c))
+
+
+@pytest.mark.parametrize("proj_size", [False, True])
+def test_given_states_and_proj_size(proj_size):
+    """Initial states given by the caller go into the loop kernels; ``proj_size`` (not
+    covered) is imported as before: torch's decomposition, unrolled steps."""
+    torch.manual_seed(5)
+    if proj_size:
+        module, args = torch.nn.LSTM(4, 5, proj_size=3).eval(), (torch.randn(3, 2, 4),)
+    else:
+        args = (torch.randn(3, 2, 4), torch.randn(2, 2, 5), torch.randn(2, 2, 5))
+        module = _WithStates().eval()
+    mod = import_exported_program(torch.export.export(module, args))
+    _, counts = _fusion(mod, tvm_fusion.host_target())
+    assert counts["ChooseRecurrence"] == (0 if proj_size else 2)
+    got, _ = _run(mod, [a.numpy() for a in args])
+    with torch.no_grad():
+        out = module(*args)
+    for g, w in zip(got, [out[0], *out[1]], strict=True):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-4)

@@ -404,7 +404,7 @@ def import_exported_program(program, where: str = "the program", decompose: bool
                     run_ep_decomposition=False,
                     custom_convert_map={**converters(kept), **torch_rnn.converters(kept)},
                 )
-        except torch_rnn.NotCovered as why:
+        except Exception as why:  # NotCovered, or this path failed: the import as before
             logger.debug("%s: recurrent op left to torch's decomposition: %s", where, why)
     try:
         with warnings.catch_warnings():

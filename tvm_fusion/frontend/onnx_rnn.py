@@ -15,6 +15,11 @@ activation position, as ONNX Runtime does), ``sequence_lens`` (rows past their l
 their state and output zeros; with a reverse direction only when every length is the whole
 sequence).
 
+What the loop kernel covers (below) is, on a static sequence, one call per direction of a
+private function marked ``rnn_loop.RECURRENCE_ATTR`` (the projection, R, Rb, the initial
+states in; the unrolled steps as its body): the importer does not know the target, so
+``transform/choose_recurrence.py`` makes it the loop kernel on CPU or inlines it elsewhere.
+
 A dynamic sequence length cannot be unrolled: the input projection of all steps is still one
 GEMM, and the recurrence is one loop kernel per direction (``rnn_loop.py``: a scheduled
 PrimFunc that loops over time, the fused gate step as its body, the state in a workspace),
