@@ -389,8 +389,23 @@ def import_exported_program(program, where: str = "the program", decompose: bool
     importer failure is one ModelError line naming ``where``."""
     from tvm.relax.frontend.torch import from_exported_program
 
+    from . import torch_rnn
     from .torch_ops import converters
 
+    if decompose and torch_rnn.has_rnn(program):
+        # nn.LSTM / GRU / RNN kept whole: one recurrence per layer and direction (torch_rnn)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                kept = torch_rnn.keep_rnns(program)
+                return from_exported_program(
+                    kept,
+                    keep_params_as_input=False,
+                    run_ep_decomposition=False,
+                    custom_convert_map={**converters(kept), **torch_rnn.converters(kept)},
+                )
+        except Exception as why:  # NotCovered, or this path failed: the import as before
+            logger.debug("%s: recurrent op left to torch's decomposition: %s", where, why)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

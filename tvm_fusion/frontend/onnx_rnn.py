@@ -15,6 +15,11 @@ activation position, as ONNX Runtime does), ``sequence_lens`` (rows past their l
 their state and output zeros; with a reverse direction only when every length is the whole
 sequence).
 
+What the loop kernel covers (below) is, on a static sequence, one call per direction of a
+private function marked ``rnn_loop.RECURRENCE_ATTR`` (the projection, R, Rb, the initial
+states in; the unrolled steps as its body): the importer does not know the target, so
+``transform/choose_recurrence.py`` makes it the loop kernel on CPU or inlines it elsewhere.
+
 A dynamic sequence length cannot be unrolled: the input projection of all steps is still one
 GEMM, and the recurrence is one loop kernel per direction (``rnn_loop.py``: a scheduled
 PrimFunc that loops over time, the fused gate step as its body, the state in a workspace),
@@ -191,8 +196,12 @@ def _unroll(bb, kind: str, inputs, attr) -> relax.Expr:
     alphas = list(attr.get("activation_alpha", []))
     betas = list(attr.get("activation_beta", []))
     clip = attr.get("clip")
-    if not isinstance(shape[0], tirx.IntImm):
-        results = _loop(bb, kind, x, (w, r, bias, seq_lens, init_h, init_c, peep), attr, dirs)
+    operands = (w, r, bias, seq_lens, init_h, init_c, peep)
+    static = isinstance(shape[0], tirx.IntImm)
+    if not static or _loop_refusal(kind, x, operands, attr, dirs) is None:
+        # what the loop kernel covers: on a static sequence, one marked function per direction
+        # that choose_recurrence.py turns into the loop kernel or inlines, per target
+        results = _loop(bb, kind, x, operands, attr, dirs, static)
         return _layout_back(bb, results, layout)
     seq, batch, features = int(shape[0]), shape[1], shape[2]
     lengths = _numpy(seq_lens) if seq_lens is not None else None
@@ -270,30 +279,39 @@ def _layout_back(bb, results, layout: int) -> relax.Expr:
     return relax.Tuple(results)
 
 
-def _loop(bb, kind: str, x, inputs, attr, dirs) -> list:
-    """A dynamic sequence: the input projection of all steps as one GEMM, then one loop kernel
-    per direction (rnn_loop.py) that carries the state over time. Raises a one-line
-    ValueError for what the kernel does not cover."""
+def _loop_refusal(kind: str, x, inputs, attr, dirs) -> str | None:
+    """Why the loop kernel does not cover this op, or None."""
+    w, r, bias, seq_lens, init_h, init_c, peep = inputs
+    activations = [_name(a).lower() for a in attr.get("activations", [])]
+    defaults = [a.lower() for a in _DEFAULTS[kind]] * len(dirs)
+    dtype = str(x.ty.dtype)
+    if kind == "GRU" and not int(attr.get("linear_before_reset", 0)):
+        return "linear_before_reset = 0 (its candidate GEMM reads r * h of every unit)"
+    if peep is not None or int(attr.get("input_forget", 0)):
+        return "peepholes or input_forget"
+    if seq_lens is not None:
+        return "sequence_lens"
+    if activations and (activations != defaults or attr.get("activation_alpha")):
+        return f"activations {activations}"
+    if dtype != "float32":
+        return f"dtype {dtype}"
+    if _numpy(r) is None or (bias is not None and _numpy(bias) is None):
+        return "R or B not constant"
+    return None
+
+
+def _loop(bb, kind: str, x, inputs, attr, dirs, static: bool = False) -> list:
+    """The input projection of all steps as one GEMM, then per direction the loop kernel
+    (rnn_loop.py) that carries the state over time, or on a ``static`` sequence a call of a
+    private function marked ``rnn_loop.RECURRENCE_ATTR`` that holds the unrolled steps
+    (ChooseRecurrence decides per target). Raises a one-line ValueError for what the kernel
+    does not cover."""
     op = relax.op
     w, r, bias, seq_lens, init_h, init_c, peep = inputs
     gates = _GATES[kind]
     hidden = int(attr.get("hidden_size", 0)) or int(w.ty.shape.values[1]) // gates
     dtype = str(x.ty.dtype)
-    activations = [_name(a).lower() for a in attr.get("activations", [])]
-    defaults = [a.lower() for a in _DEFAULTS[kind]] * len(dirs)
-    why = None
-    if kind == "GRU" and not int(attr.get("linear_before_reset", 0)):
-        why = "linear_before_reset = 0 (its candidate GEMM reads r * h of every unit)"
-    elif peep is not None or int(attr.get("input_forget", 0)):
-        why = "peepholes or input_forget"
-    elif seq_lens is not None:
-        why = "sequence_lens"
-    elif activations and (activations != defaults or attr.get("activation_alpha")):
-        why = f"activations {activations}"
-    elif dtype != "float32":
-        why = f"dtype {dtype}"
-    elif _numpy(r) is None or (bias is not None and _numpy(bias) is None):
-        why = "R or B not constant"
+    why = _loop_refusal(kind, x, inputs, attr, dirs)
     if why is not None:
         raise ValueError(
             f"{kind} with a dynamic sequence length and {why} is not supported: the loop kernel "
@@ -326,24 +344,21 @@ def _loop(bb, kind: str, x, inputs, attr, dirs) -> list:
             proj = bb.emit(op.add(proj, _Direction(bb, bias, d).get(slice(0, gates * hidden))))
             rb = _numpy(bias)[d][gates * hidden :]
         proj = bb.emit(op.reshape(proj, [*proj_shape, gates * hidden]))
-        kernel = rnn_loop.loop_kernel(
-            kind, hidden, reverse, None if clip is None else float(clip), zero_init, batch_major
-        )
-        gv = bb.add_func(kernel, f"{kind.lower()}_loop")
-        args = [
-            proj,
-            relax.const(rnn_loop.block_weight(_numpy(r)[d], gates)),
-            relax.const(rnn_loop.block_bias(rb, gates, hidden)),
-        ]
+        states = []
         if not zero_init:
-            args.append(_initial(bb, init_h, d, batch, hidden, dtype))
+            states.append(_initial(bb, init_h, d, batch, hidden, dtype))
             if kind == "LSTM":
-                args.append(_initial(bb, init_c, d, batch, hidden, dtype))
-        state = relax.TensorType([batch, hidden], dtype)
-        out = [relax.TensorType([seq, batch, hidden], dtype), state]
-        if kind == "LSTM":
-            out.append(state)
-        call = bb.emit(relax.call_tir(gv, args, out))
+                states.append(_initial(bb, init_c, d, batch, hidden, dtype))
+        spec = {"kind": kind, "hidden": hidden, "reverse": reverse, "zero_init": zero_init}
+        spec.update(batch_major=batch_major, bias=rb is not None)
+        spec.update({} if clip is None else {"clip": float(clip)})
+        if static:
+            weights = [relax.const(_numpy(r)[d])] + ([] if rb is None else [relax.const(rb)])
+            args = [proj, *weights, *states]
+            gv = bb.add_func(_marked(spec, args, dtype), f"{kind.lower()}_steps")
+            call = bb.emit(relax.Call(gv, args))
+        else:
+            call = bb.emit(rnn_loop.loop_call(bb.add_func, spec, proj, _numpy(r)[d], rb, states))
         ys.append(bb.emit(relax.TupleGetItem(call, 0)))
         last_h.append(bb.emit(relax.TupleGetItem(call, 1)))
         if kind == "LSTM":
@@ -352,6 +367,69 @@ def _loop(bb, kind: str, x, inputs, attr, dirs) -> list:
     if kind == "LSTM":
         results.append(_stack(bb, last_c, 0))
     return results
+
+
+class _Whole:
+    """A weight given whole (the marked function's parameter): ``get()`` is the weight."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+    def get(self, rows: slice | None = None) -> relax.Expr:
+        assert rows is None, "a marked recurrence covers no sliced weight"
+        return self.weight
+
+
+def _marked(spec: dict, args: list, dtype: str) -> relax.Function:
+    """One direction over a static sequence, unrolled, as a private function of ``args``'
+    types (proj, R, [Rb], [h0, c0]) -> (Y (seq, batch, H), h_T[, c_T]), marked with
+    ``spec`` as ``rnn_loop.RECURRENCE_ATTR``: the steps as ``_unroll`` writes them."""
+    op, kind, hidden = relax.op, spec["kind"], spec["hidden"]
+    names = ["proj", "r"] + (["rb"] if spec["bias"] else [])
+    names += [] if spec["zero_init"] else ["h0", "c0"][: 1 + (kind == "LSTM")]
+    params = [relax.Var(name, arg.ty) for name, arg in zip(names, args, strict=True)]
+    fbb = relax.BlockBuilder()
+    with fbb.function(f"{kind.lower()}_steps", params, private=True):
+        with fbb.dataflow():
+            proj = params[0]
+            if spec["batch_major"]:
+                proj = fbb.emit(op.permute_dims(proj, [1, 0, 2]))
+            seq, batch = (int(proj.ty.shape.values[0]), proj.ty.shape.values[1])
+            rb = params[2] if "rb" in names else None
+            if spec["zero_init"]:
+                h = fbb.emit(op.zeros(relax.ShapeExpr([batch, hidden]), dtype))
+                c = fbb.emit(op.zeros(relax.ShapeExpr([batch, hidden]), dtype))
+            else:
+                h, c = params[names.index("h0")], params[-1]
+            c = c if kind == "LSTM" else None
+            fns = [_Act(fbb, a, [], [], i) for i, a in enumerate(_DEFAULTS[kind])]
+            attr = {"linear_before_reset": 1}
+            per_step = {}
+            steps = range(seq - 1, -1, -1) if spec["reverse"] else range(seq)
+            for t in steps:
+                x_t = fbb.emit(op.squeeze(fbb.emit(op.strided_slice(proj, [0], [t], [t + 1])), [0]))
+                step = _Step(
+                    fbb,
+                    kind,
+                    x_t,
+                    h,
+                    c,
+                    _Whole(params[1]),
+                    rb,
+                    hidden,
+                    fns,
+                    spec.get("clip"),
+                    attr,
+                    None,
+                    dtype,
+                )
+                h, c = step.run()
+                per_step[t] = h
+            y = _stack(fbb, [per_step[t] for t in range(seq)], 0)
+            out = fbb.emit_output(relax.Tuple([y, h] + ([c] if kind == "LSTM" else [])))
+        fbb.emit_func_output(out)
+    func = next(f for _, f in fbb.get().functions_items())
+    return func.with_attr(rnn_loop.RECURRENCE_ATTR, spec)
 
 
 class _Act:

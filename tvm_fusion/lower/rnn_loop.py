@@ -35,7 +35,7 @@ vector loops, no GPU thread bindings).
 from __future__ import annotations
 
 import numpy as np
-from tvm import tirx
+from tvm import relax, tirx
 from tvm.script import tirx as T
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -44,6 +44,11 @@ SMALL_LANES = 8  # units per block of a small hidden size that 16-unit blocks wo
 SMALL_HIDDEN = 64  # hidden sizes below this may take 8-unit blocks
 ROWS = 4  # batch rows per register tile
 PARALLEL_MIN_MACS = 1 << 19  # multiply-adds per batch row and step below which a step is serial
+# the attribute of a private Relax function that holds one direction of a recurrence over a static
+# sequence, unrolled (frontend/onnx_rnn.py, frontend/torch_rnn.py): (proj, R, [Rb], [h0, c0]) ->
+# (Y, h_T[, c_T]); its value: kind, hidden, reverse, zero_init, batch_major, bias[, clip].
+# transform/choose_recurrence.py makes the call this loop kernel on CPU, inlines it elsewhere
+RECURRENCE_ATTR = "tvm_fusion.recurrence"
 
 # Eigen's rational tanh (TVM's topi.fast_tanh): x clamped to [-9, 9]
 _TANH_P = (
@@ -373,3 +378,26 @@ def loop_kernel(
             ht[n, j] = hs[seq % 2, n, j]
 
     return _without_initial_states(rnn_loop, 1) if zero_init else rnn_loop
+
+
+def loop_call(add_func, spec, proj: relax.Expr, r: np.ndarray, rb: np.ndarray | None, states):
+    """``call_tir`` of the loop kernel of one direction described by ``spec`` (the mapping of
+    ``RECURRENCE_ATTR``: kind, hidden, reverse, zero_init, batch_major[, clip]) on the
+    projection ``proj``, the recurrent weight ``r`` (gates * H, H), bias ``rb`` (gates * H) or
+    None, and the initial ``states`` (none with zero_init); ``add_func(func, name)`` adds the
+    kernel to the module and returns its GlobalVar. Returns (Y, h_T[, c_T])."""
+    kind, hidden = str(spec["kind"]), int(spec["hidden"])
+    batch_major, zero_init = bool(spec["batch_major"]), bool(spec["zero_init"])
+    clip = float(spec["clip"]) if "clip" in spec else None
+    gates = GATES[kind]
+    kernel = loop_kernel(kind, hidden, bool(spec["reverse"]), clip, zero_init, batch_major)
+    gv = add_func(kernel, f"{kind.lower()}_loop")
+    args = [proj, relax.const(block_weight(r, gates)), relax.const(block_bias(rb, gates, hidden))]
+    dims = list(proj.ty.shape.values)
+    seq, batch = (dims[1], dims[0]) if batch_major else (dims[0], dims[1])
+    dtype = str(proj.ty.dtype)
+    state = relax.TensorType([batch, hidden], dtype)
+    out = [relax.TensorType([seq, batch, hidden], dtype), state]
+    if kind == "LSTM":
+        out.append(state)
+    return relax.call_tir(gv, args + list(states), out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ._common import collect_rewrites
 from .check_gather_bounds import CheckGatherBounds
+from .choose_recurrence import ChooseRecurrence
 from .fuse_attention import FuseAttention
 from .fuse_cross_entropy import FuseCrossEntropy
 from .fuse_gathered_gates import FuseGatheredGates
@@ -25,6 +26,7 @@ from .sink_views_past_epilogues import SinkViewsPastEpilogues
 from .strip_bookend_views import StripBookendViews
 
 GRAPH_PASSES: list[tuple[str, type]] = [
+    ("choose_recurrence", ChooseRecurrence),  # first: the others read what it makes
     ("place_shape_on_host", PlaceShapeOnHost),
     ("check_gather_bounds", CheckGatherBounds),  # before anything rewrites a take
     ("gather_to_slice", GatherToSlice),
@@ -42,6 +44,7 @@ POST_FUSION_PASSES: list[tuple[str, type]] = [
 
 __all__ = [
     "CheckGatherBounds",
+    "ChooseRecurrence",
     "GRAPH_PASSES",
     "FuseAttention",
     "FuseCrossEntropy",
