@@ -17,6 +17,9 @@ reduction blocks reduce the trailing axes. The schedule:
   costly reduction (an exp inlined into a sum) over a static row under two vectors is
   rfactored with the whole row as its lanes: its terms one vector per row (``_costly_update``);
 - injective blocks are vectorised on their innermost loop;
+- a reduction of a few terms read along the rows (ONNX ``Sum`` imported as
+  ``sum(stack([a, b]), 0)``, ResNet's residual add) is elementwise in the rows: its producers
+  inlined, the terms' loop outside a vector across the rows, unrolled (``_short_reduction``);
 - a row buffer that the output reads where it writes (softmax's ``exp(x - max)``) is the
   output itself: the exp pass writes the output row, the output block scales it in place
   (``_output_as_row_buffer``); left as a buffer where that is not provably the same.
