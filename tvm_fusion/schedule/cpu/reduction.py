@@ -17,6 +17,9 @@ reduction blocks reduce the trailing axes. The schedule:
   costly reduction (an exp inlined into a sum) over a static row under two vectors is
   rfactored with the whole row as its lanes: its terms one vector per row (``_costly_update``);
 - injective blocks are vectorised on their innermost loop;
+- a reduction of a few terms read along the rows (ONNX ``Sum`` imported as
+  ``sum(stack([a, b]), 0)``, ResNet's residual add) is elementwise in the rows: its producers
+  inlined, the terms' loop outside a vector across the rows, unrolled (``_short_reduction``);
 - a row buffer that the output reads where it writes (softmax's ``exp(x - max)``) is the
   output itself: the exp pass writes the output row, the output block scales it in place
   (``_output_as_row_buffer``); left as a buffer where that is not provably the same.
@@ -217,6 +220,79 @@ def _costly_update(sch, block) -> bool:
     return expr_size(value, COSTLY_UPDATE + 1) > COSTLY_UPDATE
 
 
+ROW_CHUNK = 512  # elements of the rows a short reduction's parallel loop takes at a time
+SHORT_REDUCTION = 8  # terms: at most, a reduction whose terms are rows' vectors is unrolled
+
+
+def _short_reduction(sch, block, rows: int, lanes: int, cores: int) -> bool:
+    """A reduction of a few terms (at most :data:`SHORT_REDUCTION`, static) each read along the
+    innermost row axis: ONNX ``Sum`` of two tensors, imported as ``sum(stack([a, b]), 0)``,
+    ``Y[c, h, w] = sum_r (a[c, h, w] if r == 0 else b[c, h, w])``. Its terms are elementwise
+    in the rows: the reduction loop goes outside the rows' innermost loop, which is
+    vectorised (as the injective rule's, by the lanes or a power-of-two divisor), the reduction
+    unrolled, the init split off and vectorised, the outer rows parallel. ``rfactor`` takes
+    none of it (fewer terms than two vectors) and the reduction loop innermost is scalar.
+    Returns whether it applied; the schedule is unchanged when not."""
+    from tvm.ir.expr import TensorLoad
+
+    from ...tir_util import expr_children
+
+    stmt = sch.get(block)
+    iters = list(stmt.iter_vars)
+    loops = sch.get_loops(block)
+    if rows >= len(iters) or len(loops) != len(iters):
+        return False
+    if not isinstance(stmt.body, tirx.BufferStore):
+        return False
+    terms = 1
+    for loop in loops[rows:]:
+        ext = extent(sch, loop)
+        if not is_static(ext):
+            return False
+        terms *= int(ext)
+    if terms < 2 or terms > SHORT_REDUCTION or not is_static(extent(sch, loops[rows - 1])):
+        return False
+    last_row = iters[rows - 1].var
+    out = stmt.body.buffer
+    stack = [stmt.body.value]
+    while stack:  # every term's load reads along the innermost row axis
+        node = stack.pop()
+        if isinstance(node, TensorLoad) and not node.source.same_as(out):
+            index = node.indices[-1] if len(node.indices) else None
+            if index is None or not index.same_as(last_row):
+                return False
+        stack.extend(expr_children(node))
+    work = loop_nest_work(sch, block)
+    red = loops[rows:]
+    red_loop = sch.fuse(*red) if len(red) > 1 else red[0]
+    chunk = None if work is None else _row_chunk(work // terms, lanes, cores)
+    if chunk is not None:  # whole vectors across the rows (a 7 x 7 image: 49 a channel)
+        outer, inner = sch.split(sch.fuse(*loops[:rows]), [None, chunk])
+        sch.reorder(red_loop, inner)
+        spatial = [outer]
+    else:
+        sch.reorder(red_loop, loops[rows - 1])
+        spatial = list(loops[: rows - 1])
+    vectorize_innermost(sch, block, lanes)
+    parallelize_outer(sch, spatial, cores, work=work)  # before the update loses its init
+    init = sch.decompose_reduction(block, red_loop)
+    vectorize_innermost(sch, init, lanes)
+    sch.unroll(red_loop)
+    return True
+
+
+def _row_chunk(total: int, lanes: int, cores: int) -> int | None:
+    """Rows per iteration of the short reduction's parallel loop: the largest ``lanes * 2^j``
+    up to :data:`ROW_CHUNK` elements that divides ``total`` and leaves 4 iterations a core;
+    None when no multiple of ``lanes`` divides it."""
+    if total % lanes:
+        return None
+    chunk = lanes
+    while chunk * 2 <= ROW_CHUNK and total % (chunk * 2) == 0 and total // (chunk * 2) >= 4 * cores:
+        chunk *= 2
+    return chunk
+
+
 class RowReduction(CPURule):
     def apply(self, func, target: Target, tunable: bool):
         if not self.applicable(func, target):
@@ -344,19 +420,32 @@ class RowReduction(CPURule):
             pass
 
     def _reduction_last(self, sch, infos, target):
-        """Plain reductions whose output is the reduction itself (sum/max over rows)."""
-        if len(infos) != 1:
-            return None
+        """Plain reductions whose output is the reduction itself (sum/max over rows); injective
+        producers are inlined into it (``stack`` before ONNX ``Sum``'s ``sum``). A short
+        reduction over terms contiguous along the rows goes outside the rows' vector
+        (:func:`_short_reduction`)."""
+        if len(infos) > 1:
+            if not all(info.is_injective() for info in infos[:-1]):
+                return None
+            for info in reversed(infos[:-1]):
+                try:
+                    sch.compute_inline(info.block_rv)
+                except Exception:  # noqa: BLE001 - a producer that stays: not this rule's
+                    return None
+            infos = infos[-1:]
         info = infos[0]
         rows = _leading_s(info.dom_kind())
         if rows == 0:
             return None
         block = info.block_rv
         lanes = _target.vector_lanes(target, block_dtype(sch, block))
+        cores = _target.num_cores(target)
+        if _short_reduction(sch, block, rows, lanes, cores):
+            return sch
         rf = self._rfactor(sch, block, lanes)
         work = loop_nest_work(sch, block)
         loops = sch.get_loops(block)
-        parallelize_outer(sch, loops[:rows], _target.num_cores(target), work=work)
+        parallelize_outer(sch, loops[:rows], cores, work=work)
         if rf is not None:
             sch.compute_at(rf, sch.get_loops(block)[0], preserve_unit_loops=True)
             _vectorize_rf(sch, rf)
