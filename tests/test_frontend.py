@@ -487,3 +487,28 @@ def test_constant_pads_and_shifted_labels_import_and_match(fold_chain):
         want = session.run(None, {"labels": labels})[0]
         got = engine.TvmRunner(compiled, [labels]).outputs()[0]
         np.testing.assert_array_equal(got, want)
+
+
+def test_incomplete_shape_inference_writes_no_file(tmp_path, monkeypatch):
+    """ONNX Runtime's symbolic shape inference, when it cannot finish (here an op of an unknown
+    domain), saves the model and its weights as external data into the working directory before
+    raising (575 MB for VGG-19): the importer must leave the user's directory as it was."""
+    from tvm_fusion.frontend import onnx_known_shapes
+
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 4], np.ones(16, "float32"))
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["y"]),
+        helper.make_node("Foo", ["y"], ["z"], domain="custom.x"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+        [w],
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("custom.x", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    monkeypatch.chdir(tmp_path)
+    assert onnx_known_shapes._infer(model) is not None
+    assert list(tmp_path.iterdir()) == []

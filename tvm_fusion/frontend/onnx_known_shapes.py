@@ -37,9 +37,19 @@ def _infer(model):
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
         if opset is not None and opset >= 7:
-            inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
-            if inferred is not None:
-                return inferred
+            # SymbolicShapeInference.infer_shapes's own loop, less its last step: where the
+            # inference is incomplete, it saves the model with its weights as external data
+            # into the working directory (sym_shape_infer_temp.onnx and a file per weight,
+            # 575 MB for VGG-19) before raising
+            ssi = SymbolicShapeInference(2**31 - 1, True, False, 0)
+            complete = False
+            ssi._preprocess(model)
+            while ssi.run_:
+                complete = ssi._infer_impl()
+            ssi._update_output_from_vi()
+            if complete:
+                return ssi.out_mp_
+            logger.debug("symbolic shape inference incomplete; using onnx's")
     except Exception as err:  # noqa: BLE001 - fall back to ONNX's inference
         logger.debug("symbolic shape inference failed (%s); using onnx's", err)
     try:
