@@ -57,6 +57,10 @@ CASES = [
     "test_castlike_FLOAT_to_FLOAT8E4M3FN",
     "test_cast_FLOAT_to_FLOAT16",
     "test_cast_FLOAT_to_BFLOAT16",
+    # unnamed nodes (a function-expanded op): the importer's refusal of a shape operand named
+    # no node ("Node  cannot handle ShapeExpr inputs"); load_onnx names the nodes first
+    "test_layer_normalization_2d_axis_negative_1_expanded",
+    "test_layer_normalization_3d_axis_negative_2_epsilon_expanded_ver18",
 ]
 
 # cases refused in one line (a converter we cannot trust, or a form the importer lacks)
@@ -75,10 +79,10 @@ REFUSED = {
 
 
 def _cases() -> list[str]:
-    names = [n for family in FAMILIES for n in names_of(family)] + CASES
+    names = [n for family in FAMILIES for n in names_of(family)]
     # the function-expanded forms test the ops of their bodies, not these converters; a
     # LayerNormalization axis counted from the end takes the same path as from the start
-    return [
+    return CASES + [
         n
         for n in names
         if "_expanded" not in n and not n.startswith("test_layer_normalization_4d_axis_neg")
