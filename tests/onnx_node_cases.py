@@ -1,5 +1,7 @@
 """Run ONNX's own operator conformance cases (``onnx.backend.test.case.node``) through
-``load_onnx`` + the ``tvm_fusion`` pipeline on the host + the VM, in this process.
+``load_onnx`` + the ``tvm_fusion`` pipeline on the host + the VM, in this process (or through
+stock TVM's importer and pipeline, or ONNX Runtime: ``engine=``; ``scripts/onnx_conformance.py``
+runs the whole suite with each case in a worker process).
 
 ``run_case(name)`` returns one line:
 
@@ -9,7 +11,9 @@
   (the model is refused in one line: never a wrong number);
 - ``"wrong: <detail>"``: an output that differs (value, shape, dtype, count, or a value that is
   not a tensor, e.g. a ``Shape`` object where the model declares an int64 tensor);
-- ``"error: <type>: <line>"``: anything else raised (TVM's raw errors, at any stage).
+- ``"error: <stage>: <type>: <line>"``: anything else raised (TVM's raw errors, at any stage);
+- ``"skipped: <line>"``: a case whose inputs are not all tensors (sequences, optionals): the
+  TVM runners pass tensors only.
 
 The cases are made by ONNX's generator modules, one per operator (``expand.py`` ...): only the
 modules of the cases asked for are imported (all of them take ~17 s), see :func:`case`.
@@ -18,6 +22,7 @@ modules of the cases asked for are imported (all of them take ~17 s), see :func:
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import warnings
 
@@ -74,10 +79,45 @@ def names_of(module: str) -> list[str]:
     return list(_BY_MODULE[module])
 
 
-def case(name: str):
-    """The ONNX test case ``name`` (``"test_expand_dim_changed"``)."""
-    module = _module_for(name)
-    names_of(module)
+def all_names() -> dict[str, str]:
+    """Every case of the suite -> the generator module whose import makes it (a module that
+    another imports has its cases made by that one: they are that one's here). Imports all
+    the modules (~17 s)."""
+    import pkgutil
+
+    package = importlib.import_module(_PACKAGE)
+    for info in pkgutil.iter_modules(package.__path__):
+        if f"{_PACKAGE}.{info.name}" not in sys.modules:
+            names_of(info.name)
+    return {n: module for module, names in _BY_MODULE.items() for n in names}
+
+
+_EXPANDED = re.compile(r"_expanded(_ver\d+)?$")
+
+
+def op_of(name: str, module: str | None = None) -> str:
+    """The op a case tests: its node's, or for a function-expanded case (``..._expanded``),
+    the op of the case it expands."""
+    test = case(name, module)
+    if len(test.model.graph.node) == 1 and not _EXPANDED.search(name):
+        return test.model.graph.node[0].op_type
+    base = _EXPANDED.sub("", name)
+    if base != name:
+        try:
+            return op_of(base, module)
+        except KeyError:
+            pass
+    return test.model.graph.node[0].op_type if test.model.graph.node else "?"
+
+
+def case(name: str, module: str | None = None):
+    """The ONNX test case ``name`` (``"test_expand_dim_changed"``), made by the generator
+    ``module`` (default: the one its name says)."""
+    module = module or _module_for(name)
+    try:
+        names_of(module)
+    except RuntimeError:  # imported by another module: its cases are there
+        pass
     for c in _cases():
         if c.name == name:
             return c
@@ -100,13 +140,25 @@ def _flatten(value, out: list) -> None:
         out.append(value)
 
 
+def _array(value):
+    """A case's input or reference output as numpy: ONNX gives some as ``TensorProto`` (types
+    numpy lacks: bfloat16, float8, int4) or as numpy scalars; sequences and optionals stay."""
+    import onnx
+
+    if isinstance(value, onnx.TensorProto):
+        return onnx.numpy_helper.to_array(value)
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    return value
+
+
 def _expected(outputs) -> list:
     flat: list = []
     for value in outputs:
         if isinstance(value, list | tuple):
-            flat.extend(np.asarray(v) for v in value)
+            flat.extend(np.asarray(_array(v)) for v in value)
         else:
-            flat.append(np.asarray(value))
+            flat.append(np.asarray(_array(value)))
     return flat
 
 
@@ -125,34 +177,116 @@ def compare(got: list, expected: list) -> str:
             if not np.allclose(g, e, rtol=RTOL, atol=ATOL, equal_nan=True):
                 diff = np.nan_to_num(np.abs(g.astype("float64") - e.astype("float64")), nan=np.inf)
                 return f"wrong: output {i} max error {diff.max():.3g}"
+        elif e.dtype.kind == "V":  # ml_dtypes' bfloat16 / float8 / int4: exact, NaN = NaN
+            g32, e32 = g.astype("float32"), e.astype("float32")
+            if not np.array_equal(g32, e32, equal_nan=True):
+                return (
+                    f"wrong: output {i} differs in {int((g32 != e32).sum())} of {e.size} elements"
+                )
         elif not np.array_equal(g, e):
             return f"wrong: output {i} differs in {int((g != e).sum())} of {e.size} elements"
     return "pass"
 
 
-def run_case(name: str) -> str:
-    """Load, compile for the host and run the ONNX node test ``name``; one line (see the
-    module docstring)."""
-    import tvm_fusion
-    from tvm_fusion.build import engine
+ENGINES = ("tvm_fusion", "stock", "onnxruntime")
+
+
+_ORT_IR_VERSION = 13  # onnxruntime 1.31's newest (the cases of the newest opsets declare 14)
+
+
+def _run_ort(test) -> list:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 4
+    model = test.model
+    if model.ir_version > _ORT_IR_VERSION:  # the same graph, in the newest IR ORT reads
+        model = type(model)()
+        model.CopyFrom(test.model)
+        model.ir_version = _ORT_IR_VERSION
+    session = ort.InferenceSession(
+        model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+    )
+    inputs = [_array(v) for v in test.data_sets[0][0]]
+    names = [i.name for i in test.model.graph.input]
+    got: list = []
+    for value in session.run(None, dict(zip(names, inputs, strict=False))):
+        if isinstance(value, list):
+            got.extend(np.asarray(v) for v in value)
+        else:
+            got.append(np.asarray(value) if isinstance(value, np.generic) else value)
+    return got
+
+
+def run_case(name: str, engine: str = "tvm_fusion", module: str | None = None) -> str:
+    """Load, compile for the host and run the ONNX node test ``name`` with ``engine``
+    (:data:`ENGINES`); one line (see the module docstring)."""
     from tvm_fusion.errors import TvmFusionError, first_line
 
-    test = case(name)
+    test = case(name, module)
     inputs, outputs = test.data_sets[0]
-    if any(not isinstance(v, np.ndarray) for v in inputs):
+    inputs = [_array(v) for v in inputs]
+    if engine == "onnxruntime":
+        try:
+            got = _run_ort(test)
+        except Exception as err:
+            return f"error: run: {type(err).__name__}: {first_line(err)}"
+        return compare(got, _expected(outputs))
+    if any(not isinstance(v, np.ndarray) for v in inputs):  # sequences, optionals
         kinds = sorted({type(v).__name__ for v in inputs if not isinstance(v, np.ndarray)})
-        return f"refused: the runner passes tensors only, this case takes {', '.join(kinds)}"
+        return f"skipped: the runner passes tensors only, this case takes {', '.join(kinds)}"
+    import tvm_fusion
+    from tvm_fusion.build import engine as engines
+    from tvm_fusion.frontend.onnx_ops import stock_from_onnx
+
     stage = "load"
     try:
-        mod = tvm_fusion.load_onnx(test.model)
+        if engine == "stock":
+            mod = stock_from_onnx(test.model)
+        else:
+            mod = tvm_fusion.load_onnx(test.model)
         stage = "compile"
-        compiled = engine.compile_module(mod, tvm_fusion.host_target(), "tvm_fusion")
+        compiled = engines.compile_module(mod, tvm_fusion.host_target(), engine)
         stage = "run"
-        runner = engine.TvmRunner(compiled, [np.asarray(v) for v in inputs])
+        runner = engines.TvmRunner(compiled, [np.asarray(v) for v in inputs])
         got: list = []
         _flatten(runner(), got)
     except TvmFusionError as err:
-        return f"refused: {first_line(err)}"
+        return f"refused: {stage}: {first_line(err)}"
     except Exception as err:
         return f"error: {stage}: {type(err).__name__}: {first_line(err)}"
     return compare(got, _expected(outputs))
+
+
+# the worker process's side (tvm_fusion.testing.fuzz.worker): one case = (name, module, engine)
+
+
+def save_job(directory, name: str, module: str, engine: str):
+    import json
+    from pathlib import Path
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "job.json").write_text(json.dumps([name, module, engine]))
+    return directory
+
+
+def load_job(directory) -> tuple[str, str, str]:
+    import json
+    from pathlib import Path
+
+    return tuple(json.loads((Path(directory) / "job.json").read_text()))
+
+
+def run_job(name: str, module: str, engine: str) -> tuple[str, str]:
+    """(outcome, reason) of one case with one engine, for the worker."""
+    import logging
+
+    logging.disable(logging.CRITICAL)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        line = run_case(name, engine, module)
+    outcome, _, reason = line.partition(": ")
+    return outcome, reason

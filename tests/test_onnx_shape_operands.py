@@ -7,7 +7,10 @@ Runtime at several sizes of the dynamic dims:
   must-not-fire case, keeps stock's dynamic tile);
 - ``Clip`` of a ``Range`` over a dynamic axis, next to elementwise ops: stock's ``emit_te``
   kernels kept the import's ``range_len_0`` and FuseTIR refused them once PlaceShapeOnHost had
-  bound it ("Inconsistent buffers").
+  bound it ("Inconsistent buffers");
+- ``Concat`` of a shape value with an int64 tensor that is not a constant (issue #40, CLIP's
+  TorchScript export with a dynamic batch): stock handed ``relax.concat`` the shape ("expects
+  the input to be a Tuple of Tensors").
 """
 
 import numpy as np
@@ -149,3 +152,46 @@ def test_arithmetic_on_a_shape_value_is_imported_and_matches_onnxruntime():
     feeds = [{"x": rng.standard_normal((n, 4)).astype("float32")} for n in (3, 1, 8)]
     compiled = _check(model, feeds)
     assert analysis.shape_work(compiled.lowered, host_target()).kernels == []
+
+
+def _concat_model(tensor_from: str):
+    """``Concat(Shape(x), t)`` with x (n, 4) and t an int64 tensor that is not a constant:
+    ``Unsqueeze(Cast(Shape(x)[0]))`` (CLIP's TorchScript export, the causal mask's shape), or
+    a graph input; the result times 2, and a ``ConstantOfShape`` of it."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Concat", ["s", "t"], ["cat"], axis=0),
+        helper.make_node("Mul", ["cat", "two"], ["twice"]),
+        helper.make_node("ConstantOfShape", ["cat"], ["z"]),
+    ]
+    inputs = [onnx_input("x", "float32", ["n", 4])]
+    if tensor_from == "shape":
+        nodes[1:1] = [
+            helper.make_node("Shape", ["x"], ["s2"]),
+            helper.make_node("Gather", ["s2", "zero"], ["b"], axis=0),
+            helper.make_node("Unsqueeze", ["b", "ax0"], ["b1"]),
+            helper.make_node("Cast", ["b1"], ["t"], to=7),  # INT64
+        ]
+    else:
+        inputs.append(onnx_input("t", "int64", [1]))
+    inits = {
+        "zero": np.array(0, "int64"),
+        "ax0": np.array([0], "int64"),
+        "two": np.array(2, "int64"),
+    }
+    outputs = [onnx_input("twice", "int64", [3]), onnx_input("z", "float32", ["a", "b", "c"])]
+    return onnx_model(nodes, inputs, outputs, inits, opset=17)
+
+
+@pytest.mark.parametrize("tensor_from", ["shape", "input"])
+def test_concat_of_a_shape_value_and_an_int64_tensor_matches_onnxruntime(tensor_from):
+    """Stock hands ``relax.concat`` the shape value ("expects the input to be a Tuple of
+    Tensors"); ours concatenates the shape as an int64 tensor; dynamic n at two sizes."""
+    model = _concat_model(tensor_from)
+    feeds = []
+    for n, k in ((2, 3), (5, 1)):
+        feed = {"x": np.random.default_rng(n).standard_normal((n, 4)).astype("float32")}
+        if tensor_from == "input":
+            feed["t"] = np.array([k], "int64")
+        feeds.append(feed)
+    _check(model, feeds)

@@ -270,6 +270,27 @@ _SHAPE_REFUSED = re.compile(r"Node (.+) cannot handle ShapeExpr inputs\.")
 _MAX_SHAPE_RETRIES = 16
 
 
+def _named_nodes(model):
+    """``model`` with a name (``<op>_<index>``, unused in the graph) for each node of its top
+    graph that has none: the importer's refusals name the node ("Node X cannot handle ShapeExpr
+    inputs"), which ``load_onnx`` then casts (function-expanded ops have unnamed nodes)."""
+    import onnx
+
+    if all(n.name for n in model.graph.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    used = {n.name for n in out.graph.node}
+    for i, node in enumerate(out.graph.node):
+        if not node.name:
+            name = f"{node.op_type}_{i}"
+            while name in used:
+                name += "_"
+            node.name = name
+            used.add(name)
+    return out
+
+
 def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
     """Validate an ONNX model and import it as a Relax IRModule (see module docstring)."""
     from tvm.relax.frontend.onnx import from_onnx
@@ -282,6 +303,7 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
     model, folded = fold_constants(model)
     if folded:
         logger.debug("%s: %d constant nodes folded before import", where, folded)
+    model = _named_nodes(model)
     model, cast = onnx_shape_operands.cast_shape_operands(model)
     if cast:
         logger.debug("%s: %d shape operands cast to int64 tensors", where, cast)

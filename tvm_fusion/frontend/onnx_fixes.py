@@ -15,6 +15,8 @@ fixed here or refuses the model in one line naming the node and the value:
 - ``LayerNormalization``'s Mean and InvStdDev outputs: stock returns 0-d zeros; computed here;
 - ``BatchNormalization`` with ``training_mode=1``: Relax's momentum is the weight of the batch
   statistics, ONNX's that of the running ones (stock passed it unchanged);
+- ``Cast`` / ``CastLike`` from or to float8 / float4 (TVM's conversions are wrong outside the
+  type's range and for inf / NaN: no saturation) or int4 / int2 (no kernel takes them): refused;
 - ``RoiAlign`` with ``mode="max"`` (error 0.4 against ONNX's reference) and
   ``NonMaxSuppression`` (no box selected, ever) are refused.
 """
@@ -222,7 +224,39 @@ class NonMaxSuppression(_frontend.OnnxOpConverter):
         raise ModelError(f"{_node('NonMaxSuppression', attr)} is not supported")
 
 
+# TVM's conversions to and from float8 / float4 are right in range only (1e6 to float8_e4m3fn gave
+# -15 instead of ONNX's saturated 448, NaN gave 1.5, inf 1; float8 to float: inf where ONNX has
+# NaN), and sub-byte integers do not reach the kernels (int4 / int2: "dtype.bits % 8 == 0")
+_NARROW = ("float8", "float4", "int4", "uint4", "int2", "uint2")
+
+
+def _refuse_narrow(op: str, attr: dict, *dtypes) -> None:
+    for dtype in dtypes:
+        if str(dtype).startswith(_NARROW):
+            raise ModelError(f"{_node(op, attr)}: a cast from or to {dtype} is not supported")
+
+
+def _dtype(expr) -> str:
+    return str(getattr(getattr(expr, "ty", None), "dtype", ""))
+
+
+class Cast(_frontend.Cast):
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        _refuse_narrow("Cast", attr, _frontend.get_type(attr["to"]), _dtype(inputs[0]))
+        return super()._impl_v13(bb, inputs, attr, params)
+
+
+class CastLike(_frontend.CastLike):
+    @classmethod
+    def _impl_v15(cls, bb, inputs, attr, params):
+        _refuse_narrow("CastLike", attr, _dtype(inputs[1]), _dtype(inputs[0]))
+        return super()._impl_v15(bb, inputs, attr, params)
+
+
 FIXES = {
+    "Cast": Cast,
+    "CastLike": CastLike,
     "SpaceToDepth": SpaceToDepth,
     "ConvTranspose": ConvTranspose,
     "IsInf": IsInf,

@@ -37,6 +37,8 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
   int64 ``Cast`` in front, and ``Tile`` becomes reshape / broadcast_to / reshape with symbolic
   dims (stock's ``dyn_tile`` to fresh dims broke FuseTIR); repeats that are data keep stock's
   converter.
+- ``Concat`` of shape values with int64 tensors computed at run time: the shape values become
+  int64 tensors (stock hands ``relax.concat`` a shape: "expects a Tuple of Tensors").
 - ``Clip`` as Relax ``maximum`` / ``minimum`` (stock's import-time kernels keep the import's
   dims, which FuseTIR rejects once PlaceShapeOnHost has bound them).
 
@@ -326,6 +328,30 @@ class Tile(_frontend.Tile):
         return relax.op.reshape(relax.op.broadcast_to(view, relax.ShapeExpr(wide)), out)
 
 
+def _is_shape_value(expr) -> bool:
+    return isinstance(expr, relax.ShapeExpr) or isinstance(
+        getattr(expr, "ty", None), relax.ShapeType
+    )
+
+
+class Concat(_frontend.Concat):
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        """Shape values concatenated with int64 tensors that are not constants (CLIP's
+        TorchScript export: ``Concat(Shape(x), Unsqueeze(Cast(...)))``): each shape value
+        becomes the int64 tensor it stands for (``shape_to_tensor``, which PlaceShapeOnHost
+        evaluates symbolically) and the result is a tensor. Stock keeps shape values only when
+        every input is one or a constant, and otherwise hands ``relax.concat`` a shape ("expects
+        the input to be a Tuple of Tensors")."""
+        result = super()._impl_v13(bb, inputs, attr, params)
+        if not (isinstance(result, relax.Call) and op_name(result) == "relax.concat"):
+            return result
+        if not any(_is_shape_value(x) for x in inputs):
+            return result
+        tensors = [relax.op.shape_to_tensor(x) if _is_shape_value(x) else x for x in inputs]
+        return relax.op.concat(tensors, axis=attr.get("axis", 0))
+
+
 class Clip(_frontend.Clip):
     """``maximum`` / ``minimum`` as Relax ops, not stock's ``emit_te`` kernels: a kernel made
     at import keeps the import's dims (``range_len_0`` of a Range with a computed limit), and
@@ -446,6 +472,7 @@ OVERRIDES = {
     "Slice": Slice,
     "Tile": Tile,
     "Clip": Clip,
+    "Concat": Concat,
     **_FIXES,  # wrong numbers for some attribute values (onnx_fixes.py)
 }
 
