@@ -10,6 +10,11 @@ from tvm.target import Target
 
 from .. import target as _target
 
+# The attribute FuseSplitGates (and FuseGatheredGates) put on a gate kernel: hints for the gate
+# rules (``block``: the vector block V of the weight layout, ``gates``, ``width``). One
+# definition: the transform writes it, the CPU and CUDA rules (and tuning spaces) read it.
+GATE_ATTR = "tvm_fusion.gate_fusion"
+
 
 class CPURule(ScheduleRule):
     """A rule that only applies to llvm targets and to PrimFuncs not yet scheduled."""

@@ -74,8 +74,8 @@ def gate_space(target) -> ms.space_generator.ScheduleFn:
 
 def _ours_tunes(func, target) -> bool:
     """A CUDA gate kernel that our gate rule schedules (so :func:`gate_space` applies)."""
+    from ...schedule._common import GATE_ATTR
     from ...schedule.cuda import GateFusion
-    from ...schedule.cuda.gate_fusion import GATE_ATTR
 
     if is_cpu(target) or GATE_ATTR not in (func.attrs or {}):
         return False

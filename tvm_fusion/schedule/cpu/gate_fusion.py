@@ -24,6 +24,7 @@ from tvm.target import Target
 
 from ... import target as _target
 from .._common import (
+    GATE_ATTR,
     CPURule,
     extent,
     gate_blocks,
@@ -35,7 +36,6 @@ from .._common import (
     vectorize_innermost,
 )
 
-GATE_ATTR = "tvm_fusion.gate_fusion"
 # Rows of a padded tile with 32 vector registers (see tile_rows)
 PADDED_ROWS_MAX = 4
 logger = logging.getLogger(__name__)

@@ -46,6 +46,7 @@ from tvm.target import Target
 from ... import target as _target
 from ...tir_util import expr_size, vars_in
 from .._common import (
+    GATE_ATTR,
     CPURule,
     extent,
     inline_is_cheap,
@@ -66,7 +67,6 @@ from ._tiles import K_BLOCK_MIN, dividing_width, standard_tile, unpadded_tile, w
 logger = logging.getLogger(__name__)
 
 PREPROC = "meta_schedule.layout_rewrite_preproc"
-GATE_ATTR = "tvm_fusion.gate_fusion"
 
 
 class _Block:

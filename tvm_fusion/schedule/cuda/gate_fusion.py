@@ -63,10 +63,9 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from ... import target as _target
-from .._common import extent, gate_blocks, is_reduction, is_static, try_inline_safe
+from .._common import GATE_ATTR, extent, gate_blocks, is_reduction, is_static, try_inline_safe
 from . import gate_tensor_core
 
-GATE_ATTR = "tvm_fusion.gate_fusion"
 logger = logging.getLogger(__name__)
 
 THREADS = 256  # few-rows path, per thread block: TM rows x V units

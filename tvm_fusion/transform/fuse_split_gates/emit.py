@@ -13,6 +13,7 @@ from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ... import target as _target
+from ...schedule._common import GATE_ATTR
 from .._common import get_logger, skip, use_counts
 from .group import _Group, _grow
 from .match import _Block, _find_gemms, _int
@@ -20,7 +21,6 @@ from .ops import _ACC, _HALF, _emit_op
 from .plan import _blocked_weight, _emission_order, _gathered_weight, _plan_block
 
 logger = get_logger(__name__)
-GATE_ATTR = "tvm_fusion.gate_fusion"
 
 
 def _gemm_stage(
