@@ -19,127 +19,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import TvmFusionError, UsageError
+from .cli_args import (
+    Parser,
+    TargetAction,
+    check_output_file,
+    command_target,
+    make_output_dir,
+    non_negative_int,
+    parse_dims,
+    parse_shapes,
+    positive_int,
+    shape_arg,
+    workload_list,
+)
 
 PROG = "tvm-fusion"
-# largest static dim --shape takes; a bigger one is a typo, not a tensor that fits in memory
-MAX_DIM = 2**31 - 1
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line is a UsageError: one line, status 2 (see ``main``),
-    not the usage text."""
-
-    def error(self, message: str):
-        raise UsageError(message)
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"expects an integer >= {low}, got {text!r}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
-
-
-class _TargetAction(argparse.Action):
-    """``--target``: parsed here, once, by :func:`~tvm_fusion.target.parse_target` (what it
-    refuses is a usage error); ``args.target`` is the Target that the commands hand down,
-    ``args.target_spec`` the text as given."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        from ..target import parse_target
-
-        try:
-            target = parse_target(values)
-        except TvmFusionError as err:
-            raise argparse.ArgumentError(self, str(err)) from None
-        setattr(namespace, self.dest, target)
-        namespace.target_spec = values
-
-
-def _target(args):
-    """The command's target: ``--target`` as parsed, else the host CPU."""
-    from ..target import host_target
-
-    return args.target if args.target is not None else host_target()
-
-
-def _shape_arg(item: str) -> tuple[str, list[int | str]]:
-    """``--shape x=1,128`` -> ``("x", [1, 128])``; a dim is an integer in 1..MAX_DIM or the name
-    of a symbolic dim (``batch``)."""
-    name, sep, dims = item.partition("=")
-    if not sep or not name or not dims:
-        raise argparse.ArgumentTypeError(f"expects NAME=D1,D2,..., got {item!r}")
-    parsed: list[int | str] = []
-    for text in (d.strip() for d in dims.split(",")):
-        if text.lstrip("+-").isdigit():
-            if not 1 <= int(text) <= MAX_DIM:
-                raise argparse.ArgumentTypeError(
-                    f"dims must be between 1 and 2**31-1 or a name, got {text} in {item!r}"
-                )
-            parsed.append(int(text))
-        elif text.isidentifier():
-            parsed.append(text)
-        else:
-            raise argparse.ArgumentTypeError(
-                f"dims must be integers or names (e.g. batch), got {text!r} in {item!r}"
-            )
-    return name, parsed
-
-
-def _parse_shapes(items: Sequence[tuple[str, list[int | str]]] | None):
-    """``--shape x=1,128 --shape mask=batch,128`` (parsed by :func:`_shape_arg`) ->
-    ``{"x": [1, 128], "mask": ["batch", 128]}``."""
-    return dict(items) if items else None
-
-
-def _writable_dir(directory: Path, what: str) -> None:
-    """Raise a UsageError unless a file can be created in ``directory`` (tried: ``os.access``
-    says yes to root on read-only file systems and /sys)."""
-    try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".tvm-fusion-probe-"):
-            pass
-    except OSError as err:
-        raise UsageError(f"cannot write {what} in {directory}: {err.strerror or err}") from None
-
-
-def _check_output_file(path: str, what: str, make_parents: bool = False) -> Path:
-    """Check before any work that ``path`` can be written as a file: not a directory, its
-    directory exists (or, with ``make_parents``, can be created) and is writable."""
-    out = Path(path)
-    if out.is_dir():
-        raise UsageError(f"{what} {path} is a directory; name a file")
-    parent = out.parent
-    while make_parents and not parent.exists() and not parent.is_symlink():
-        parent = parent.parent  # created by the writer; the first existing one must be a dir
-    if not parent.exists():
-        raise UsageError(f"output directory does not exist: {parent}")
-    if not parent.is_dir():
-        raise UsageError(f"{what} {path}: {parent} is not a directory")
-    _writable_dir(parent, what)
-    return out
-
-
-def _make_output_dir(path: str, what: str) -> Path:
-    """Create the directory ``path`` (with its parents) now, before any work."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{what} {path} is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UsageError(f"cannot create {what} {path}: {err.strerror or err}") from None
-    _writable_dir(out, what)
-    return out
 
 
 def _load_module(model: str, shapes=None, size: str = "seed"):
@@ -164,7 +58,7 @@ def _pipeline_options(args) -> dict:
         open_database(args.tuning_db)  # a corrupt or foreign database fails here, in one line
         options["tuning_db"] = args.tuning_db
     if getattr(args, "dump_dir", None):
-        _make_output_dir(args.dump_dir, "--dump-dir")
+        make_output_dir(args.dump_dir, "--dump-dir")
         options["dump_dir"] = args.dump_dir
     for flag in getattr(args, "disable", None) or []:
         from ..build.pipeline import pass_flags
@@ -184,8 +78,8 @@ def cmd_demo(args) -> int:
     from .. import models
     from . import bench
 
-    names = _workload_list(args.workloads) or models.names()
-    target, spec = _target(args), args.target_spec or "llvm"
+    names = workload_list(args.workloads) or models.names()
+    target, spec = command_target(args), args.target_spec or "llvm"
     print(
         f"tvm-fusion demo: stock TVM's fusing pipeline vs tvm_fusion on {spec}"
         f" ({args.size} shapes)",
@@ -228,9 +122,9 @@ def cmd_compile(args) -> int:
     from ..build import engine
     from .analysis import kernel_count
 
-    target = _target(args)
-    out = _check_output_file(args.output, "-o")
-    mod, _ = _load_module(args.model, _parse_shapes(args.shape))
+    target = command_target(args)
+    out = check_output_file(args.output, "-o")
+    mod, _ = _load_module(args.model, parse_shapes(args.shape))
     options = _pipeline_options(args)
     # export into a fresh directory beside OUT, then rename onto OUT: a failed or interrupted
     # compile or export leaves OUT as it was and no partial file behind
@@ -255,10 +149,10 @@ def cmd_compile(args) -> int:
 def cmd_explain(args) -> int:
     from .analysis import fusion_report, to_dot
 
-    target = _target(args)
+    target = command_target(args)
     if args.dot:
-        _check_output_file(args.dot, "--dot")
-    mod, name = _load_module(args.model, _parse_shapes(args.shape))
+        check_output_file(args.dot, "--dot")
+    mod, name = _load_module(args.model, parse_shapes(args.shape))
     options = {k: v for k, v in _pipeline_options(args).items() if k not in ("dump_dir",)}
     if args.ptxas and args.json:
         raise UsageError("--ptxas prints text: leave out --json")
@@ -294,8 +188,8 @@ def _print_ptxas(mod, tgt, options) -> None:
 def cmd_tune(args) -> int:
     from ..build.tuning import tune
 
-    target = _target(args)
-    mod, name = _load_module(args.model, _parse_shapes(args.shape), size=args.size)
+    target = command_target(args)
+    mod, name = _load_module(args.model, parse_shapes(args.shape), size=args.size)
     options = {k: v for k, v in _pipeline_options(args).items() if k not in ("tuning_db",)}
     report = tune(
         mod,
@@ -322,17 +216,6 @@ def cmd_tune(args) -> int:
     return 0
 
 
-def _parse_dims(items: Sequence[str] | None) -> dict[str, int]:
-    """``--dim batch=8 --dim seq=64`` -> ``{"batch": 8, "seq": 64}``."""
-    dims: dict[str, int] = {}
-    for item in items or []:
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
-            raise UsageError(f"--dim expects NAME=N with N >= 1, got {item!r}")
-        dims[name.strip()] = int(value)
-    return dims
-
-
 def cmd_bench_models(args) -> int:
     from . import model_bench
     from .bench import bench_target
@@ -344,11 +227,11 @@ def cmd_bench_models(args) -> int:
         raise UsageError(
             f"--engines names no engine; known: {', '.join(model_bench.MODEL_ENGINES)}"
         )
-    dims = _parse_dims(args.dim)
-    target = bench_target(_target(args), args.mcpu)
+    dims = parse_dims(args.dim)
+    target = bench_target(command_target(args), args.mcpu)
     output = "bench/models.json" if args.output is None else args.output
     if output:
-        _check_output_file(output, "--output", make_parents=True)
+        check_output_file(output, "--output", make_parents=True)
     only = [s.strip() for s in args.workloads.split(",") if s.strip()] if args.workloads else None
     results = model_bench.run_models(
         args.models,
@@ -376,11 +259,11 @@ def cmd_bench(args) -> int:
     if args.dim:
         raise UsageError("--dim needs --models DIR")
     engines = bench.parse_engines(args.engines)
-    names = _workload_list(args.workloads)
-    target = bench.bench_target(_target(args), args.mcpu)
+    names = workload_list(args.workloads)
+    target = bench.bench_target(command_target(args), args.mcpu)
     output = "bench/results.json" if args.output is None else args.output
     if output:
-        _check_output_file(output, "--output", make_parents=True)
+        check_output_file(output, "--output", make_parents=True)
     results = bench.run_bench(
         names,
         engines,
@@ -399,17 +282,6 @@ def cmd_bench(args) -> int:
     return 0 if all(r.ok is not False for res in results for r in res.engines.values()) else 1
 
 
-def _workload_list(spec: str | None) -> list[str] | None:
-    if not spec:
-        return None
-    from .. import models
-
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    for name in names:
-        models.get(name)
-    return names
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -419,7 +291,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shape",
         action="append",
-        type=_shape_arg,
+        type=shape_arg,
         metavar="NAME=D1,D2",
         help="input shape: dims 1..2**31-1 or names of symbolic dims",
     )
@@ -430,7 +302,7 @@ def _add_common(p: argparse.ArgumentParser, with_passes: bool = True) -> None:
     p.add_argument(
         "--target",
         default=None,
-        action=_TargetAction,
+        action=TargetAction,
         help="llvm (host CPU, default) | cuda | cuda:sm_XX | cuda:TAG | "
         "JSON target dict (kind llvm or cuda)",
     )
@@ -450,7 +322,7 @@ def _add_common(p: argparse.ArgumentParser, with_passes: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument(
         "-v",
         "--verbose",
@@ -464,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, with_passes=False)
     p.add_argument("--workloads", default=None, help="comma-separated workload names")
     p.add_argument("--size", default="seed", choices=["seed", "small"])
-    p.add_argument("--repeat", type=_positive_int, default=5)
+    p.add_argument("--repeat", type=positive_int, default=5)
     p.add_argument("--budget", type=float, default=3.0, help="seconds of timing per engine")
     p.set_defaults(func=cmd_demo)
 
@@ -492,12 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--size", default="seed", choices=["seed", "small"], help="workload size")
     p.add_argument(
-        "--trials", type=_positive_int, default=64, help="measurements in all (resumable)"
+        "--trials", type=positive_int, default=64, help="measurements in all (resumable)"
     )
-    p.add_argument("--trials-per-iter", type=_positive_int, default=16)
+    p.add_argument("--trials-per-iter", type=positive_int, default=16)
     p.add_argument(
         "--verify",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=8,
         metavar="K",
         help="measure the K best records of each task again, 3 times each, and keep the median"
@@ -543,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="build for this CPU (LLVM's name, e.g. znver3 for AVX2 code on an AVX-512 host)",
     )
     p.add_argument("--size", default="seed", choices=["seed", "small"])
-    p.add_argument("--repeat", type=_positive_int, default=20)
+    p.add_argument("--repeat", type=positive_int, default=20)
     p.add_argument("--budget", type=float, default=10.0, help="seconds of timing per engine")
     p.add_argument(
         "--min-time",
