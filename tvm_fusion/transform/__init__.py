@@ -28,12 +28,14 @@ from .strip_bookend_views import StripBookendViews
 GRAPH_PASSES: list[tuple[str, type]] = [
     ("choose_recurrence", ChooseRecurrence),  # first: the others read what it makes
     ("place_shape_on_host", PlaceShapeOnHost),
+    # before CheckGatherBounds: its check reads the log-probabilities' shape, a use that stops
+    # the fusion; the fused kernel reads the target's column t mod V, never out of bounds
+    ("fuse_cross_entropy", FuseCrossEntropy),
+    ("fuse_linear_cross_entropy", FuseLinearCrossEntropy),  # chunks what the last one made
     ("check_gather_bounds", CheckGatherBounds),  # before anything rewrites a take
     ("gather_to_slice", GatherToSlice),
     ("fuse_gathered_gates", FuseGatheredGates),  # before FuseSplitGates
     ("fuse_split_gates", FuseSplitGates),
-    ("fuse_cross_entropy", FuseCrossEntropy),
-    ("fuse_linear_cross_entropy", FuseLinearCrossEntropy),  # chunks what the last one made
     ("fuse_attention", FuseAttention),
     ("sink_views_past_epilogues", SinkViewsPastEpilogues),
 ]
