@@ -423,8 +423,10 @@ class RowReduction(CPURule):
         """Plain reductions whose output is the reduction itself (sum/max over rows); injective
         producers are inlined into it (``stack`` before ONNX ``Sum``'s ``sum``). A short
         reduction over terms contiguous along the rows goes outside the rows' vector
-        (:func:`_short_reduction`)."""
-        if len(infos) > 1:
+        (:func:`_short_reduction`). With producers, only that short reduction is taken: a
+        window (pooling, a depthwise convolution behind its padding) is the window rule's."""
+        inlined = len(infos) > 1
+        if inlined:
             if not all(info.is_injective() for info in infos[:-1]):
                 return None
             for info in reversed(infos[:-1]):
@@ -442,6 +444,8 @@ class RowReduction(CPURule):
         cores = _target.num_cores(target)
         if _short_reduction(sch, block, rows, lanes, cores):
             return sch
+        if inlined:
+            return None
         rf = self._rfactor(sch, block, lanes)
         work = loop_nest_work(sch, block)
         loops = sch.get_loops(block)
