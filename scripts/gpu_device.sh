@@ -1,0 +1,18 @@
+#!/bin/bash
+# On a GPU machine, from the repo root: unpack the bundle (scripts/gpu_bundle.py --out .gpu/gpu_bundle),
+# time the kernel table first, then the rest, each under a timeout (T1, T2 seconds); results in $OUT.
+set -u
+OUT=${OUT:-$PWD/gpu_results}; mkdir -p "$OUT"
+R=$PWD
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+python3 -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__)"
+cd /tmp && tar xzf "$R/${BUNDLE:-.gpu/gpu_bundle.tar.gz}" || exit 3
+export PYTHONUNBUFFERED=1
+K=tc_,cc_,gemv_,skinny_
+timeout ${T1:-240} python3 gpu_bundle/run_gpu.py --out "$OUT/kernels" --only $K --repeat 30 > "$OUT/kernels.log" 2>&1
+echo "kernels rc=$?"; grep -v '^{' "$OUT/kernels.log" | tail -40
+rest=$(python3 -c "
+import json; m=json.load(open('gpu_bundle/manifest.json'))
+print(','.join(sorted({c['case'] for c in m['cases'] if not c['case'].startswith(('tc_','cc_','gemv_','skinny_'))})))")
+timeout ${T2:-240} python3 gpu_bundle/run_gpu.py --out "$OUT/rest" --only "$rest" --repeat 30 > "$OUT/rest.log" 2>&1
+echo "rest rc=$?"; grep -v '^{' "$OUT/rest.log" | tail -45
