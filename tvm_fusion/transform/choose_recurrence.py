@@ -27,7 +27,6 @@ import tvm
 from tvm import IRModule, relax
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
-from tvm.target import Target
 
 from .. import target as _target
 from ..lower import rnn_loop
@@ -59,7 +58,7 @@ class ChooseRecurrence:
         marked = _marked(mod)
         if not marked:
             return mod
-        target = self.target or Target.current(allow_none=True) or _target.host_target()
+        target = _target.resolve_target(self.target)
         if _target.is_cpu(target):
             mod = _to_loops(mod, marked)
         return _inline(mod)

@@ -76,9 +76,7 @@ class FuseGatheredGates:
         self.target = target
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
-        target = self.target or tvm.target.Target.current(allow_none=True)
-        if target is None:
-            target = _target.host_target()
+        target = _target.resolve_target(self.target)
         if not _target.is_cpu(target):  # CPU first: the GPU gate rule has no expert axis yet
             skip(logger, "gathered gate GEMMs", f"target {target.kind.name} is not a CPU")
             return mod

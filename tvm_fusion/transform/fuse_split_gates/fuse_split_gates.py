@@ -96,9 +96,7 @@ class FuseSplitGates:
         self.target = target
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
-        target = self.target or tvm.target.Target.current(allow_none=True)
-        if target is None:
-            target = _target.host_target()
+        target = _target.resolve_target(self.target)
         folded = fold_row_views(unbind_to_slices(mod))
         count, out = self._fuse(folded, target)
         if count == 0 and folded is not mod:
