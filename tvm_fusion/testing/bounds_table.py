@@ -16,6 +16,7 @@ used by ``tests/transform/test_check_gather_bounds_nd.py`` and
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -198,8 +199,9 @@ def run_isolated(todo: list[tuple[str, str]], timeout: float = 600) -> list[dict
         todo = todo[len(done) :]
         if todo and proc.returncode != 0:
             op, case = todo.pop(0)
-            tail = (proc.stderr.strip().splitlines() or ["?"])[-1][:160]
-            rows.append(_row(op, case, "crash", f"exit {proc.returncode}: {tail}", None))
+            code = proc.returncode
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+            rows.append(_row(op, case, "crash", how, None))
         elif todo:
             raise RuntimeError(f"bounds_table child stopped early: {proc.stderr[-400:]}")
     return rows
