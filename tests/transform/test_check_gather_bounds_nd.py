@@ -4,7 +4,8 @@ ids for every indexing op.
 Fires on: gather_nd ids from the caller (each id of the last dimension against its own axis,
 ``batch_dims`` honoured; symbolic extents read at run time), scatter_nd ids, the steps of a
 ``dynamic_strided_slice`` (a step of 0 is SIGFPE in its shape function).
-Must not fire: constant gather_nd ids inside their axes, constant nonzero slice steps.
+Must not fire: constant gather_nd ids inside their axes, constant nonzero slice steps,
+constant scatter_elements ids inside [-n, n) (an ONNX Slice's axes: one check per dynamic Slice).
 Numerical (``tvm_fusion.testing.bounds_table``): Gather, GatherElements, GatherND,
 ScatterElements, ScatterND, Slice (ONNX, against onnxruntime) and torch.export's embedding /
 index_select (against torch): ids in range give the reference's numbers, ids out by 1, by
@@ -180,6 +181,49 @@ class TestDynamicSliceConstantSteps(BoundsBase):
             return y
 
     Expected = Before
+
+
+class TestScatterElementsConstantInside(BoundsBase):
+    """Constant scatter_elements ids inside [-n, n) (a dynamic Slice's axes, as the importer
+    scatters its bounds into a row per axis): no check."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((3,), "int64"), v: R.Tensor((2,), "int64")):
+            with R.dataflow():
+                y = R.scatter_elements(x, R.const(np.array([-3, 2]), "int64"), v)
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+class TestScatterElementsConstantOutside(BoundsBase):
+    """A constant scatter_elements id of 3 into an axis of 3: checked."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((3,), "int64"), v: R.Tensor((2,), "int64")):
+            with R.dataflow():
+                y = R.scatter_elements(x, R.const(np.array([0, 3]), "int64"), v)
+                R.output(y)
+            return y
+
+    def test_compare(self):
+        after = self.transform(self.Before)
+        assert [k for k, _ in _checks(after)] == ["check_bounds"]
+
+
+def test_onnx_dynamic_slice_checks_steps_only():
+    """ONNX Slice with starts / ends / steps inputs and constant axes: one check (the steps);
+    the importer's scatters of the bounds at the constant axis are left alone."""
+    import tvm_fusion
+
+    with collect_rewrites() as counts:
+        compile_module(tvm_fusion.load_onnx(bounds_table.onnx_model("Slice")), "llvm")
+    assert counts["CheckGatherBounds"] == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ The earlier Python callback cost 25-50 us per take (+81-93 %).
 Left as they are (range proven, or no read outside the buffer possible):
 
 - ``mode="clip"`` / ``"wrap"``;
-- constant indices provably inside the axis (outside it: a warning at compile time, and the
+- constant indices provably inside the axis (``[-n, n)`` for scatter_elements: the importer's
+  scatter of a dynamic Slice's constant axes; outside it: a warning at compile time, and the
   check, which raises on every call);
 - indices that are an arithmetic progression inside the axis (``arange``, a constant
   ``Range``; what GatherToSlice proves, through casts, reshapes, slices and the ONNX importer's
@@ -191,7 +192,14 @@ class _Rewriter(PyExprMutator):
             logger.warning("%s: data shape or index type unknown, left unchecked", what)
             return None
         analyzer = tvm.sym.Analyzer()
-        span = False if negatives else self._proven(what, idx, extent, analyzer)
+        if negatives:  # constants inside [-n, n) (a dynamic Slice's axes), else checked
+            found = self._range(idx, analyzer)
+            span = found is not None and all(
+                analyzer.can_prove(c) for c in (found[0] >= -extent, found[1] <= extent)
+            )
+            span = span and _proved(what, "constant index values inside [-n, n)")
+        else:
+            span = self._proven(what, idx, extent, analyzer)
         if span is True:
             return None
         if self.skip_reason:
