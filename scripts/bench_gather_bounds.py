@@ -10,6 +10,12 @@ floor); nothing is written.
 
     TVM_NUM_THREADS=1 python scripts/bench_gather_bounds.py
     TVM_NUM_THREADS=1 python scripts/bench_gather_bounds.py --models distilbert_dynamo gpt2_dynamo
+
+``--table``: no timing; the table of bad ids instead (``tvm_fusion.testing.bounds_table``: each
+indexing op, its ids a model input, run with ids in range, out by 1, by 10**8 and below -n, in
+a child process restarted after a crash), each outcome against onnxruntime's / torch's:
+
+    TVM_NUM_THREADS=1 python scripts/bench_gather_bounds.py --table
 """
 
 from __future__ import annotations
@@ -49,14 +55,49 @@ def _corpus_model(key: str):
     return CORPUS / entry["file"], [data[f"in:{name}"] for name, _ in entry["inputs"]]
 
 
+def _table() -> int:
+    """Prints op x case -> outcome (see ``tvm_fusion.testing.bounds_table``); exit status 1
+    when a case gives other numbers than the reference, no error where it raises, or a
+    crash."""
+    from tvm_fusion.testing import bounds_table as bt
+
+    todo = [(op, case) for op in bt.OPS for case in bt.cases(op)]
+    rows = {(r["op"], r["case"]): r for r in bt.run_isolated(todo)}
+    columns = bt.CASES + sorted({c for extra in bt.EXTRA.values() for c in extra})
+    print("| op | " + " | ".join(c.replace("_", " ") for c in columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for op in bt.OPS:
+        cells = []
+        for case in columns:
+            row = rows.get((op, case))
+            if row is None:
+                cells.append("-")
+                continue
+            ref = "error" if row["reference"] else "result"
+            crashed = row["outcome"] == "crash"
+            cells.append(row["outcome"] if crashed else f"{row['outcome']} (ref: {ref})")
+        print(f"| {op} | " + " | ".join(cells) + " |")
+    print()
+    for op in bt.OPS:
+        details = sorted({r["detail"] for r in rows.values() if r["op"] == op and r["detail"]})
+        for detail in details:
+            print(f"{op}: {detail}")
+    bad = [k for k, r in rows.items() if r["outcome"] in ("wrong", "crash")]
+    print(f"\n{len(rows)} cases, {len(bad)} wrong or crashed: {bad}")
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ids", type=int, nargs="*", default=[1, 64, 4096])
     parser.add_argument("--models", nargs="*", default=MODELS)
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--budget", type=float, default=3.0, help="timed seconds per build")
+    parser.add_argument("--table", action="store_true", help="the table of bad ids, no timing")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    if args.table:
+        return _table()
     import tvm_fusion
     from tvm_fusion.build.engine import TvmRunner, compile_module, time_interleaved
     from tvm_fusion.transform import collect_rewrites

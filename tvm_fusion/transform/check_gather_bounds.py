@@ -25,6 +25,18 @@ below ``-n`` fails; torch's ``embedding``/``index_select`` refuse negative ids, 
 way against ``[0, n)``, ``scatter_elements`` (ONNX ScatterElements: its kernel counts negative
 indices from the end) against ``[-n, n)`` (one unsigned compare of ``id + n`` with ``2n``).
 
+``gather_nd`` / ``scatter_nd`` (ONNX GatherND / ScatterND: negatives mapped by the importer,
+their kernels read and write wherever an id points, negative ones included): every id of the
+index's last dimension is checked against its own data axis (``batch_dims + j`` for
+gather_nd, ``j`` for scatter_nd), ``IndexError: GatherND of <table> at <index> (batch_dims
+1): index out of range [0, 3) x [0, 4)``; left alone only for constant ids inside their axes.
+
+``dynamic_strided_slice`` (ONNX Slice with starts / ends / steps from the data): its shape
+function and TOPI kernel clamp the bounds into the axis as ONNX does (out-of-range bounds
+give ONNX's result, checked against onnxruntime), but divide by the steps: a step of 0 (ONNX
+refuses it) is SIGFPE. Steps not provably nonzero constants go through ``check_steps`` (in
+place): ``ValueError: Slice (dynamic_strided_slice) of <data>: a step of 0 ...``.
+
 An arithmetic progression not proven inside the axis (``take(wpe, arange(0, seq))``: position
 ids past a table of ``max_pos`` rows) is checked by its first and last value only::
 
@@ -52,7 +64,8 @@ The earlier Python callback cost 25-50 us per take (+81-93 %).
 Left as they are (range proven, or no read outside the buffer possible):
 
 - ``mode="clip"`` / ``"wrap"``;
-- constant indices provably inside the axis (outside it: a warning at compile time, and the
+- constant indices provably inside the axis (``[-n, n)`` for scatter_elements: the importer's
+  scatter of a dynamic Slice's constant axes; outside it: a warning at compile time, and the
   check, which raises on every call);
 - indices that are an arithmetic progression inside the axis (``arange``, a constant
   ``Range``; what GatherToSlice proves, through casts, reshapes, slices and the ONNX importer's
@@ -64,8 +77,8 @@ Where it runs: early in Phase 1, after PlaceShapeOnHost, before GatherToSlice an
 FuseCrossEntropy (they see the same ``take``: its index or its table becomes the check's
 output only where the range is unproven).
 
-Not covered yet: ``gather_nd`` / ``scatter_nd`` (one extent per index component),
-``take_backward``, and data-dependent ``strided_slice`` bounds.
+Not covered yet: ``take_backward``. The table of bad ids per op (in range, out by 1, by
+10**8, below -n) against onnxruntime / torch: ``scripts/bench_gather_bounds.py --table``.
 """
 
 from __future__ import annotations
@@ -100,6 +113,10 @@ _OPS = {
     "relax.gather_elements": ("GatherElements", False),
     "relax.scatter_elements": ("ScatterElements", True),
 }
+# gather_nd / scatter_nd: one id per data axis in the index's last dimension (from the data
+# axis ``batch_dims`` on for gather_nd, 0 for scatter_nd); their kernels read and write at
+# whatever the ids say, negative ones included (the importer maps ONNX's ``[-n, 0)`` first)
+_ND_OPS = {"relax.gather_nd": "GatherND", "relax.scatter_nd": "ScatterND"}
 _INT_BITS = {"int8": 8, "int16": 16, "int32": 32, "int64": 64}
 
 
@@ -142,9 +159,14 @@ class _Rewriter(PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if op_name(call) not in _OPS:
+        if op_name(call) == "relax.dynamic_strided_slice":
+            return self._checked_steps(call)
+        if op_name(call) in _ND_OPS:
+            checked = self._checked_nd(call)
+        elif op_name(call) in _OPS:
+            checked = self._checked(call)
+        else:
             return call
-        checked = self._checked(call)
         if checked is None:
             return call
         self.count += 1
@@ -170,7 +192,14 @@ class _Rewriter(PyExprMutator):
             logger.warning("%s: data shape or index type unknown, left unchecked", what)
             return None
         analyzer = tvm.sym.Analyzer()
-        span = False if negatives else self._proven(what, idx, extent, analyzer)
+        if negatives:  # constants inside [-n, n) (a dynamic Slice's axes), else checked
+            found = self._range(idx, analyzer)
+            span = found is not None and all(
+                analyzer.can_prove(c) for c in (found[0] >= -extent, found[1] <= extent)
+            )
+            span = span and _proved(what, "constant index values inside [-n, n)")
+        else:
+            span = self._proven(what, idx, extent, analyzer)
         if span is True:
             return None
         if self.skip_reason:
@@ -198,6 +227,98 @@ class _Rewriter(PyExprMutator):
             )
         gv = bb.add_func(kernel, "check_bounds")
         return x, bb.emit(relax.call_tir_inplace(gv, (x, idx), 1, idx_ty))
+
+    def _checked_nd(self, call: relax.Call) -> tuple | None:
+        """``(data, index)`` of a checked gather_nd / scatter_nd: each id of the index's last
+        dimension against the extent of its own data axis; None when every id is a constant
+        inside its axis (or the shapes are unknown)."""
+        x, idx = call.args[:2]
+        label = _ND_OPS[op_name(call)]
+        start = int(getattr(call.attrs, "batch_dims", 0))
+        what = f"{label} of {_name(x)}"
+        x_ty, idx_ty = x.ty, idx.ty
+        width = None
+        if isinstance(idx_ty, relax.TensorType) and isinstance(idx_ty.shape, relax.ShapeExpr):
+            last = idx_ty.shape.values[-1] if idx_ty.ndim > 0 else None
+            width = int(last.value) if isinstance(last, tirx.IntImm) else None
+        if (
+            width is None
+            or not isinstance(x_ty, relax.TensorType)
+            or not isinstance(x_ty.shape, relax.ShapeExpr)
+            or start + width > x_ty.ndim
+        ):
+            logger.warning("%s: data shape or index width unknown, left unchecked", what)
+            return None
+        extents = [as_i64(d) for d in x_ty.shape.values[start : start + width]]
+        if self._constant_inside(idx, extents):
+            _proved(what, "constant index values inside their axes")
+            return None
+        if self.skip_reason:
+            logger.warning("%s: left unchecked: %s", what, self.skip_reason)
+            return None
+        ranges = " x ".join(f"[0, {int(e) if isinstance(e, tirx.IntImm) else e})" for e in extents)
+        batch = f" (batch_dims {start})" if start else ""
+        message = (
+            f"{label} of {_name(x)} at {self._source(idx)}{batch}: index out of range {ranges}"
+        )
+        gv = self.builder_.add_func(nd_kernel(x_ty, start, idx_ty, message), "check_bounds")
+        return x, self.builder_.emit(relax.call_tir_inplace(gv, (x, idx), 1, idx_ty))
+
+    def _checked_steps(self, call: relax.Call) -> relax.Call:
+        """A ``dynamic_strided_slice`` (ONNX Slice with bounds from the data) clamps its
+        bounds into the axis as ONNX does, but divides by its steps: a step of 0 (which ONNX
+        refuses) kills the process with SIGFPE. Steps not provably nonzero go through a check
+        kernel (in place) first."""
+        x, steps = call.args[0], call.args[3]
+        what = f"Slice (dynamic_strided_slice) of {_name(x)}"
+        steps_ty = steps.ty
+        if self._nonzero(steps):
+            _proved(what, "constant nonzero steps")
+            return call
+        if not isinstance(steps_ty, relax.TensorType) or steps_ty.ndim != 1:
+            logger.warning("%s: steps' type unknown, left unchecked", what)
+            return call
+        if self.skip_reason:
+            logger.warning("%s: left unchecked: %s", what, self.skip_reason)
+            return call
+        message = f"{what}: a step of 0 (ONNX Slice steps must be nonzero)"
+        gv = self.builder_.add_func(steps_kernel(steps_ty, message), "check_steps")
+        checked = self.builder_.emit(relax.call_tir_inplace(gv, (steps,), 0, steps_ty))
+        self.count += 1
+        return relax.Call(call.op, [*call.args[:3], checked], call.attrs, call.ty_args)
+
+    def _nonzero(self, expr, depth: int = 0) -> bool:
+        """Whether every value of ``expr`` is a nonzero constant (through the importer's
+        ``scatter_elements`` of constant steps into a constant row of ones)."""
+        expr = self.values.resolve(expr)
+        if isinstance(expr, GenericConst):
+            return bool((expr.value.numpy() != 0).all())
+        if op_name(expr) == "relax.scatter_elements" and depth < 4:
+            return self._nonzero(expr.args[0], depth + 1) and self._nonzero(expr.args[2], depth + 1)
+        return False
+
+    def _constant_inside(self, idx, extents: list) -> bool:
+        """Whether ``idx`` is a constant (or the importer's negative-index ``where`` of one)
+        whose ids along its last dimension lie inside ``extents``."""
+        expr = self.values.resolve(idx)
+        if op_name(expr) == "relax.where":
+            cond = self.values.resolve(expr.args[0])
+            plain = self.values.resolve(expr.args[2])
+            if op_name(cond) == "relax.less" and self.values.resolve(cond.args[0]).same_as(plain):
+                expr = plain
+        if not isinstance(expr, GenericConst):
+            return False
+        arr = expr.value.numpy()
+        if arr.dtype.kind not in "iu" or arr.ndim == 0 or arr.shape[-1] != len(extents):
+            return False
+        if arr.size == 0:
+            return True
+        analyzer = tvm.sym.Analyzer()
+        flat = arr.reshape(-1, len(extents))
+        return all(
+            int(flat[:, j].min()) >= 0 and analyzer.can_prove(as_i64(int(flat[:, j].max())) < e)
+            for j, e in enumerate(extents)
+        )
 
     def _source(self, idx) -> str:
         """The name of the index for a message: the function input it is made of (through
@@ -329,6 +450,57 @@ def check_kernel(
         f'{indent}outside = T.Cast("uint64", T.Cast("int64", ids[{at}])){shift} >= {n}',
         f'{indent}bad[0] = T.max(bad[0], T.Cast("int64", outside))',
         f'        T.Assert(bad[0] == T.int64(0), {message!r}, "IndexError")',
+    ]
+    return tvm_script_parse("\n".join(lines), {"T": T})
+
+
+def nd_kernel(
+    x_ty: relax.TensorType, start: int, ids_ty: relax.TensorType, message: str
+) -> tirx.PrimFunc:
+    """``check_bounds(x, ids)`` of a gather_nd / scatter_nd, called in place on ``ids``: fails
+    with ``IndexError: message`` unless ``0 <= ids[..., j] < x.shape[start + j]`` for every
+    ``j`` of the ids' last (static) dimension. ``x`` is not read."""
+    ds = [f"d{i}" for i in range(ids_ty.ndim - 1)]
+    width = int(ids_ty.shape.values[-1].value)
+    dtype = repr(str(ids_ty.dtype))
+    lines, _ = _kernel_head("check_bounds", x_ty, 0, ["var_ids: T.handle"])
+    lines += [
+        *(f"    {d} = T.int64()" for d in ds),
+        f"    ids = T.match_buffer(var_ids, {_shape([*ds, str(width)])}, {dtype})",
+        '    with T.sblock("root"):',
+        '        bad = T.sblock_alloc_buffer((1,), "int64", scope="local")',
+        "        bad[0] = T.int64(0)",
+    ]
+    indent = "        "
+    if ds:
+        lines.append(
+            f"{indent}for {', '.join(f'i{i}' for i in range(len(ds)))} in T.grid({', '.join(ds)}):"
+        )
+        indent += "    "
+    for j in range(width):
+        at = ", ".join([*(f"i{i}" for i in range(len(ds))), str(j)])
+        outside = f'T.Cast("uint64", T.Cast("int64", ids[{at}])) >= T.Cast("uint64", x{start + j})'
+        lines.append(f'{indent}bad[0] = T.max(bad[0], T.Cast("int64", {outside}))')
+    lines.append(f'        T.Assert(bad[0] == T.int64(0), {message!r}, "IndexError")')
+    return tvm_script_parse("\n".join(lines), {"T": T})
+
+
+def steps_kernel(steps_ty: relax.TensorType, message: str) -> tirx.PrimFunc:
+    """``check_steps(steps)``, called in place on ``steps`` (which it only reads): fails with
+    ``ValueError: message`` when a step is 0."""
+    dtype = repr(str(steps_ty.dtype))
+    lines = [
+        "@T.prim_func(private=True, s_tir=True)",
+        "def check_steps(var_steps: T.handle):",
+        '    T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})',
+        "    n = T.int64()",
+        f"    steps = T.match_buffer(var_steps, (n,), {dtype})",
+        '    with T.sblock("root"):',
+        '        bad = T.sblock_alloc_buffer((1,), "int64", scope="local")',
+        "        bad[0] = T.int64(0)",
+        "        for i in range(n):",
+        '            bad[0] = T.max(bad[0], T.Cast("int64", steps[i] == T.Cast(' + dtype + ", 0)))",
+        f'        T.Assert(bad[0] == T.int64(0), {message!r}, "ValueError")',
     ]
     return tvm_script_parse("\n".join(lines), {"T": T})
 
