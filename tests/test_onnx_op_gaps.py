@@ -67,7 +67,7 @@ def test_maxpool_indices_of_symbolic_same_padding_are_refused():
     model = onnx_model(
         [node],
         [onnx_input("x", "float32", [1, 1, "h", "w"])],
-        [onnx_input("y", "float32", None), onnx_input("i", "int64", None)],
+        [onnx_input("y", "float32", [1, 1, "p", "q"]), onnx_input("i", "int64", [1, 1, "p", "q"])],
         {},
         opset=12,
     )

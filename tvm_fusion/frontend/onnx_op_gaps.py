@@ -153,13 +153,10 @@ def _maxpool_with_indices(data, out_shape, kernel, strides, dilations, pads, col
 class MaxPool(_frontend.MaxPool):
     @classmethod
     def _impl_v1(cls, bb, inputs, attr, params):
-        values = super()._impl_v1(bb, inputs, attr, params)
         if attr.get("tvm_custom", {}).get("num_outputs", 1) < 2:
-            return values
+            return super()._impl_v1(bb, inputs, attr, params)
         where = _node("MaxPool", attr)
         data = inputs[0]
-        values = bb.normalize(values)
-        out_shape = list(values.ty.shape.values)
         kernel = [int(k) for k in attr["kernel_shape"]]
         spatial = len(kernel)
         strides = [int(s) for s in attr.get("strides", [1] * spatial)]
@@ -169,6 +166,8 @@ class MaxPool(_frontend.MaxPool):
         order = int(attr.get("storage_order", 0))
         if order not in (0, 1):
             raise ModelError(f"{where}: storage_order={order} is not supported")
+        values = bb.normalize(super()._impl_v1(bb, inputs, attr, params))
+        out_shape = list(values.ty.shape.values)
         return bb.emit_te(
             _maxpool_with_indices, data, out_shape, kernel, strides, dilations, pads, order == 1
         )
