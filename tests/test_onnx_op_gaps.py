@@ -111,7 +111,7 @@ def test_pow_of_other_dtypes_matches_onnx_reference(base, exponent):
 def test_pow_negative_integer_exponent_is_a_runtime_error():
     compiled = _compile(_pow_model("int32", "int32"))
     a = np.array([[2, 3, 4]], "int32")
-    with pytest.raises(Exception, match="negative integer powers"):
+    with pytest.raises(ValueError, match="negative integer powers"):
         _run(compiled, {"a": a, "b": np.array([1, -1, 2], "int32")})
 
 
@@ -145,5 +145,5 @@ def test_cumsum_runtime_axis_matches_onnx_reference(exclusive, reverse):
 def test_cumsum_axis_out_of_range_is_a_runtime_error():
     compiled = _compile(_cumsum_model(0, 0))
     x = np.ones((2, 3, 4), "float32")
-    with pytest.raises(Exception, match="axis out of range"):
+    with pytest.raises(ValueError, match="axis out of range"):
         _run(compiled, {"x": x, "axis": np.array(3, "int32")})
