@@ -157,6 +157,8 @@ class MaxPool(_frontend.MaxPool):
             return super()._impl_v1(bb, inputs, attr, params)
         where = _node("MaxPool", attr)
         data = inputs[0]
+        if not isinstance(data.ty.shape, relax.ShapeExpr):
+            raise ModelError(f"{where}: Indices of an input of unknown shape")
         kernel = [int(k) for k in attr["kernel_shape"]]
         spatial = len(kernel)
         strides = [int(s) for s in attr.get("strides", [1] * spatial)]
@@ -240,6 +242,8 @@ class Pow(_frontend.Pow):
             return relax.op.astype(out, bdt)
         message = f"{_node('Pow', attr)}: integers to negative integer powers are not allowed"
         probe = bb.normalize(relax.op.add(base, relax.op.astype(exponent, bdt)))
+        if not isinstance(probe.ty.shape, relax.ShapeExpr):
+            raise ModelError(f"{_node('Pow', attr)}: integer operands of unknown shape")
         shape = [_i64(d) if isinstance(d, int) else d for d in probe.ty.shape.values]
         count = _i64(1)
         for d in shape:
