@@ -67,6 +67,8 @@ CASES = [
     "test_maxpool_with_argmax_2d_precomputed_strides",
     *(f"test_pow_types_{t}" for t in ("float32_int32", "float32_int64", "int32_float32")),
     *(f"test_pow_types_{t}" for t in ("int64_float32", "int32_int32", "int64_int64")),
+    "test_pow_types_float32_uint32",  # ONNX Runtime has no kernel for these two
+    "test_pow_types_float32_uint64",
     *(f"test_cumsum_{t}" for t in ("1d", "1d_exclusive", "1d_int32_exclusive", "1d_reverse")),
     *(f"test_cumsum_{t}" for t in ("1d_reverse_exclusive", "2d_axis_0", "2d_axis_1")),
     *(f"test_cumsum_{t}" for t in ("2d_int32", "2d_negative_axis")),
