@@ -21,9 +21,11 @@ stock one (``onnx_ops.OVERRIDES``) and hands every other form back to it:
   one; an axis outside ``[-r, r)`` is a run-time ``ValueError`` naming the node. This costs
   ``r`` sums instead of one.
 
-The run-time checks are small TIR kernels called in place on the tensor they check (which
-they only read, as ``CheckGatherBounds``'s): nothing is copied, and what follows depends on
-them, so no pass drops them.
+The integer ``Pow`` is one TIR kernel over the flattened, broadcast operands that asserts
+after its loop; CumSum's axis check is a small TIR kernel called in place on the axis (which
+it only reads, as ``CheckGatherBounds``'s): nothing is copied, and the sums depend on it, so no
+pass drops it. Both kernels are unscheduled host loops (no thread binding): CPU targets only,
+as ``CheckGatherBounds``'s kernels; not tried on CUDA.
 """
 
 from __future__ import annotations
