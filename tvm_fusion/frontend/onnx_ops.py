@@ -72,6 +72,7 @@ from . import onnx_known_shapes
 from .onnx_fixes import FIXES as _FIXES
 from .onnx_fixes import expand_to_runtime_shape
 from .onnx_known_shapes import KnownShapes
+from .onnx_op_gaps import CONVERTERS as _GAPS
 from .onnx_rnn import CONVERTERS as _RNN_CONVERTERS
 
 _NO_IGNORE = -100
@@ -474,6 +475,7 @@ OVERRIDES = {
     "Clip": Clip,
     "Concat": Concat,
     **_FIXES,  # wrong numbers for some attribute values (onnx_fixes.py)
+    **_GAPS,  # forms stock refuses: MaxPool Indices, integer Pow, run-time CumSum axis
 }
 
 CONVERTERS = {

@@ -1,0 +1,302 @@
+"""ONNX operator forms apache-tvm 0.27's importer refuses, found by ONNX's own node tests
+(``onnx.backend.test.case.node``, cases ONNX Runtime passes); each converter here replaces the
+stock one (``onnx_ops.OVERRIDES``) and hands every other form back to it:
+
+- ``MaxPool`` with its second output ``Indices`` (stock: "Missing outputs during conversion"):
+  one TE kernel computes the maximum and its flattened index into the input together (an
+  argmax reducer: the first maximum in window order, as ONNX Runtime), ``storage_order`` 0
+  (row-major) or 1 (column-major: the spatial dims counted from the last), with pads,
+  dilations, ``ceil_mode`` and ``auto_pad``; padding is never chosen. One output: stock.
+- ``Pow`` with an exponent of another dtype than the base, or of integers (stock: "Binary
+  operators must have the same datatype", LegalizeOps: "power only applies to float"). The
+  output has the base's dtype, as ONNX's reference (``np.power(a, b).astype(a.dtype)``):
+  a float base: the exponent cast to it (float16 / bfloat16 computed in float32); an integer
+  base with a float exponent: computed in float64, truncated to the base's dtype; integer **
+  integer: exact, by repeated squaring in the base's width (wrapping as numpy does). A negative
+  integer exponent is an error in numpy ("Integers to negative integer powers are not
+  allowed"): here a run-time ``ValueError`` naming the node.
+- ``CumSum`` with its ``axis`` given at run time (stock: "CumSum with non-constant axis input
+  is not supported yet"): the rank ``r`` is known, so the sum along each of the ``r`` axes
+  (stock's converter, ``exclusive`` / ``reverse`` honoured) and a ``where`` on the axis picks
+  one; an axis outside ``[-r, r)`` is a run-time ``ValueError`` naming the node. This costs
+  ``r`` sums instead of one.
+
+The integer ``Pow`` is one TIR kernel over the flattened, broadcast operands that asserts
+after its loop; CumSum's axis check is a small TIR kernel called in place on the axis (which
+it only reads, as ``CheckGatherBounds``'s): nothing is copied, and the sums depend on it, so no
+pass drops it. Both kernels are unscheduled host loops (no thread binding): CPU targets only,
+as ``CheckGatherBounds``'s kernels; not tried on CUDA.
+"""
+
+from __future__ import annotations
+
+from tvm import relax, te, tirx
+from tvm.ir.expr import GenericConst
+from tvm.relax.frontend.onnx import onnx_frontend as _frontend
+from tvm.script import tirx as T
+from tvm.script.parser import parse as tvm_script_parse
+
+from ..errors import ModelError
+
+
+def _node(op: str, attr: dict) -> str:
+    name = attr.get("tvm_custom", {}).get("name") or ""
+    return f"{op} node {name!r}" if name else f"{op} node"
+
+
+def _i64(value) -> tirx.PrimExpr:
+    return tirx.IntImm("int64", value) if isinstance(value, int) else value
+
+
+def checked(bb, tensor: relax.Expr, condition: str, message: str) -> relax.Expr:
+    """``tensor`` passed through a kernel that fails with ``ValueError: message`` unless
+    ``condition`` (TVMScript over ``v``, one element as int64) holds for every element; the
+    kernel runs in place and writes nothing."""
+    ty = tensor.ty
+    ds = [f"d{i}" for i in range(ty.ndim)]
+    at = ", ".join(f"i{i}" for i in range(len(ds))) or "()"
+    shape = "(" + "".join(f"{d}, " for d in ds) + ")"
+    lines = [
+        "@T.prim_func(private=True, s_tir=True)",
+        "def check_value(var_x: T.handle):",
+        '    T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})',
+        *(f"    {d} = T.int64()" for d in ds),
+        f"    x = T.match_buffer(var_x, {shape}, {str(ty.dtype)!r})",
+        '    with T.sblock("root"):',
+        '        bad = T.sblock_alloc_buffer((1,), "int64", scope="local")',
+        "        bad[0] = T.int64(0)",
+    ]
+    indent = "        "
+    if ds:
+        lines.append(f"{indent}for {at} in T.grid({', '.join(ds)}):")
+        indent += "    "
+    lines += [
+        f'{indent}v = T.Cast("int64", x[{at}])',
+        f'{indent}bad[0] = T.max(bad[0], T.Cast("int64", not ({condition})))',
+        f'        T.Assert(bad[0] == T.int64(0), {message!r}, "ValueError")',
+    ]
+    kernel = tvm_script_parse("\n".join(lines), {"T": T})
+    gv = bb.add_func(kernel, "check_value")
+    return bb.emit(relax.call_tir_inplace(gv, (tensor,), 0, ty))
+
+
+# --- MaxPool with Indices ------------------------------------------------------------------
+
+
+def _pool_pads(attr, sizes, kernel, strides, dilations, where) -> list[int]:
+    spatial = len(kernel)
+    auto_pad = attr.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
+    if auto_pad in ("NOTSET", "VALID"):
+        pads = list(attr.get("pads", [0] * 2 * spatial)) if auto_pad == "NOTSET" else []
+        return pads or [0] * 2 * spatial
+    if auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
+        raise ModelError(f"{where}: auto_pad={auto_pad!r} is not supported")
+    begins, ends = [], []
+    for size, k, s, d in zip(sizes, kernel, strides, dilations, strict=True):
+        if not isinstance(size, int):
+            raise ModelError(f"{where}: Indices with auto_pad={auto_pad} of symbolic dims")
+        out = -(-size // s)
+        total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
+        small, large = total // 2, total - total // 2
+        begins.append(small if auto_pad == "SAME_UPPER" else large)
+        ends.append(large if auto_pad == "SAME_UPPER" else small)
+    return begins + ends
+
+
+def _argmax_reducer(dtype: str):
+    def combine(a, b):
+        take = tirx.Or(b[1] > a[1], tirx.And(b[1] == a[1], b[0] < a[0]))
+        return tirx.Select(take, b[0], a[0]), tirx.Select(take, b[1], a[1])
+
+    def identity(t0, t1):
+        return tirx.max_value(t0), tirx.min_value(t1)
+
+    return te.comm_reducer(combine, identity, name="maxpool_argmax")
+
+
+def _maxpool_with_indices(data, out_shape, kernel, strides, dilations, pads, column_major):
+    """(values, int64 indices) of a max pool, one TE kernel."""
+    spatial = len(kernel)
+    shape = [_i64(d) if isinstance(d, int) else d for d in data.shape]
+    sizes = [tirx.Cast("int64", d) for d in shape[2:]]
+    reduce_axes = [te.reduce_axis((0, k), f"k{i}") for i, k in enumerate(kernel)]
+    reducer = _argmax_reducer(str(data.dtype))
+
+    def body(*o):
+        n, c = o[0], o[1]
+        pos = [
+            tirx.Cast("int64", o[2 + i]) * strides[i] - pads[i] + reduce_axes[i] * dilations[i]
+            for i in range(spatial)
+        ]
+        valid = tirx.const(True)
+        for p, size in zip(pos, sizes, strict=True):
+            valid = tirx.And(valid, tirx.And(p >= 0, p < size))
+        clamped = [tirx.max(tirx.min(p, size - 1), 0) for p, size in zip(pos, sizes, strict=True)]
+        order = list(range(spatial))
+        if column_major:
+            order.reverse()
+        flat = tirx.Cast("int64", 0)
+        for i in order:
+            flat = flat * sizes[i] + pos[i]
+        image = 1
+        for size in sizes:
+            image = image * size
+        flat = (tirx.Cast("int64", n) * shape[1] + tirx.Cast("int64", c)) * image + flat
+        value = data[(n, c, *clamped)]
+        idx = tirx.Select(valid, flat, tirx.max_value("int64"))
+        val = tirx.Select(valid, value, tirx.min_value(str(data.dtype)))
+        return reducer((idx, val), axis=reduce_axes)
+
+    idx, val = te.compute(out_shape, body, name="maxpool_argmax")
+    return [val, idx]
+
+
+class MaxPool(_frontend.MaxPool):
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        if attr.get("tvm_custom", {}).get("num_outputs", 1) < 2:
+            return super()._impl_v1(bb, inputs, attr, params)
+        where = _node("MaxPool", attr)
+        data = inputs[0]
+        if not isinstance(data.ty.shape, relax.ShapeExpr):
+            raise ModelError(f"{where}: Indices of an input of unknown shape")
+        kernel = [int(k) for k in attr["kernel_shape"]]
+        spatial = len(kernel)
+        strides = [int(s) for s in attr.get("strides", [1] * spatial)]
+        dilations = [int(d) for d in attr.get("dilations", [1] * spatial)]
+        sizes = [int(d) if isinstance(d, tirx.IntImm) else d for d in data.ty.shape.values[2:]]
+        pads = [int(p) for p in _pool_pads(attr, sizes, kernel, strides, dilations, where)]
+        order = int(attr.get("storage_order", 0))
+        if order not in (0, 1):
+            raise ModelError(f"{where}: storage_order={order} is not supported")
+        values = bb.normalize(super()._impl_v1(bb, inputs, attr, params))
+        out_shape = list(values.ty.shape.values)
+        return bb.emit_te(
+            _maxpool_with_indices, data, out_shape, kernel, strides, dilations, pads, order == 1
+        )
+
+
+# --- Pow ----------------------------------------------------------------------------------
+
+
+def _is_int(dtype: str) -> bool:
+    return dtype.startswith(("int", "uint"))
+
+
+def _int_pow_kernel(bdt: str, edt: str, message: str) -> tirx.PrimFunc:
+    """``z = a ** b`` over flat integer buffers: repeated squaring, one step per bit of the
+    exponent, in unsigned arithmetic of the base's width (exact modulo 2**bits, as numpy; no
+    signed-overflow UB); a negative exponent fails with ``ValueError: message`` after the loop."""
+    bits = int(bdt.removeprefix("u").removeprefix("int"))
+    ebits = int(edt.removeprefix("u").removeprefix("int"))
+    wide = f"uint{bits}"
+    lines = [
+        "@T.prim_func(private=True, s_tir=True)",
+        "def int_pow(var_a: T.handle, var_b: T.handle, var_z: T.handle):",
+        '    T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})',
+        "    n = T.int64()",
+        f"    a = T.match_buffer(var_a, (n,), {bdt!r})",
+        f"    b = T.match_buffer(var_b, (n,), {edt!r})",
+        f"    z = T.match_buffer(var_z, (n,), {bdt!r})",
+        '    with T.sblock("root"):',
+        f'        acc = T.sblock_alloc_buffer((2,), {wide!r}, scope="local")',
+        '        bad = T.sblock_alloc_buffer((1,), "int64", scope="local")',
+        "        bad[0] = T.int64(0)",
+        "        for i in range(n):",
+        f"            acc[0] = T.Cast({wide!r}, 1)",
+        f"            acc[1] = T.Cast({wide!r}, a[i])",
+        f"            for k in range({ebits}):",
+        f"                if T.bitwise_and(T.shift_right(b[i], T.Cast({edt!r}, k)),"
+        f" T.Cast({edt!r}, 1)) != T.Cast({edt!r}, 0):",
+        "                    acc[0] = acc[0] * acc[1]",
+        "                acc[1] = acc[1] * acc[1]",
+        f"            z[i] = T.Cast({bdt!r}, acc[0])",
+        f'            bad[0] = T.max(bad[0], T.Cast("int64", b[i] < T.Cast({edt!r}, 0)))',
+        f'        T.Assert(bad[0] == T.int64(0), {message!r}, "ValueError")',
+    ]
+    return tvm_script_parse("\n".join(lines), {"T": T})
+
+
+def _flat(bb, tensor, shape, count) -> relax.Expr:
+    tensor = bb.normalize(relax.op.broadcast_to(tensor, relax.ShapeExpr(shape)))
+    return bb.normalize(relax.op.reshape(tensor, relax.ShapeExpr([count])))
+
+
+class Pow(_frontend.Pow):
+    @classmethod
+    def _impl_v7(cls, bb, inputs, attr, params):
+        base, exponent = inputs
+        bty, ety = getattr(base, "ty", None), getattr(exponent, "ty", None)
+        if not isinstance(bty, relax.TensorType) or not isinstance(ety, relax.TensorType):
+            return super()._impl_v7(bb, inputs, attr, params)
+        bdt, edt = str(bty.dtype), str(ety.dtype)
+        if bdt == edt and not _is_int(bdt):
+            return super()._impl_v7(bb, inputs, attr, params)
+        if not _is_int(bdt):
+            compute = "float32" if bdt in ("float16", "bfloat16") else bdt
+            out = relax.op.power(relax.op.astype(base, compute), relax.op.astype(exponent, compute))
+            return out if compute == bdt else relax.op.astype(out, bdt)
+        if not _is_int(edt):
+            out = relax.op.power(
+                relax.op.astype(base, "float64"), relax.op.astype(exponent, "float64")
+            )
+            return relax.op.astype(out, bdt)
+        message = f"{_node('Pow', attr)}: integers to negative integer powers are not allowed"
+        probe = bb.normalize(relax.op.add(base, relax.op.astype(exponent, bdt)))
+        if not isinstance(probe.ty.shape, relax.ShapeExpr):
+            raise ModelError(f"{_node('Pow', attr)}: integer operands of unknown shape")
+        shape = [_i64(d) if isinstance(d, int) else d for d in probe.ty.shape.values]
+        count = _i64(1)
+        for d in shape:
+            count = count * d
+        gv = bb.add_func(_int_pow_kernel(bdt, edt, message), "int_pow")
+        flat = relax.call_tir(
+            gv,
+            (_flat(bb, base, shape, count), _flat(bb, exponent, shape, count)),
+            relax.TensorType([count], bdt),
+        )
+        return relax.op.reshape(bb.normalize(flat), relax.ShapeExpr(shape))
+
+
+# --- CumSum with a run-time axis ------------------------------------------------------------
+
+
+class CumSum(_frontend.CumSum):
+    @classmethod
+    def _impl_v14(cls, bb, inputs, attr, params):
+        data, axis = inputs[0], _frontend.get_constant(inputs[1], params)
+        if isinstance(axis, GenericConst) or not isinstance(axis, relax.Expr):
+            return super()._impl_v14(bb, inputs, attr, params)
+        where = _node("CumSum", attr)
+        rank = data.ty.ndim
+        aty = axis.ty
+        if rank < 1 or not isinstance(aty, relax.TensorType) or aty.ndim not in (0, 1):
+            raise ModelError(f"{where}: a run-time axis of unknown rank or shape")
+        adt = str(aty.dtype)
+        axis = checked(
+            bb,
+            bb.normalize(axis),
+            f"T.int64({-rank}) <= v and v < T.int64({rank})",
+            f"{where}: axis out of range [{-rank}, {rank})",
+        )
+        axis = bb.normalize(relax.op.reshape(axis, ()))
+        axis = bb.normalize(
+            relax.op.where(
+                relax.op.less(axis, relax.const(0, adt)),
+                relax.op.add(axis, relax.const(rank, adt)),
+                axis,
+            )
+        )
+        out = None
+        for k in reversed(range(rank)):
+            along = bb.normalize(super()._impl_v14(bb, [data, relax.const(k, adt)], attr, params))
+            if out is None:
+                out = along
+            else:
+                pick = relax.op.equal(axis, relax.const(k, adt))
+                out = bb.normalize(relax.op.where(pick, along, out))
+        return out
+
+
+CONVERTERS = {"MaxPool": MaxPool, "Pow": Pow, "CumSum": CumSum}
