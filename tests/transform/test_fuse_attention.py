@@ -217,7 +217,7 @@ def test_torch_sdpa_dynamic_sequence():
     assert _fused(mod) == 1
     ex = tvm.compile(mod, LLVM, relax_pipeline="tvm_fusion")
     vm = relax.VirtualMachine(ex, tvm.cpu())
-    for s in (2, 7, 33):
+    for s in (2, 7, 33, 130):  # 130: two whole key blocks, the diagonal in the third
         args = [torch.randn(1, 2, s, D) for _ in range(3)]
         out = vm["main"](*[tvm.runtime.tensor(a.numpy()) for a in args])
         out = out if hasattr(out, "numpy") else out[0]
@@ -310,20 +310,22 @@ def test_kernel_symbolic_dims():
     assert kernel.attrs["tirx.is_scheduled"]
 
 
-@pytest.mark.parametrize("registers", [16, 32])
-def test_kernel_register_blocks(registers):
+@pytest.mark.parametrize("registers, lanes", [(16, 8), (32, 16), (32, 4)])
+def test_kernel_register_blocks(registers, lanes):
     """The kernel's register blocking for 16 SIMD registers (AVX2: 4 query rows per pass) and
-    for 32 (AVX-512, AArch64: all 8 rows), run on the host: numbers at S = 13, N = 37 (row and
-    key tails) with an added (B, 1, S, N) mask."""
+    for 32 (AVX-512, AArch64: all 8 rows), with 8, 16 and 4 lanes, run on the host: numbers at
+    S = 13, N = 37 (row and key tails) with an added (B, 1, S, N) mask."""
     from tvm_fusion.lower.attention import attention_kernel
 
     s, n = 13, 37
-    rng = np.random.default_rng(registers)
+    rng = np.random.default_rng(registers + lanes)
     q = rng.standard_normal((B, H, s, D)).astype("float32")
     k = rng.standard_normal((B, H, n, D)).astype("float32")
     v = rng.standard_normal((B, H, n, D)).astype("float32")
     mask = rng.standard_normal((B, 1, s, n)).astype("float32")
-    kernel = attention_kernel(D, D, 0.5, (True, False, True, True), vector_registers=registers)
+    kernel = attention_kernel(
+        D, D, 0.5, (True, False, True, True), vector_registers=registers, lanes=lanes
+    )
     lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), LLVM)
     args = [q, np.ascontiguousarray(k.transpose(0, 1, 3, 2)), v, mask, np.zeros_like(q)]
     args = [tvm.runtime.tensor(a) for a in args]
@@ -343,6 +345,99 @@ def test_size_gate(monkeypatch):
     assert fuse_attention.MIN_STATIC_SCORES > 7 * 7
     assert _fused(load_onnx(_onnx_model(s=7))) == 0
     assert _fused(load_onnx(_onnx_model(s="S"))) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# causal: the key blocks that the mask makes -inf whole are skipped
+
+
+def _kernel_run(kernel, args, target=LLVM):
+    lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target)
+    args = [tvm.runtime.tensor(a) for a in args]
+    lib["main"](*args)
+    return args[-1].numpy()
+
+
+@pytest.mark.parametrize("form", ["where", "add"])
+@pytest.mark.parametrize("s", [13, 70, 133])
+def test_causal_numbers(form, s):
+    """Causal masks (where(tril, scores, -inf) and an added 0 / -inf one) at S = N = 13 (one
+    partial key block), 70 (a whole block of 64 keys, the rest in 16-key sub-blocks and a
+    clamped one) and 133 (tiles whose diagonal straddles the second and third blocks)."""
+    from tvm_fusion.lower.attention import attention_kernel
+
+    rng = np.random.default_rng(s)
+    q, k, v = (rng.standard_normal((1, 2, s, D)).astype("float32") for _ in range(3))
+    keep = np.tril(np.ones((s, s), bool))
+    if form == "where":
+        mask, fill = keep.reshape(1, 1, s, s), (float("-inf"), True)
+    else:
+        mask, fill = np.where(keep, 0, -np.inf).astype("float32").reshape(1, 1, s, s), None
+    kernel = attention_kernel(D, D, 0.5, (False, False, True, True), where_fill=fill)
+    kt = np.ascontiguousarray(k.transpose(0, 1, 3, 2))
+    out = _kernel_run(kernel, [q, kt, v, mask, np.zeros_like(q)])
+    np.testing.assert_allclose(out, _reference(q, k, v, 0.5, keep=keep), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["where", "add"])
+def test_causal_blocks_skipped(form):
+    """The blocks above the diagonal are not read: V is NaN at key 128 (the first of the third
+    block of 64), which rows 0..127 do not see (probability 0; 0 x NaN is NaN unfused, so the
+    reference zeroes it): their outputs are finite; rows 128.. see it: NaN. Reading the block
+    (1.6e-38 x NaN) made every row NaN."""
+    from tvm_fusion.lower.attention import KB, QB, attention_kernel
+
+    s = 2 * KB + 5
+    assert KB % QB == 0  # no tile straddles key 128
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, s, D)).astype("float32") for _ in range(3))
+    keep = np.tril(np.ones((s, s), bool))
+    if form == "where":
+        mask, fill = keep.reshape(1, 1, s, s), (float("-inf"), True)
+    else:
+        mask, fill = np.where(keep, 0, -np.inf).astype("float32").reshape(1, 1, s, s), None
+    kernel = attention_kernel(D, D, 0.5, (False, False, True, True), where_fill=fill)
+    kt = np.ascontiguousarray(k.transpose(0, 1, 3, 2))
+    ref = _reference(q, k, v, 0.5, keep=keep)
+    v[:, :, 2 * KB] = np.nan
+    out = _kernel_run(kernel, [q, kt, v, mask, np.zeros_like(q)])
+    np.testing.assert_allclose(out[:, :, : 2 * KB], ref[:, :, : 2 * KB], rtol=1e-4, atol=1e-4)
+    assert np.isnan(out[:, :, 2 * KB :]).all()
+
+
+def test_causal_fuses_below_size_gate(monkeypatch):
+    """Below the size gate a mask that can skip blocks fuses (the ONNX causal Where, torch's
+    is_causal at a static length); no mask, or an added mask of any values, stays unfused."""
+    monkeypatch.undo()  # the module's own gate
+    assert _fused(load_onnx(_onnx_model(s=33, causal_where=True))) == 1
+    assert _fused(load_onnx(_onnx_model(s=33))) == 0
+    assert _fused(load_onnx(_onnx_model(s=33, mask=(B, 1, 33, 33)))) == 0
+    q, k, v = (torch.from_numpy(a) for a in _qkv(33))
+    module = _SDPA(causal=True)
+    mod = import_exported_program(torch.export.export(module, (q, k, v)))
+    assert _fused(mod) == 1
+    with torch.no_grad():
+        ref = module(q, k, v).numpy()
+    np.testing.assert_allclose(_run(mod, [q.numpy(), k.numpy(), v.numpy()]), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        {"kind": "llvm", "mcpu": "skylake-avx512"},
+        {"kind": "llvm", "mcpu": "x86-64-v3"},
+        {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "neoverse-v1"},
+    ],
+    ids=["avx512", "x86-64-v3", "neoverse-v1"],
+)
+def test_causal_kernel_builds(target):
+    """The causal graph through the pipeline for AVX-512, AVX2 and AArch64 targets (their
+    registers and lanes size the blocks): it fuses and compiles (not run: another CPU)."""
+    target = tvm.target.Target(target)
+    mod = load_onnx(_onnx_model(s=33, causal_where=True))
+    with collect_rewrites() as counts:
+        tvm.compile(mod, target, relax_pipeline="tvm_fusion")
+    assert counts["FuseAttention"] == 1
 
 
 if __name__ == "__main__":

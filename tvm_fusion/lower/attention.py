@@ -13,20 +13,26 @@ added float32 mask, or with ``where_fill`` a boolean one that keeps or replaces 
 
 Per tile of ``QB`` query rows of one (batch, head), in parallel over all tiles: the running
 maximum ``m`` (a vector over the tile's rows), the running sums of ``exp(score - m)`` per row
-and key lane (a ``(QB, KB)`` buffer, added up at the end) and a ``(QB, Dv)`` accumulator stay
-in local buffers, the tile's Q rows transposed into a ``(D, QB)`` buffer once. The keys go by
-in blocks of ``KB``: the block's ``(QB, KB)`` scores as register-blocked GEMMs vectorised
-along the keys (a K^T row is contiguous in them; ``rp`` rows per pass, their accumulators in
-registers over ``D``: 4 rows x 16 keys = 8 ymm on AVX2, all 8 rows where the target has 32
-SIMD registers), scaled and masked, the row maxima, the correction ``exp(m_old - m_new)``,
-then ``exp(score - m_new)`` (vectors over keys) times the block's V rows (the accumulator in
-``rp`` rows x ``Dv`` blocks of 16 columns, corrected as it comes into registers). A spilled
-accumulator is a store-to-load chain through the stack on every iteration (the blocking of
-8 x 16 accumulators before, 16 ymm plus operands, spilled 3 to 5 of them).
-The ``(B, H, S, N)`` scores never exist in memory. Keys past ``N`` in the last block weigh
-exactly 0 (that block reads clamped indices; the others read whole vectors); rows past ``S``
-are computed on a clamped row and not written. Not yet: skipping the blocks above the
-diagonal of a causal mask (the mask is read and every block computed).
+and lane (a ``(QB, lanes)`` buffer, added up at the end) and a ``(QB, Dv)`` accumulator stay in
+local buffers, the tile's Q rows scaled and transposed into a ``(D, QB)`` buffer once. The keys
+go by in blocks of ``KB`` = 64 (what one correction ``exp(m_old - m_new)`` is amortised over;
+the keys past the last whole block in blocks of two vectors, the last one clamped): the
+block's K^T rows copied together (in K^T they lie ``N`` apart, at N = 512 or 2048 in a few L1
+sets), its ``(QB, KB)`` scores as register-blocked GEMMs vectorised along the keys (``rp``
+rows x two vectors of keys per pass, accumulators in registers over ``D``: 4 x 2 ymm of 16 on
+AVX2, 8 x 2 where the target has 32 SIMD registers), masked, the row maxima as vectors of
+lanes, then ``exp(score - m_new)`` times the block's V rows (the accumulator in ``rp`` rows x
+two vectors of columns, corrected as it comes into registers). No spills in either inner loop
+(znver3 assembly read: 8 accumulators, operands in ymm8-13).
+
+Blocks the mask sets to ``-inf`` whole are skipped: per (tile, block) the mask is read first
+(``QB x KB`` values, vectors; far less than the block's ``2 QB KB (D + Dv)`` flops), and a block
+where it is ``-inf`` everywhere (an added ``-inf``; ``where_fill`` ``-inf`` with the condition
+off) is not computed: a causal mask's blocks above the diagonal, a padding mask's padded keys.
+No proof of causality needed, and exact: such a block's probabilities are 0 (the polynomial's
+1.6e-38 below -87 aside), except where V there holds NaN / inf (0 x NaN: NaN unfused, not here;
+torch's flash kernels skip such blocks too). The ``(B, H, S, N)`` scores never exist in memory.
+Keys past ``N`` weigh exactly 0; rows past ``S`` are computed on a clamped row and not written.
 
 ``exp`` is the polynomial of :func:`tvm_fusion.lower.legalize.exp_below_max` (arguments <= 0;
 below -87 it gives 1.6e-38, not 0, as the legalised softmax does). A row whose every score is
@@ -42,7 +48,7 @@ from tvm.script import tirx as T
 from .legalize import _EXP_POLY, _ROUNDING
 
 QB = 8  # query rows per tile
-KB = 16  # keys per block: two AVX2 float32 vectors, one AVX-512 one
+KB = 64  # keys per block: what one online-softmax correction is amortised over
 KERNEL_NAME = "fused_attention"
 
 
@@ -78,12 +84,11 @@ def _row0(t, s):
     return t % _tiles(s) * QB
 
 
-def _lanes(dv: int) -> int:
-    """The output columns one register block holds: 16, or what of it divides ``Dv``."""
-    for lanes in (16, 8, 4, 2):
-        if dv % lanes == 0:
-            return lanes
-    return 1
+def _columns(dv: int, width: int) -> int:
+    """The output columns one register block holds: ``width``, or what of it divides ``Dv``."""
+    while width > 1 and dv % width:
+        width //= 2
+    return width
 
 
 def attention_kernel(
@@ -94,32 +99,54 @@ def attention_kernel(
     empty_rows: str = "nan",
     where_fill: tuple[float, bool] | None = None,
     vector_registers: int = 16,
+    lanes: int = 8,
 ) -> tirx.PrimFunc:
     """The scheduled PrimFunc (see the module docstring). ``mask_dims`` None: no mask
     parameter. ``where_fill`` ``(fill, keep_when)``: the mask is boolean and selects, a score
     stays where the mask is ``keep_when`` and is ``fill`` elsewhere; None: the mask is float32
-    and added. ``vector_registers``: the target's SIMD registers
-    (:func:`tvm_fusion.target.vector_registers`), which size the register blocks."""
+    and added. ``vector_registers`` and ``lanes``: the target's SIMD registers and float32
+    lanes (:func:`tvm_fusion.target.vector_registers`, :func:`~tvm_fusion.target.vector_lanes`),
+    which size the register blocks."""
     if empty_rows not in ("nan", "zero"):
         raise ValueError(f"empty_rows must be 'nan' or 'zero', not {empty_rows!r}")
+    if lanes < 1 or KB % (2 * lanes):
+        raise ValueError(f"lanes must divide {KB // 2}, not {lanes}")
     mask_dtype = "bool" if where_fill is not None else "float32"
     has_mask = mask_dims is not None
     keep = mask_dims if has_mask else (False,) * 4
     neg_inf = tirx.const(float("-inf"), "float32")
     zero = tirx.const(0.0, "float32")
     scale_c = tirx.const(scale, "float32")
+    nl = lanes
+
+    def mask_value(mask, bb, hh, i, j):
+        index = [x if kept else 0 for x, kept in zip((bb, hh, i, j), keep, strict=True)]
+        return mask[index[0], index[1], index[2], index[3]]
 
     def masked(score, mask, bb, hh, i, j):
         """The scaled score with the mask applied."""
         if not has_mask:
             return score
-        index = [x if kept else 0 for x, kept in zip((bb, hh, i, j), keep, strict=True)]
-        value = mask[index[0], index[1], index[2], index[3]]
+        value = mask_value(mask, bb, hh, i, j)
         if where_fill is None:
             return score + value
         fill, keep_when = where_fill
         cond = value if keep_when else tirx.Not(value)
         return tirx.Select(cond, score, tirx.const(fill, "float32"))
+
+    # blocks whose every score the mask makes -inf are skipped (a causal mask's blocks above
+    # the diagonal): with an added mask of -inf (a NaN score plus -inf stays NaN unfused: the
+    # NaN inputs' rows are NaN either way) or a where with fill -inf
+    skips = has_mask and (where_fill is None or where_fill[0] == float("-inf"))
+
+    def visible(mask, bb, hh, i, j):
+        """1 where the mask lets the score through, 0 where it makes it -inf."""
+        value = mask_value(mask, bb, hh, i, j)
+        one = tirx.const(1.0, "float32")
+        if where_fill is None:
+            return tirx.Select(value == neg_inf, zero, one)
+        cond = value if where_fill[1] else tirx.Not(value)
+        return tirx.Select(cond, one, zero)
 
     def empty_value(n):
         if empty_rows == "zero":
@@ -130,69 +157,127 @@ def attention_kernel(
         """The shift of the exponentials: the running maximum, 0 while it is -inf."""
         return tirx.Select(x == neg_inf, zero, x)
 
-    cb = _lanes(dv)
-    # register blocking: the accumulators of one pass, the operand vectors and a broadcast
-    # must fit in the target's SIMD registers (AVX2: 16; a spilled accumulator is a
-    # store-to-load chain through the stack on every iteration)
-    rp = QB if vector_registers >= 2 * QB + 4 else QB // 2
+    # register blocks: rp rows x two vectors of accumulators, the operand vectors and a
+    # broadcast within the target's SIMD registers (AVX2: 4 x 2 + 2 + 1 of 16 ymm; 32
+    # registers: 8 x 2 + 2 + 1). A spilled accumulator is a store-to-load chain through the
+    # stack on every iteration.
+    rp = QB if vector_registers >= 4 * QB else QB // 2
+    ks = 2 * nl  # keys per QK^T register block
+    cb = _columns(dv, 2 * nl)  # output columns per P V register block
 
-    def key(jb, jj, n, tail):
-        """Key ``jj`` of block ``jb``; in the tail block clamped to the last key."""
-        return T.min(jb * KB + jj, n - 1) if tail else jb * KB + jj
+    def key(k0, jj, n, tail):
+        """Key ``jj`` of the block from ``k0``; in the tail block clamped to the last key."""
+        return T.min(k0 + jj, n - 1) if tail else k0 + jj
 
     @T.macro
-    def key_block(qt, kt, v, mask, acc, run_max, run_sum, new_max, corr, sc, t, jb, s, h, n, tail):
+    def block_live(mask, live, vmax, t, k0, kb, s, h, n, tail):
+        """``live[0] > 0`` unless the mask makes every score of the block ``-inf`` (then the
+        block is skipped: the causal blocks above the diagonal)."""
+        for ln in T.vectorized(nl):
+            vmax[0, ln] = zero
+        for r in range(QB):
+            for jo in range(kb // nl):
+                for ln in T.vectorized(nl):
+                    vmax[0, ln] = T.max(
+                        vmax[0, ln],
+                        visible(
+                            mask,
+                            _batch(t, s, h),
+                            _head(t, s, h),
+                            T.min(_row0(t, s) + r, s - 1),
+                            key(k0, jo * nl + ln, n, tail),
+                        ),
+                    )
+        live[0] = zero
+        for ln in range(nl):
+            live[0] = T.max(live[0], vmax[0, ln])
+
+    @T.macro
+    def key_block(
+        qt,
+        kt,
+        kbuf,
+        v,
+        mask,
+        acc,
+        run_max,
+        run_sum,
+        vmax,
+        new_max,
+        corr,
+        sc,
+        t,
+        k0,
+        kb,
+        s,
+        h,
+        n,
+        tail,
+    ):
         """Scores of keys ``jb * KB ...`` for the tile's rows, the online-softmax update, and
         their probabilities times V into ``acc``. ``tail``: the block may pass ``n`` (indices
         clamped, keys past ``n`` weigh 0). ``sc`` is (rows, keys): scores, exponentials and
         sums are vector operations over the block's keys."""
-        for r in range(QB):
-            for jj in T.vectorized(KB):
-                sc[r, jj] = zero
-        # rp rows at a time, vectorised over the block's keys (K^T rows are contiguous in
-        # them): the rows' accumulators stay in registers over c
+        # the block's K^T rows copied together: in K^T they lie N apart, at a large power of
+        # two (N = 512, 2048...) in a few L1 sets, evicting each other between the passes
+        for c in range(d):
+            for jj in T.vectorized(kb):
+                kbuf[c, jj] = kt[_batch(t, s, h), _head(t, s, h), c, key(k0, jj, n, tail)]
+        # rp rows x ks keys at a time, vectorised over the keys (K^T rows are contiguous in
+        # them): the accumulators stay in registers over c
         for rh in range(QB // rp):
-            for c in range(d):
+            for ko in range(kb // ks):
                 for r in T.unroll(rp):
-                    for jj in T.vectorized(KB):
-                        sc[rh * rp + r, jj] = (
-                            sc[rh * rp + r, jj]
-                            + qt[c, rh * rp + r]
-                            * kt[_batch(t, s, h), _head(t, s, h), c, key(jb, jj, n, tail)]
-                        )
+                    for jj in T.vectorized(ks):
+                        sc[rh * rp + r, ko * ks + jj] = zero
+                for c in range(d):
+                    for r in T.unroll(rp):
+                        for jj in T.vectorized(ks):
+                            sc[rh * rp + r, ko * ks + jj] = (
+                                sc[rh * rp + r, ko * ks + jj]
+                                + qt[c, rh * rp + r] * kbuf[c, ko * ks + jj]
+                            )
+        # masked, and the rows' maxima as vectors of lanes
         for r in range(QB):
-            for jj in T.vectorized(KB):
-                sc[r, jj] = T.if_then_else(
-                    jb * KB + jj < n or not tail,
-                    masked(
-                        sc[r, jj] * scale_c,
-                        mask,
-                        _batch(t, s, h),
-                        _head(t, s, h),
-                        T.min(_row0(t, s) + r, s - 1),
-                        key(jb, jj, n, tail),
-                    ),
-                    neg_inf,
-                )
+            for ln in T.vectorized(nl):
+                vmax[r, ln] = run_max[r]
+            for jo in range(kb // nl):
+                for ln in T.vectorized(nl):
+                    sc[r, jo * nl + ln] = T.if_then_else(
+                        k0 + jo * nl + ln < n or not tail,
+                        masked(
+                            sc[r, jo * nl + ln],
+                            mask,
+                            _batch(t, s, h),
+                            _head(t, s, h),
+                            T.min(_row0(t, s) + r, s - 1),
+                            key(k0, jo * nl + ln, n, tail),
+                        ),
+                        neg_inf,
+                    )
+                    vmax[r, ln] = T.max(vmax[r, ln], sc[r, jo * nl + ln])
+            new_max[r] = vmax[r, 0]
+            for ln in range(1, nl):
+                new_max[r] = T.max(new_max[r], vmax[r, ln])
         for r in range(QB):
-            new_max[r] = run_max[r]
-            for jj in range(KB):
-                new_max[r] = T.max(new_max[r], sc[r, jj])
+            for jo in range(kb // nl):
+                for ln in T.vectorized(nl):
+                    sc[r, jo * nl + ln] = T.if_then_else(
+                        k0 + jo * nl + ln < n or not tail,
+                        _exp_nonpositive(sc[r, jo * nl + ln] - base_of(new_max[r])),
+                        zero,
+                    )
         for r in T.vectorized(QB):
             corr[r] = _exp_nonpositive(run_max[r] - base_of(new_max[r]))
-        for r in range(QB):
-            for jj in T.vectorized(KB):
-                sc[r, jj] = T.if_then_else(
-                    jb * KB + jj < n or not tail,
-                    _exp_nonpositive(sc[r, jj] - base_of(new_max[r])),
-                    zero,
-                )
-        # the running sums per (row, key lane): vector operations, added up at the end
-        for r in range(QB):
-            for jj in T.vectorized(KB):
-                run_sum[r, jj] = run_sum[r, jj] * corr[r] + sc[r, jj]
         for r in T.vectorized(QB):
             run_max[r] = new_max[r]
+        # the running sums per (row, lane): vector operations, added up at the end
+        for r in range(QB):
+            for ln in T.vectorized(nl):
+                run_sum[r, ln] = run_sum[r, ln] * corr[r]
+            for jo in range(kb // nl):
+                for ln in T.vectorized(nl):
+                    run_sum[r, ln] = run_sum[r, ln] + sc[r, jo * nl + ln]
         # acc[rows block, c block] stays in registers over the keys (its addresses do not
         # change in jj)
         for cbo in range(dv // cb):
@@ -203,7 +288,7 @@ def attention_kernel(
                         acc[rh * rp + r, cbo * cb + ci] = (
                             acc[rh * rp + r, cbo * cb + ci] * corr[rh * rp + r]
                         )
-                for jj in range(KB):
+                for jj in range(kb):
                     for r in T.unroll(rp):
                         for ci in T.vectorized(cb):
                             acc[rh * rp + r, cbo * cb + ci] = (
@@ -212,10 +297,80 @@ def attention_kernel(
                                 * v[
                                     _batch(t, s, h),
                                     _head(t, s, h),
-                                    key(jb, jj, n, tail),
+                                    key(k0, jj, n, tail),
                                     cbo * cb + ci,
                                 ]
                             )
+
+    @T.macro
+    def maybe_block(
+        qt,
+        kt,
+        kbuf,
+        v,
+        mask,
+        acc,
+        run_max,
+        run_sum,
+        vmax,
+        new_max,
+        corr,
+        sc,
+        live,
+        t,
+        k0,
+        kb,
+        s,
+        h,
+        n,
+        tail,
+    ):
+        if skips:
+            block_live(mask, live, vmax, t, k0, kb, s, h, n, tail)
+            if live[0] > zero:
+                key_block(
+                    qt,
+                    kt,
+                    kbuf,
+                    v,
+                    mask,
+                    acc,
+                    run_max,
+                    run_sum,
+                    vmax,
+                    new_max,
+                    corr,
+                    sc,
+                    t,
+                    k0,
+                    kb,
+                    s,
+                    h,
+                    n,
+                    tail,
+                )
+        else:
+            key_block(
+                qt,
+                kt,
+                kbuf,
+                v,
+                mask,
+                acc,
+                run_max,
+                run_sum,
+                vmax,
+                new_max,
+                corr,
+                sc,
+                t,
+                k0,
+                kb,
+                s,
+                h,
+                n,
+                tail,
+            )
 
     @T.prim_func(private=True, s_tir=True)
     def fused_attention(p_q: T.handle, p_k: T.handle, p_v: T.handle, p_m: T.handle, p_o: T.handle):
@@ -236,39 +391,92 @@ def attention_kernel(
         for t in T.parallel(b * h * ((s + QB - 1) // QB)):
             acc = T.decl_buffer((QB, dv), "float32", scope="local")
             run_max = T.decl_buffer((QB,), "float32", scope="local")
-            run_sum = T.decl_buffer((QB, KB), "float32", scope="local")
+            run_sum = T.decl_buffer((QB, nl), "float32", scope="local")
+            vmax = T.decl_buffer((QB, nl), "float32", scope="local")
             new_max = T.decl_buffer((QB,), "float32", scope="local")
             corr = T.decl_buffer((QB,), "float32", scope="local")
+            live = T.decl_buffer((1,), "float32", scope="local")
             sc = T.decl_buffer((QB, KB), "float32", scope="local")
+            kbuf = T.decl_buffer((d, KB), "float32", scope="local")
             qt = T.decl_buffer((d, QB), "float32", scope="local")
+            # the scale folded into Q
             for c, r in T.grid(d, QB):
-                qt[c, r] = q[_batch(t, s, h), _head(t, s, h), T.min(_row0(t, s) + r, s - 1), c]
+                qt[c, r] = (
+                    q[_batch(t, s, h), _head(t, s, h), T.min(_row0(t, s) + r, s - 1), c] * scale_c
+                )
             for r in range(QB):
                 run_max[r] = neg_inf
-                for jj in T.vectorized(KB):
-                    run_sum[r, jj] = zero
+                for ln in T.vectorized(nl):
+                    run_sum[r, ln] = zero
                 for c in T.vectorized(dv):
                     acc[r, c] = zero
             # (no names for the tile's batch, head and first row: a TVMScript assignment here
             # becomes a one-element buffer, allocated per tile and read from memory)
+            # blocks of KB keys, then what is left in blocks of ks keys, the last one clamped
             for jb in range(n // KB):
-                key_block(
-                    qt, kt, v, mask, acc, run_max, run_sum, new_max, corr, sc, t, jb, s, h, n, False
-                )
-            if n % KB > 0:
-                key_block(
+                maybe_block(
                     qt,
                     kt,
+                    kbuf,
                     v,
                     mask,
                     acc,
                     run_max,
                     run_sum,
+                    vmax,
                     new_max,
                     corr,
                     sc,
+                    live,
                     t,
-                    n // KB,
+                    jb * KB,
+                    KB,
+                    s,
+                    h,
+                    n,
+                    False,
+                )
+            for jb in range(n % KB // ks):
+                maybe_block(
+                    qt,
+                    kt,
+                    kbuf,
+                    v,
+                    mask,
+                    acc,
+                    run_max,
+                    run_sum,
+                    vmax,
+                    new_max,
+                    corr,
+                    sc,
+                    live,
+                    t,
+                    n // KB * KB + jb * ks,
+                    ks,
+                    s,
+                    h,
+                    n,
+                    False,
+                )
+            if n % ks > 0:
+                maybe_block(
+                    qt,
+                    kt,
+                    kbuf,
+                    v,
+                    mask,
+                    acc,
+                    run_max,
+                    run_sum,
+                    vmax,
+                    new_max,
+                    corr,
+                    sc,
+                    live,
+                    t,
+                    n // ks * ks,
+                    ks,
                     s,
                     h,
                     n,
@@ -276,8 +484,8 @@ def attention_kernel(
                 )
             for r in range(QB):
                 corr[r] = zero  # now the row's sum
-                for jj in range(KB):
-                    corr[r] = corr[r] + run_sum[r, jj]
+                for ln in range(nl):
+                    corr[r] = corr[r] + run_sum[r, ln]
             for r in range(QB):
                 if _row0(t, s) + r < s:
                     for c in T.vectorized(dv):

@@ -34,16 +34,17 @@ attn_mask / is_causal as an added float mask, the NaN guard) become one kernel.
 Every intermediate (scores, scaled, masked, probabilities, the 3-D views of them) must be read
 by the chain alone, else the chain stays. Run before LegalizeOps.
 
-Size gate: where ``S`` and ``N`` are both static, the chain is fused only when one (batch,
-head)'s scores ``S * N`` reach ``MIN_STATIC_SCORES`` (4096 x 4096, 64 MiB of float32 scores per
-head); a symbolic ``S`` or ``N`` always fuses (no bound on the scores' size). The kernel saves
-memory (S = N = 2048, B = 1, H = 8, D = 64: 0.021x stock's planned peak) but is not faster
-than our unfused pipeline at any size measured: ONNX form, B = 1, H = 8, D = 64, no mask,
-znver3, one thread, CPU time per call (``time.thread_time``, the machine shared), fused vs
-unfused: S = N = 128: 0.91 vs 0.63 ms, 256: 3.5 vs 2.6, 512: 12.4 vs 10.4, 1024: 59 vs 41,
-2048: 252 vs 159. No speed crossover up to 2048, so the gate is where the unfused scores'
-memory, not time, decides. So the corpus's ViT and Whisper encoder (static sequences of a few
-tokens) stay unfused; its text models (a symbolic ``seq``) fuse.
+Size gate: where ``S`` and ``N`` are both static and one (batch, head)'s scores ``S * N`` are
+below ``MIN_STATIC_SCORES`` (4096 x 4096), the chain is fused only when its mask can make the
+kernel skip key blocks: a where with fill ``-inf`` (the ONNX exporters' causal ``Where``), a
+constant holding ``-inf``, or ``where(C, 0, -inf)`` (torch's ``is_causal`` and boolean
+``attn_mask``); a symbolic ``S`` or ``N`` always fuses. Measured (scripts/bench_attention.py
+``--clock cpu``, znver3, one thread, CPU time, medians, two runs at load 7 and 11 on 2 shared
+cores), fused / unfused ours: causal B,H,S,D = 1,4,512,64: 0.64-0.84x, 4,8,512,64: 0.63-0.70x,
+8,4,63,64: 0.68-0.82x, 1,8,2048,64: 0.67-0.82x; without a mask 1.0-1.24x at S = 512,
+1.17-1.26x at 63, 1.21-1.35x at 2048: the unfused matmuls stay where nothing is skipped and
+the scores are small. The memory saving holds at any size (S = N =
+2048, B = 1, H = 8, D = 64: 0.021x stock's planned peak).
 
 Left alone (reason at debug level): other dtypes (float16 / bfloat16), a softmax over another
 axis, a symbolic ``D`` / ``Dv``, a mask of another dtype, the mask added before the scale,
@@ -51,13 +52,13 @@ broadcast heads inside the matmul (K or V with one head for many: grouped-query 
 exporter already copied with ``expand`` + ``reshape`` are ordinary 4-D operands and do fuse), a
 scale that is not a scalar constant. ``R.nn.attention`` is not matched: torch 2.13's
 ``torch.export`` decomposes ``scaled_dot_product_attention`` before our importer sees it (the
-3-D form above), and no frontend of ours emits the op. Not yet: skipping the key blocks above
-the diagonal for causal masks (the mask is read, every block computed), a CUDA kernel (on CUDA
-targets the pass does nothing).
+3-D form above), and no frontend of ours emits the op. Not yet: a CUDA kernel (on CUDA targets the
+pass does nothing).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import IRModule, relax, tirx
 from tvm.ir.expr import GenericConst
@@ -94,7 +95,8 @@ class FuseAttention:
         if target is not None and not _target.is_cpu(target):
             return mod
         registers = _target.vector_registers(target) if target is not None else 16
-        rewriter = _Rewriter(mod, registers)
+        lanes = _target.vector_lanes(target) if target is not None else 8
+        rewriter = _Rewriter(mod, (registers, min(lanes, 16)))
         mod = rewriter.transform()
         record_rewrite(NAME, rewriter.count)
         return mod
@@ -313,10 +315,11 @@ class _Matcher:
             return skip(logger, what, "Q, K, V shapes do not agree (broadcast heads?)") or None
         if not isinstance(d, tirx.IntImm) or not isinstance(vs[3], tirx.IntImm):
             return skip(logger, what, "head dim not static") or None
-        if isinstance(_s, tirx.IntImm) and isinstance(n, tirx.IntImm):
-            if int(_s) * int(n) < MIN_STATIC_SCORES:
-                return skip(logger, what, f"static S x N = {_s} x {n}: faster unfused") or None
         mask, where_fill = mask
+        if isinstance(_s, tirx.IntImm) and isinstance(n, tirx.IntImm):
+            small = int(_s) * int(n) < MIN_STATIC_SCORES
+            if small and not self._skips_blocks(mask, where_fill):
+                return skip(logger, what, f"static S x N = {_s} x {n}: faster unfused") or None
         mask_dims = None
         if mask is not None:
             dtype = "bool" if where_fill is not None else "float32"
@@ -324,6 +327,25 @@ class _Matcher:
             if mask_dims is None:
                 return skip(logger, what, f"mask not {dtype} or not broadcastable") or None
         return _Plan(q, kt, v, (mask, mask_dims, where_fill), scale, guard, out_3d)
+
+    def _skips_blocks(self, mask, where_fill) -> bool:
+        """Whether the mask sets scores to ``-inf`` (the kernel then skips the key blocks it
+        masks whole: a causal mask's above the diagonal): a where with fill ``-inf`` (the ONNX
+        exporters' causal ``Where``), a constant with a ``-inf`` in it, or
+        ``where(C, 0, -inf)`` / ``where(C, -inf, 0)`` (torch's ``is_causal`` and boolean
+        ``attn_mask``)."""
+        if mask is None:
+            return False
+        if where_fill is not None:
+            return where_fill[0] == float("-inf")
+        if isinstance(mask, GenericConst):
+            values = mask.value.numpy()
+            return values.dtype.name == "float32" and bool(np.isneginf(values).any())
+        where = self.value(mask, "relax.where")
+        if where is None:
+            return False
+        a, b = (self.bound.get(x, x) if isinstance(x, relax.Var) else x for x in where.args[1:])
+        return {_scalar(a), _scalar(b)} == {0.0, float("-inf")}
 
 
 def _same_shape(a, b) -> bool:
@@ -383,7 +405,7 @@ def _mask_dims(mask, dims, dtype: str):
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule, registers: int):
+    def __init__(self, mod: IRModule, registers: tuple[int, int]):
         super().__init__(mod)
         self.mod = mod
         self.registers = registers
@@ -431,7 +453,7 @@ class _Rewriter(PyExprMutator):
             mask_dims,
             "zero" if plan.guard else "nan",
             where_fill,
-            self.registers,
+            *self.registers,
         )
         gv = bb.add_func(kernel, KERNEL_NAME)
         out_sinfo = relax.TensorType([qs[0], qs[1], qs[2], vs[3]], "float32")
