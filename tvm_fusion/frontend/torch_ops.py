@@ -77,7 +77,8 @@ Passed as its ``custom_convert_map`` by :func:`tvm_fusion.frontend.import_export
   (integers by value, symbolic sizes structurally; a mix is not an identity) before stock's
   reshape is emitted. Targets of integers only go to stock's converter.
 
-Every other form goes to stock's converter as it is.
+More of them (``slice.Tensor``): ``torch_ops_extra``. Every other form goes to stock's
+converter as it is.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ import numpy as np
 import tvm_ffi
 from tvm import relax, tirx
 from tvm.ir import PrimType
+
+from . import torch_ops_extra
+from .torch_ops_extra import stock as _stock
 
 logger = logging.getLogger(__name__)
 
@@ -261,14 +265,6 @@ def _result_dtype(node) -> str | None:
 def _tensor_dtype(expr) -> str | None:
     ty = getattr(expr, "ty", None)
     return str(ty.dtype) if isinstance(ty, relax.TensorType) else None
-
-
-def _stock(importer, name: str):
-    """Stock's converter of ``name`` (the custom map replaced it in ``importer.convert_map``)."""
-    table = getattr(importer, "_tvm_fusion_stock", None)
-    if table is None:
-        table = importer._tvm_fusion_stock = importer.create_convert_map()
-    return table[name]
 
 
 def _promoted(name: str):
@@ -596,6 +592,7 @@ CONVERTERS = {
     **{f"pow.{kind}": _integer_pow(f"pow.{kind}") for kind in _POW_KINDS},
     "cumsum.default": _promoted("cumsum.default"),
     **{f"rsub.{kind}": _rsub(f"rsub.{kind}") for kind in _KINDS},
+    **torch_ops_extra.CONVERTERS,
 }
 
 
