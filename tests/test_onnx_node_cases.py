@@ -61,6 +61,22 @@ CASES = [
     # no node ("Node  cannot handle ShapeExpr inputs"); load_onnx names the nodes first
     "test_layer_normalization_2d_axis_negative_1_expanded",
     "test_layer_normalization_3d_axis_negative_2_epsilon_expanded_ver18",
+    # the function-expanded LayerNormalization from a positive axis: Size(Shape(x)) is the
+    # rank, a constant, so the reduced shape folds (onnx_dynamic.Size); axis 0 included
+    *(
+        f"test_layer_normalization_{d}_axis{a}{e}_expanded{v}"
+        for d, axes, e in (("2d", "01", ""), ("3d", "012", "_epsilon"), ("4d", "0123", ""))
+        for a in axes
+        for v in ("", "_ver18")
+    ),
+    # Pad with pads / constant_value / axes given at run time (onnx_dynamic.Pad); Split with
+    # run-time sizes runs with the split family above
+    "test_constant_pad",
+    "test_constant_pad_axes",
+    "test_constant_pad_negative_axes",
+    "test_edge_pad",
+    "test_reflect_pad",
+    "test_wrap_pad",
 ]
 
 # cases refused in one line (a converter we cannot trust, or a form the importer lacks)
@@ -73,8 +89,6 @@ REFUSED = {
     "test_cast_FLOAT_to_INT4",
     "test_castlike_FLOAT_to_FLOAT8E4M3FN",
     *(n for n in names_of("nonmaxsuppression")),
-    # split sizes given as a graph input ("Dynamic Split not yet supported")
-    *(n for n in names_of("split") if "variable_parts" in n or "zero_size_splits" in n),
 }
 
 
