@@ -53,19 +53,9 @@ def _shape_dims(bb, expr, prefix: str) -> list | None:
     ints = _const_ints(expr)
     if ints is not None:
         return [_i64(v) for v in ints]
-    probe = expr
-    for _ in range(8):
-        if isinstance(probe, relax.ShapeExpr):
-            return [_i64(v) for v in probe.values]
-        if isinstance(probe, relax.Call) and op_name(probe) in (
-            "relax.astype",
-            "relax.shape_to_tensor",
-        ):
-            probe = probe.args[0]
-        elif isinstance(probe, relax.Var) and bb.lookup_binding(probe) is not None:
-            probe = bb.lookup_binding(probe)
-        else:
-            break
+    values = _shape_value(bb, expr)
+    if values is not None:
+        return [_i64(v) for v in values]
     sinfo = getattr(expr, "ty", None)
     if not isinstance(sinfo, relax.TensorType) or sinfo.ndim != 1:
         return None
@@ -84,11 +74,15 @@ def _shape_dims(bb, expr, prefix: str) -> list | None:
 
 def _static(bb, expr) -> bool:
     """Whether the numbers of ``expr`` are constants or a shape value's (not run-time data)."""
-    if isinstance(expr, GenericConst):
-        return True
+    return isinstance(expr, GenericConst) or _shape_value(bb, expr) is not None
+
+
+def _shape_value(bb, expr) -> list | None:
+    """The values of the shape value ``expr`` was made from (through ``shape_to_tensor`` /
+    ``astype``, as ``cast_shape_operands`` hands it over), or None."""
     for _ in range(8):
         if isinstance(expr, relax.ShapeExpr):
-            return True
+            return list(expr.values)
         if isinstance(expr, relax.Call) and op_name(expr) in (
             "relax.astype",
             "relax.shape_to_tensor",
@@ -97,8 +91,8 @@ def _static(bb, expr) -> bool:
         elif isinstance(expr, relax.Var) and bb.lookup_binding(expr) is not None:
             expr = bb.lookup_binding(expr)
         else:
-            return False
-    return False
+            return None
+    return None
 
 
 def _i64_tensor(bb, expr):
