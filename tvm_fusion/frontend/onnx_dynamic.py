@@ -28,7 +28,7 @@ not allowed in the importer's dataflow block).
 from __future__ import annotations
 
 import numpy as np
-from tvm import relax, te, tirx
+from tvm import relax, sym, te, tirx
 from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
@@ -133,7 +133,12 @@ def _bound(bb, exprs: list, prefix: str) -> list:
 def _check(bb, data, ok, message: str):
     """``data`` after a run-time check that raises ``ValueError: message`` unless the PrimExpr
     ``ok`` holds (nothing when it is a constant true; a constant false is refused now)."""
-    ok = _simplify(tirx.Cast("int64", ok))
+    # every dim here holds a value >= 0 (the input's dims; the run-time operands mapped to
+    # values >= 0 by _mapped before they became dims): what that proves needs no check
+    analyzer = sym.Analyzer()
+    known = _all([v >= 0 for v in tirx.analysis.undefined_vars(ok)])
+    with analyzer.constraint_scope(known):
+        ok = analyzer.simplify(tirx.Cast("int64", ok))
     if isinstance(ok, tirx.IntImm):
         if int(ok.value):
             return data
@@ -155,8 +160,6 @@ def _check(bb, data, ok, message: str):
 
 
 def _simplify(expr):
-    from tvm import sym
-
     return sym.Analyzer().simplify(expr)
 
 
