@@ -19,10 +19,21 @@
   check raises ``ValueError`` unless every size is >= 0 and they add up to the axis's extent.
   Zero-sized parts are empty tensors.
 
+Run-time operands that are data (graph inputs, values computed from data) first go through a
+small int kernel of their own (:func:`_mapped`) that maps every value to one >= 0 (pads split
+into grow / crop parts, axes counted from 0 with an out-of-range one as ``rank``, a negative
+split size as ``2**40``): shape vars are taken as >= 0 by TVM's simplifier, and
+PlaceShapeOnHost evaluates Relax ops over a graph input read into such vars (``less(v, 0)``
+there is false: a first version of this converter padded nothing for
+``test_constant_pad_negative_axes``).
+Operands computed from shapes stay symbolic, with no kernel.
+
 The checks are ``call_tir_inplace`` kernels that only assert (as CheckGatherBounds' span
 check): in place on the data, which they do not touch, so the kernel after them depends on
 them and neither dead-code elimination nor reordering drops them (``R.assert_op`` is impure,
-not allowed in the importer's dataflow block).
+not allowed in the importer's dataflow block). A condition that the dims' being >= 0 proves
+gets no kernel; one that is false at import is refused (``ModelError``). Built for CUDA the
+modules compile; they were not run on a GPU.
 """
 
 from __future__ import annotations
