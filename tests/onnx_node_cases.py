@@ -46,6 +46,10 @@ _MODULES = {
     "test_mod": "mod",
     "test_expand": "expand",
     "test_shape": "shape",
+    "test_constant_pad": "pad",
+    "test_edge_pad": "pad",
+    "test_reflect_pad": "pad",
+    "test_wrap_pad": "pad",
 }
 
 

@@ -72,6 +72,22 @@ CASES = [
     *(f"test_cumsum_{t}" for t in ("1d", "1d_exclusive", "1d_int32_exclusive", "1d_reverse")),
     *(f"test_cumsum_{t}" for t in ("1d_reverse_exclusive", "2d_axis_0", "2d_axis_1")),
     *(f"test_cumsum_{t}" for t in ("2d_int32", "2d_negative_axis")),
+    # the function-expanded LayerNormalization from a positive axis: Size(Shape(x)) is the
+    # rank, a constant, so the reduced shape folds (onnx_dynamic.Size); axis 0 included
+    *(
+        f"test_layer_normalization_{d}_axis{a}{e}_expanded{v}"
+        for d, axes, e in (("2d", "01", ""), ("3d", "012", "_epsilon"), ("4d", "0123", ""))
+        for a in axes
+        for v in ("", "_ver18")
+    ),
+    # Pad with pads / constant_value / axes given at run time (onnx_dynamic.Pad); Split with
+    # run-time sizes runs with the split family above
+    "test_constant_pad",
+    "test_constant_pad_axes",
+    "test_constant_pad_negative_axes",
+    "test_edge_pad",
+    "test_reflect_pad",
+    "test_wrap_pad",
 ]
 
 # cases refused in one line (a converter we cannot trust, or a form the importer lacks)
@@ -84,8 +100,6 @@ REFUSED = {
     "test_cast_FLOAT_to_INT4",
     "test_castlike_FLOAT_to_FLOAT8E4M3FN",
     *(n for n in names_of("nonmaxsuppression")),
-    # split sizes given as a graph input ("Dynamic Split not yet supported")
-    *(n for n in names_of("split") if "variable_parts" in n or "zero_size_splits" in n),
 }
 
 

@@ -69,6 +69,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 from ..transform._common import as_i64 as _i64
 from ..transform._common import op_name
 from . import onnx_known_shapes
+from .onnx_dynamic import DYNAMIC as _DYNAMIC
 from .onnx_fixes import FIXES as _FIXES
 from .onnx_fixes import expand_to_runtime_shape
 from .onnx_known_shapes import KnownShapes
@@ -476,6 +477,7 @@ OVERRIDES = {
     "Concat": Concat,
     **_FIXES,  # wrong numbers for some attribute values (onnx_fixes.py)
     **_GAPS,  # forms stock refuses: MaxPool Indices, integer Pow, run-time CumSum axis
+    **_DYNAMIC,  # Size, Pad, Split with operands known at run time (onnx_dynamic.py)
 }
 
 CONVERTERS = {
