@@ -3,10 +3,11 @@ with inputs and reference outputs) through three engines: tvm_fusion (``load_onn
 ``tvm_fusion`` pipeline), stock TVM (its ONNX importer + the stock pipeline) and ONNX Runtime,
 on the host. Each case runs in a worker process (:class:`tvm_fusion.testing.fuzz.worker.Worker`),
 so that a crash costs one case. Outcomes, per case and engine: ``pass``, ``wrong`` (a number,
-shape, dtype or count that differs from ONNX's reference: rtol 1e-3, atol 1e-5), ``crash`` /
-``hang`` (the worker died or took longer than ``--timeout``), ``refused`` (a one-line
-``TvmFusionError`` at load or compile), ``error`` (any other exception: for tvm_fusion a raw TVM
-error is a bug of ours), ``skipped`` (inputs that are not tensors: the TVM runners pass tensors).
+shape, dtype or count that differs from ONNX's reference: rtol 1e-3, atol 1e-5, two ulps for
+float16 / bfloat16), ``crash`` / ``hang`` (the worker died or took longer than ``--timeout``),
+``refused`` (a one-line ``TvmFusionError`` at load or compile), ``error`` (any other exception:
+for tvm_fusion a raw TVM error is a bug of ours), ``skipped`` (inputs that are not tensors: the
+TVM runners pass tensors).
 
     PYTHONPATH=$PWD python scripts/onnx_conformance.py --ops Add,MatMul --workers 2 \\
         --output bench/conformance
@@ -58,7 +59,9 @@ def _select(ops: set[str] | None) -> list[tuple[str, str, str]]:
     return chosen
 
 
-def _run_all(jobs, workers: int, timeout_s: float, progress: bool) -> list[dict]:
+def _run_all(jobs, workers: int, timeout_s: float, progress: bool, log: Path | None = None):
+    """Results in the order of ``jobs``; each also appended to ``log`` (JSON lines) as it ends,
+    so that a long run that is stopped keeps what it did."""
     from tvm_fusion.testing.fuzz.worker import Worker
 
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
@@ -96,7 +99,7 @@ def _run_all(jobs, workers: int, timeout_s: float, progress: bool) -> list[dict]
                     f"{engine} {name}: {outcome}",
                     flush=True,
                 )
-        return {
+        row = {
             "case": name,
             "op": op,
             "engine": engine,
@@ -104,6 +107,10 @@ def _run_all(jobs, workers: int, timeout_s: float, progress: bool) -> list[dict]
             "reason": reason,
             "seconds": round(seconds, 2),
         }
+        if log is not None:
+            with lock, log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
 
     try:
         with concurrent.futures.ThreadPoolExecutor(workers) as ex:
@@ -137,9 +144,9 @@ def report(results: list[dict], engines: list[str], command: str, seconds: float
         f"Command: `{command}`",
         "",
         f"{len(cases)} cases, {len(per_op)} ops, {seconds / 60:.1f} min. Reference: ONNX's "
-        "outputs, rtol 1e-3, atol 1e-5. refused = one-line error of ours (ModelError) at load "
-        "or compile; error = any other exception (stage: load / compile / run); skipped = "
-        "inputs that are not tensors (sequences, optionals).",
+        "outputs, rtol 1e-3 (two ulps for float16 / bfloat16), atol 1e-5. refused = one-line "
+        "error of ours (ModelError) at load or compile; error = any other exception (stage: "
+        "load / compile / run); skipped = inputs that are not tensors (sequences, optionals).",
         "",
         *_table(totals, engines),
         "",
@@ -221,14 +228,17 @@ def main(argv=None) -> int:
         parser.error("no case selected")
     jobs = [(name, module, op, engine) for name, module, op in selected for engine in engines]
     print(f"{len(selected)} cases x {len(engines)} engines, {args.workers} workers", flush=True)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".partial.jsonl")
+    log.unlink(missing_ok=True)
     start = time.monotonic()
-    results = _run_all(jobs, args.workers, args.timeout, progress=True)
+    results = _run_all(jobs, args.workers, args.timeout, progress=True, log=log)
     seconds = time.monotonic() - start
+    log.unlink(missing_ok=True)
     command = "PYTHONPATH=$PWD python scripts/onnx_conformance.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(
         json.dumps({"command": command, "seconds": seconds, "results": results}, indent=1) + "\n"
     )

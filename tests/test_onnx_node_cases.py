@@ -61,6 +61,12 @@ CASES = [
     # no node ("Node  cannot handle ShapeExpr inputs"); load_onnx names the nodes first
     "test_layer_normalization_2d_axis_negative_1_expanded",
     "test_layer_normalization_3d_axis_negative_2_epsilon_expanded_ver18",
+    # found by the whole suite (onnx_refusals.py): a shift count out of range (stock: C's
+    # shift, -8 << 32 = -8), Dropout's mask (stock: float32) and training mode (ignored)
+    "test_bitshift_left_int32_shift_ge_width",
+    "test_bitshift_right_int8_negative_shift",
+    "test_dropout_default_mask",
+    "test_training_dropout_mask",
 ]
 
 # cases refused in one line (a converter we cannot trust, or a form the importer lacks)
@@ -72,6 +78,7 @@ REFUSED = {
     "test_cast_FLOAT8E5M2_to_FLOAT",
     "test_cast_FLOAT_to_INT4",
     "test_castlike_FLOAT_to_FLOAT8E4M3FN",
+    "test_training_dropout_mask",  # random output
     *(n for n in names_of("nonmaxsuppression")),
     # split sizes given as a graph input ("Dynamic Split not yet supported")
     *(n for n in names_of("split") if "variable_parts" in n or "zero_size_splits" in n),

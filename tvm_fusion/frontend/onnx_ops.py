@@ -72,6 +72,7 @@ from . import onnx_known_shapes
 from .onnx_fixes import FIXES as _FIXES
 from .onnx_fixes import expand_to_runtime_shape
 from .onnx_known_shapes import KnownShapes
+from .onnx_refusals import FIXES as _SUITE_FIXES
 from .onnx_rnn import CONVERTERS as _RNN_CONVERTERS
 
 _NO_IGNORE = -100
@@ -474,6 +475,7 @@ OVERRIDES = {
     "Clip": Clip,
     "Concat": Concat,
     **_FIXES,  # wrong numbers for some attribute values (onnx_fixes.py)
+    **_SUITE_FIXES,  # the same, found by the whole node suite (onnx_refusals.py)
 }
 
 CONVERTERS = {
