@@ -9,6 +9,11 @@ wrong numbers or raw errors for some attribute values or dtypes:
   ``training_mode`` true was ignored (no drop, no ``1 / (1 - ratio)`` scale). The mask is made
   here; training with a ratio that is not a constant 0, or a ``training_mode`` known only at
   run time, is refused (random output).
+- ``ReduceMax`` / ``ReduceMin`` of floats where every reduced element is -inf / +inf (or none
+  is: an empty set): TVM's reductions start from the largest finite value, so the max of
+  ``[-inf, -inf]`` was -3.4e38 (an attention row masked in full then was not seen as such:
+  ``Equal(ReduceMax(bias), -inf)`` in ONNX's expanded ``Attention``). Here the result is
+  -inf / +inf where no element is finite or of the other sign.
 """
 
 from __future__ import annotations
@@ -86,7 +91,50 @@ class Dropout(_frontend.Dropout):
         return relax.Tuple([data, relax.op.ones_like(data, "bool")])
 
 
+def _to_infinity(bb, impl, inputs, attr, params, out, sign: float):
+    """``out`` (the max, ``sign`` -1, or min, ``sign`` 1, that ``impl`` made of ``inputs[0]``)
+    set to ``sign * inf`` where each reduced element is ``sign * inf`` (or there is none)."""
+    data = inputs[0]
+    dtype = str(getattr(getattr(data, "ty", None), "dtype", ""))
+    if not dtype.startswith(("float", "bfloat")) or out is data:
+        return out
+    inf = relax.const(sign * float("inf"), dtype)
+    other = bb.normalize(relax.op.astype(relax.op.not_equal(data, inf), dtype))
+    # max of the 0/1 flags: 1 where some element is not ``inf`` (the empty set: below 0)
+    some = bb.normalize(impl(bb, [other, *inputs[1:]], attr, params))
+    half = relax.const(0.5, dtype)
+    return relax.op.where(relax.op.greater(some, half), bb.normalize(out), inf)
+
+
+class ReduceMax(_frontend.ReduceMax):
+    @classmethod
+    def _impl_v11(cls, bb, inputs, attr, params):
+        impl = _frontend.ReduceMax._impl_v11
+        out = impl(bb, inputs, attr, params)
+        return _to_infinity(bb, impl, inputs, attr, params, out, -1.0)
+
+    @classmethod
+    def _impl_v18(cls, bb, inputs, attr, params):
+        impl = _frontend.ReduceMax._impl_v18
+        out = impl(bb, inputs, attr, params)
+        return _to_infinity(bb, impl, inputs, attr, params, out, -1.0)
+
+
+class ReduceMin(_frontend.ReduceMin):
+    @classmethod
+    def _impl_v11(cls, bb, inputs, attr, params):
+        out = super()._impl_v11(bb, inputs, attr, params)
+        return _to_infinity(bb, _frontend.ReduceMax._impl_v11, inputs, attr, params, out, 1.0)
+
+    @classmethod
+    def _impl_v18(cls, bb, inputs, attr, params):
+        out = super()._impl_v18(bb, inputs, attr, params)
+        return _to_infinity(bb, _frontend.ReduceMax._impl_v18, inputs, attr, params, out, 1.0)
+
+
 FIXES = {
+    "ReduceMax": ReduceMax,
+    "ReduceMin": ReduceMin,
     "Dropout": Dropout,
     "BitShift": BitShift,
 }
