@@ -23,7 +23,9 @@ import collections
 import concurrent.futures
 import json
 import os
+import platform
 import queue
+import re
 import sys
 import threading
 import time
@@ -129,7 +131,35 @@ def _table(counts: dict, engines: list[str]) -> list[str]:
     return lines
 
 
-def report(results: list[dict], engines: list[str], command: str, seconds: float) -> str:
+def _refusal_classes(results: list[dict], engine: str, top: int = 25) -> list[str]:
+    """The most common refusal lines of ``engine`` (node names and numbers blanked), with
+    their counts and ops."""
+    counts: collections.Counter = collections.Counter()
+    ops: dict = collections.defaultdict(set)
+    for r in results:
+        if r["engine"] != engine or r["outcome"] != "refused":
+            continue
+        why = re.sub(r"cannot import <ModelProto>:? ?|<ModelProto> ", "", r["reason"])
+        why = re.sub(r"node '[^']*'|\bNode \S+", "node", why)
+        why = re.sub(r"\d+", "N", why)[:120]
+        counts[why] += 1
+        ops[why].add(r["op"])
+    lines = [
+        "",
+        f"## {engine}: refusals by reason (the {top} most common of {len(counts)})",
+        "",
+        "| cases | reason | ops |",
+        "|---|---|---|",
+    ]
+    for why, n in counts.most_common(top):
+        names = ", ".join(sorted(ops[why]))
+        lines.append(f"| {n} | {why.replace('|', '/')} | {names[:100]} |")
+    return lines
+
+
+def report(
+    results: list[dict], engines: list[str], command: str, seconds: float, note: str = ""
+) -> str:
     totals: dict = collections.defaultdict(collections.Counter)
     per_op: dict = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
     cases = sorted({r["case"] for r in results})
@@ -147,6 +177,9 @@ def report(results: list[dict], engines: list[str], command: str, seconds: float
         "outputs, rtol 1e-3 (two ulps for float16 / bfloat16), atol 1e-5. refused = one-line "
         "error of ours (ModelError) at load or compile; error = any other exception (stage: "
         "load / compile / run); skipped = inputs that are not tensors (sequences, optionals).",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()} "
+        f"({os.cpu_count()} CPUs), engines: {', '.join(engines)}.{note}",
         "",
         *_table(totals, engines),
         "",
@@ -192,6 +225,7 @@ def report(results: list[dict], engines: list[str], command: str, seconds: float
                 f"- {r['outcome']} `{r['case']}` ({r['op']}; stock {stock}, ORT {ort}): "
                 f"{r['reason'][:300]}"
             )
+        lines += _refusal_classes(results, "tvm_fusion")
     return "\n".join(lines) + "\n"
 
 
@@ -206,6 +240,12 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
     parser.add_argument("--no-expanded", action="store_true", help="skip *_expanded cases")
     parser.add_argument("--output", default="bench/conformance", help="path stem: .json, .md")
+    parser.add_argument(
+        "--merge",
+        default="",
+        help="a previous run's .json: its results, with this run's replacing those of the same "
+        "case and engine, are written",
+    )
     args = parser.parse_args(argv)
     engines = [e for e in args.engines.split(",") if e]
     unknown = set(engines) - set(nc.ENGINES)
@@ -239,10 +279,23 @@ def main(argv=None) -> int:
     command = "PYTHONPATH=$PWD python scripts/onnx_conformance.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
+    note = ""
+    if args.merge:  # this run's cases re-run over a previous run's
+        previous = json.loads(Path(args.merge).read_text())
+        fresh = {(r["case"], r["engine"]) for r in results}
+        kept = [r for r in previous["results"] if (r["case"], r["engine"]) not in fresh]
+        note = (
+            f" {len(results)} results of this command ({len(fresh)} case-engine pairs) replace "
+            f"those of `{previous['command']}` ({len(previous['results'])} results, "
+            f"{previous['seconds'] / 60:.1f} min)."
+        )
+        command = f"{previous['command']}` then `{command}"
+        results, seconds = kept + results, previous["seconds"] + seconds
+        engines = [e for e in nc.ENGINES if any(r["engine"] == e for r in results)]
     out.with_suffix(".json").write_text(
         json.dumps({"command": command, "seconds": seconds, "results": results}, indent=1) + "\n"
     )
-    text = report(results, engines, command, seconds)
+    text = report(results, engines, command, seconds, note)
     out.with_suffix(".md").write_text(text)
     print(text.split("## Per op")[0])
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
