@@ -3,10 +3,11 @@ with inputs and reference outputs) through three engines: tvm_fusion (``load_onn
 ``tvm_fusion`` pipeline), stock TVM (its ONNX importer + the stock pipeline) and ONNX Runtime,
 on the host. Each case runs in a worker process (:class:`tvm_fusion.testing.fuzz.worker.Worker`),
 so that a crash costs one case. Outcomes, per case and engine: ``pass``, ``wrong`` (a number,
-shape, dtype or count that differs from ONNX's reference: rtol 1e-3, atol 1e-5), ``crash`` /
-``hang`` (the worker died or took longer than ``--timeout``), ``refused`` (a one-line
-``TvmFusionError`` at load or compile), ``error`` (any other exception: for tvm_fusion a raw TVM
-error is a bug of ours), ``skipped`` (inputs that are not tensors: the TVM runners pass tensors).
+shape, dtype or count that differs from ONNX's reference: rtol 1e-3, atol 1e-5, two ulps for
+float16 / bfloat16), ``crash`` / ``hang`` (the worker died or took longer than ``--timeout``),
+``refused`` (a one-line ``TvmFusionError`` at load or compile), ``error`` (any other exception:
+for tvm_fusion a raw TVM error is a bug of ours), ``skipped`` (inputs that are not tensors: the
+TVM runners pass tensors).
 
     PYTHONPATH=$PWD python scripts/onnx_conformance.py --ops Add,MatMul --workers 2 \\
         --output bench/conformance
@@ -22,7 +23,9 @@ import collections
 import concurrent.futures
 import json
 import os
+import platform
 import queue
+import re
 import sys
 import threading
 import time
@@ -58,7 +61,9 @@ def _select(ops: set[str] | None) -> list[tuple[str, str, str]]:
     return chosen
 
 
-def _run_all(jobs, workers: int, timeout_s: float, progress: bool) -> list[dict]:
+def _run_all(jobs, workers: int, timeout_s: float, progress: bool, log: Path | None = None):
+    """Results in the order of ``jobs``; each also appended to ``log`` (JSON lines) as it ends,
+    so that a long run that is stopped keeps what it did."""
     from tvm_fusion.testing.fuzz.worker import Worker
 
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
@@ -96,7 +101,7 @@ def _run_all(jobs, workers: int, timeout_s: float, progress: bool) -> list[dict]
                     f"{engine} {name}: {outcome}",
                     flush=True,
                 )
-        return {
+        row = {
             "case": name,
             "op": op,
             "engine": engine,
@@ -104,6 +109,10 @@ def _run_all(jobs, workers: int, timeout_s: float, progress: bool) -> list[dict]
             "reason": reason,
             "seconds": round(seconds, 2),
         }
+        if log is not None:
+            with lock, log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
 
     try:
         with concurrent.futures.ThreadPoolExecutor(workers) as ex:
@@ -122,7 +131,35 @@ def _table(counts: dict, engines: list[str]) -> list[str]:
     return lines
 
 
-def report(results: list[dict], engines: list[str], command: str, seconds: float) -> str:
+def _refusal_classes(results: list[dict], engine: str, top: int = 25) -> list[str]:
+    """The most common refusal lines of ``engine`` (node names and numbers blanked), with
+    their counts and ops."""
+    counts: collections.Counter = collections.Counter()
+    ops: dict = collections.defaultdict(set)
+    for r in results:
+        if r["engine"] != engine or r["outcome"] != "refused":
+            continue
+        why = re.sub(r"cannot import <ModelProto>:? ?|<ModelProto> ", "", r["reason"])
+        why = re.sub(r"node '[^']*'|\bNode \S+", "node", why)
+        why = re.sub(r"\d+", "N", why)[:120]
+        counts[why] += 1
+        ops[why].add(r["op"])
+    lines = [
+        "",
+        f"## {engine}: refusals by reason (the {top} most common of {len(counts)})",
+        "",
+        "| cases | reason | ops |",
+        "|---|---|---|",
+    ]
+    for why, n in counts.most_common(top):
+        names = ", ".join(sorted(ops[why]))
+        lines.append(f"| {n} | {why.replace('|', '/')} | {names[:100]} |")
+    return lines
+
+
+def report(
+    results: list[dict], engines: list[str], command: str, seconds: float, note: str = ""
+) -> str:
     totals: dict = collections.defaultdict(collections.Counter)
     per_op: dict = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
     cases = sorted({r["case"] for r in results})
@@ -137,9 +174,12 @@ def report(results: list[dict], engines: list[str], command: str, seconds: float
         f"Command: `{command}`",
         "",
         f"{len(cases)} cases, {len(per_op)} ops, {seconds / 60:.1f} min. Reference: ONNX's "
-        "outputs, rtol 1e-3, atol 1e-5. refused = one-line error of ours (ModelError) at load "
-        "or compile; error = any other exception (stage: load / compile / run); skipped = "
-        "inputs that are not tensors (sequences, optionals).",
+        "outputs, rtol 1e-3 (two ulps for float16 / bfloat16), atol 1e-5. refused = one-line "
+        "error of ours (ModelError) at load or compile; error = any other exception (stage: "
+        "load / compile / run); skipped = inputs that are not tensors (sequences, optionals).",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()} "
+        f"({os.cpu_count()} CPUs), engines: {', '.join(engines)}.{note}",
         "",
         *_table(totals, engines),
         "",
@@ -185,6 +225,7 @@ def report(results: list[dict], engines: list[str], command: str, seconds: float
                 f"- {r['outcome']} `{r['case']}` ({r['op']}; stock {stock}, ORT {ort}): "
                 f"{r['reason'][:300]}"
             )
+        lines += _refusal_classes(results, "tvm_fusion")
     return "\n".join(lines) + "\n"
 
 
@@ -199,6 +240,12 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
     parser.add_argument("--no-expanded", action="store_true", help="skip *_expanded cases")
     parser.add_argument("--output", default="bench/conformance", help="path stem: .json, .md")
+    parser.add_argument(
+        "--merge",
+        default="",
+        help="a previous run's .json: its results, with this run's replacing those of the same "
+        "case and engine, are written",
+    )
     args = parser.parse_args(argv)
     engines = [e for e in args.engines.split(",") if e]
     unknown = set(engines) - set(nc.ENGINES)
@@ -221,18 +268,34 @@ def main(argv=None) -> int:
         parser.error("no case selected")
     jobs = [(name, module, op, engine) for name, module, op in selected for engine in engines]
     print(f"{len(selected)} cases x {len(engines)} engines, {args.workers} workers", flush=True)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".partial.jsonl")
+    log.unlink(missing_ok=True)
     start = time.monotonic()
-    results = _run_all(jobs, args.workers, args.timeout, progress=True)
+    results = _run_all(jobs, args.workers, args.timeout, progress=True, log=log)
     seconds = time.monotonic() - start
+    log.unlink(missing_ok=True)
     command = "PYTHONPATH=$PWD python scripts/onnx_conformance.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    note = ""
+    if args.merge:  # this run's cases re-run over a previous run's
+        previous = json.loads(Path(args.merge).read_text())
+        fresh = {(r["case"], r["engine"]) for r in results}
+        kept = [r for r in previous["results"] if (r["case"], r["engine"]) not in fresh]
+        note = (
+            f" {len(results)} results of this command ({len(fresh)} case-engine pairs) replace "
+            f"those of `{previous['command']}` ({len(previous['results'])} results, "
+            f"{previous['seconds'] / 60:.1f} min)."
+        )
+        command = f"{previous['command']}` then `{command}"
+        results, seconds = kept + results, previous["seconds"] + seconds
+        engines = [e for e in nc.ENGINES if any(r["engine"] == e for r in results)]
     out.with_suffix(".json").write_text(
         json.dumps({"command": command, "seconds": seconds, "results": results}, indent=1) + "\n"
     )
-    text = report(results, engines, command, seconds)
+    text = report(results, engines, command, seconds, note)
     out.with_suffix(".md").write_text(text)
     print(text.split("## Per op")[0])
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")

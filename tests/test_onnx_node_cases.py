@@ -88,6 +88,15 @@ CASES = [
     "test_edge_pad",
     "test_reflect_pad",
     "test_wrap_pad",
+    # found by the whole suite (onnx_refusals.py): a shift count out of range (stock: C's
+    # shift, -8 << 32 = -8), Dropout's mask (stock: float32) and training mode (ignored)
+    "test_bitshift_left_int32_shift_ge_width",
+    "test_bitshift_right_int8_negative_shift",
+    "test_dropout_default_mask",
+    "test_training_dropout_mask",
+    # ReduceMax of a row of -inf (stock: -3.4e38), which the expanded Attention compares to
+    # -inf to find a row masked in full
+    "test_attention_23_boolmask_fullymasked_row_nan_robustness_expanded",
 ]
 
 # cases refused in one line (a converter we cannot trust, or a form the importer lacks)
@@ -99,6 +108,7 @@ REFUSED = {
     "test_cast_FLOAT8E5M2_to_FLOAT",
     "test_cast_FLOAT_to_INT4",
     "test_castlike_FLOAT_to_FLOAT8E4M3FN",
+    "test_training_dropout_mask",  # random output
     *(n for n in names_of("nonmaxsuppression")),
 }
 

@@ -74,6 +74,7 @@ from .onnx_fixes import FIXES as _FIXES
 from .onnx_fixes import expand_to_runtime_shape
 from .onnx_known_shapes import KnownShapes
 from .onnx_op_gaps import CONVERTERS as _GAPS
+from .onnx_refusals import FIXES as _SUITE_FIXES
 from .onnx_rnn import CONVERTERS as _RNN_CONVERTERS
 
 _NO_IGNORE = -100
@@ -478,6 +479,7 @@ OVERRIDES = {
     **_FIXES,  # wrong numbers for some attribute values (onnx_fixes.py)
     **_GAPS,  # forms stock refuses: MaxPool Indices, integer Pow, run-time CumSum axis
     **_DYNAMIC,  # Size, Pad, Split with operands known at run time (onnx_dynamic.py)
+    **_SUITE_FIXES,  # the same, found by the whole node suite (onnx_refusals.py)
 }
 
 CONVERTERS = {
