@@ -206,3 +206,48 @@ def test_op_registered_by_importing_its_library(tmp_path, monkeypatch):
     mod = load.load_model(renamed)
     assert "tvmfusion_moe_lib" in sys.modules
     assert any("grouped_mm" in gv.name_hint for gv in mod.functions)
+
+
+class BatchedExperts(torch.nn.Module):
+    """transformers' ``batched_mm_experts_forward`` (gated, not transposed, SwiGLU)."""
+
+    def __init__(self, experts: int, hidden: int = 8, inter: int = 6):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inter, hidden) / 3)
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, inter) / 3)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        num_top_k = top_k_index.size(-1)
+        num_tokens, hidden_dim = hidden_states.shape
+        selected = hidden_states.repeat_interleave(num_top_k, dim=0)
+        sample_weights = top_k_weights.reshape(-1)
+        expert_ids = top_k_index.reshape(-1)
+        proj = torch.bmm(self.gate_up_proj[expert_ids], selected.unsqueeze(-1)).squeeze(-1)
+        gate, up = proj.chunk(2, dim=-1)
+        proj = torch.nn.functional.silu(gate) * up
+        proj = torch.bmm(self.down_proj[expert_ids], proj.unsqueeze(-1)).squeeze(-1)
+        weighted = proj * sample_weights.unsqueeze(-1)
+        return weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+
+
+def test_batched_experts_torchscript_onnx(tmp_path):
+    """The TorchScript ONNX export of the batched form: ``repeat_interleave`` becomes ``Tile``
+    to fresh dims, the expert GEMM's batch dims were not provably equal, and compiling failed
+    with a raw "'NoneType' object is not iterable"."""
+    pytest.importorskip("onnx")
+    torch.manual_seed(0)
+    model = BatchedExperts(3).eval()
+    path = tmp_path / "batched.onnx"
+    args = (torch.randn(7, 8), torch.randint(0, 3, (7, 2)), torch.rand(7, 2))
+    names = ["x", "ids", "weights"]
+    torch.onnx.export(
+        model, args, path, dynamo=False, input_names=names,
+        dynamic_axes={name: {0: "tokens"} for name in names},
+    )  # fmt: skip
+    compiled = engine.compile_module(load.load_model(path), host_target(), "tvm_fusion")
+    for tokens in (1, 7, 61):
+        x, ids = torch.randn(tokens, 8), torch.randint(0, 3, (tokens, 2))
+        weights = torch.rand(tokens, 2)
+        want = model(x, ids, weights).detach().numpy()
+        got = _run(compiled, x.numpy(), ids.numpy(), weights.numpy())
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
