@@ -251,3 +251,20 @@ def test_batched_experts_torchscript_onnx(tmp_path):
         want = model(x, ids, weights).detach().numpy()
         got = _run(compiled, x.numpy(), ids.numpy(), weights.numpy())
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_histc_of_integer_ids():
+    """transformers on CUDA counts integer ids (torch's CPU kernel takes floats only)."""
+
+    class Hist(torch.nn.Module):
+        def forward(self, ids):
+            return torch.histc(ids, bins=8, min=0, max=7)
+
+    ids = torch.zeros(9, dtype=torch.int32, device="meta")  # CPU's kernel refuses integers
+    n = torch.export.Dim("n", max=256)
+    program = torch.export.export(Hist(), (ids,), dynamic_shapes=({0: n},))
+    compiled = engine.compile_module(
+        load.import_exported_program(program), host_target(), "tvm_fusion"
+    )
+    ids = np.random.default_rng(0).integers(0, 8, 61).astype("int32")
+    np.testing.assert_array_equal(_run(compiled, ids), np.bincount(ids, minlength=8))

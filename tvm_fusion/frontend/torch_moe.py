@@ -31,8 +31,10 @@ nothing but their comparisons.
 
 ``histc.default`` (stock has none) with explicit ``min < max``: torch's bin
 ``floor((x - min) * bins / (max - min))``, ``x == max`` in the last bin, values outside
-``[min, max]`` dropped; counts in ``x``'s float dtype. ``min == max`` (torch then takes the
-data's range) is refused in one line.
+``[min, max]`` dropped; counts in ``x``'s dtype (float32 arithmetic for float32 and half
+types, float64 for float64 and integers: torch's CUDA kernel takes integer ids, which
+transformers passes there). ``min == max`` (torch then takes the data's range) is refused in
+one line.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def _histc(node, importer) -> relax.Var:
             f"{node.name}: histc with min={lo}, max={hi} (the data's range) is not supported;"
             " pass min < max"
         )
-    if not dtype.startswith("float"):
+    if not dtype.startswith(("float", "int", "uint")):
         raise ModelError(f"{node.name}: histc of dtype {dtype}")
     bb = importer.block_builder
     flat = bb.emit(relax.op.reshape(x, [-1]))
@@ -136,7 +138,7 @@ def _histc_te(x: te.Tensor, bins: int, lo: float, hi: float) -> te.Tensor:
     k = te.reduce_axis((0, n), name="k")
 
     def count(b):
-        v = x[k].astype("float64" if dtype == "float64" else "float32")
+        v = x[k].astype("float32" if dtype in ("float32", "float16", "bfloat16") else "float64")
         pos = tirx.floor((v - lo) * bins / (hi - lo)).astype("int32")
         pos = tirx.min(pos, bins - 1)
         hit = tirx.all(v >= lo, v <= hi, pos == b)
