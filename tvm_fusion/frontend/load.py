@@ -388,6 +388,7 @@ def load_exported_program(path, shapes: Shapes | None = None) -> tvm.IRModule:
         import torch
     except ImportError:
         raise ModelError(f"{path}: reading a torch.export program needs torch") from None
+    _register_custom_ops(path)
     quiet = logging.getLogger("torch.export")  # it logs a traceback before raising
     level = quiet.level
     try:
@@ -402,6 +403,67 @@ def load_exported_program(path, shapes: Shapes | None = None) -> tvm.IRModule:
     finally:
         quiet.setLevel(level)
     return import_exported_program(program, path)
+
+
+# custom ops a program may call -> the module whose import registers them
+_CUSTOM_OP_MODULES = {"transformers": ("transformers.integrations.moe", "transformers")}
+_TARGET = re.compile(r'"target":\s*"torch\.ops\.(\w+)\.(\w+)\.(\w+)"')
+
+
+def _custom_ops(path: str) -> list[tuple[str, str]]:
+    """``(namespace, name)`` of the ops outside ``aten`` / ``prims`` / ``_`` the saved graphs of
+    ``path`` call (read from the archive's ``models/*.json``; none if it is not a zip)."""
+    import zipfile
+
+    found: dict[tuple[str, str], None] = {}
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for name in archive.namelist():
+                if "/models/" in name and name.endswith(".json"):
+                    text = archive.read(name).decode("utf-8", "replace")
+                    for ns, op, _ in _TARGET.findall(text):
+                        if ns not in ("aten", "prims", "higher_order", "_"):
+                            found[(ns, op)] = None
+    except (OSError, zipfile.BadZipFile, KeyError):
+        return []
+    return list(found)
+
+
+def _register_custom_ops(path: str) -> None:
+    """Registers the custom ops ``path`` calls that torch does not know yet, by importing the
+    library that defines them (``transformers::grouped_mm_fallback``: transformers' grouped
+    experts); one ModelError line naming the op and the remedy where that is impossible, in
+    place of torch's "We ran into an error when deserializing the saved file"."""
+    import importlib
+
+    import torch
+
+    def known(ns: str, op: str) -> bool:
+        try:
+            getattr(getattr(torch.ops, ns), op)
+        except (AttributeError, RuntimeError):
+            return False
+        return True
+
+    for ns, op in _custom_ops(path):
+        if known(ns, op):
+            continue
+        module, package = _CUSTOM_OP_MODULES.get(ns, (None, None))
+        if module is not None:
+            try:
+                importlib.import_module(module)
+            except Exception as err:  # not installed, or a version without the op
+                logger.debug("importing %s for %s::%s: %s", module, ns, op, err)
+        if not known(ns, op):
+            remedy = (
+                f"install {package} (pip install {package})"
+                if package
+                else "import the library that defines it before loading"
+            )
+            raise ModelError(
+                f"{path}: the program calls the custom op {ns}::{op}, which is not registered;"
+                f" {remedy}"
+            )
 
 
 def import_exported_program(program, where: str = "the program", decompose: bool = True):

@@ -39,6 +39,13 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
   converter.
 - ``Concat`` of shape values with int64 tensors computed at run time: the shape values become
   int64 tensors (stock hands ``relax.concat`` a shape: "expects a Tuple of Tensors").
+- ``MatMul`` of batched operands whose batch dims the importer cannot prove equal (the
+  TorchScript export of transformers' ``batched_mm`` experts: ``bmm(W[ids], x.unsqueeze(-1))``
+  with ``x`` a ``repeat_interleave`` that became ``Tile`` to fresh ``tile_dim`` vars): stock's
+  result has no shape, and legalizing it failed with a raw "'NoneType' object is not
+  iterable". The second operand is ``match_cast`` to the first's batch dims (ONNX requires them
+  equal where neither is 1; a mismatch at run time is then the VM's shape error, never a
+  wrong number); a batch dim of 1 (broadcasting) keeps stock's converter.
 - ``Clip`` as Relax ``maximum`` / ``minimum`` (stock's import-time kernels keep the import's
   dims, which FuseTIR rejects once PlaceShapeOnHost has bound them).
 
@@ -331,6 +338,34 @@ class Tile(_frontend.Tile):
         return relax.op.reshape(relax.op.broadcast_to(view, relax.ShapeExpr(wide)), out)
 
 
+class MatMul(_frontend.MatMul):
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        """Batch dims of ``b`` cast to ``a``'s where the product has no shape (see the
+        module docstring)."""
+        a, b = inputs[0], inputs[1]
+        a_ty, b_ty = getattr(a, "ty", None), getattr(b, "ty", None)
+        if (
+            not all(
+                isinstance(t, relax.TensorType) and isinstance(t.shape, relax.ShapeExpr)
+                for t in (a_ty, b_ty)
+            )
+            or a_ty.ndim != b_ty.ndim
+            or a_ty.ndim < 3
+        ):
+            return super()._impl_v13(bb, inputs, attr, params)
+        product = bb.normalize(relax.op.matmul(a, b))
+        if isinstance(product.ty.shape, relax.ShapeExpr):
+            return product
+        a_dims, b_dims = list(a_ty.shape.values), list(b_ty.shape.values)
+        for d in a_dims[:-2] + b_dims[:-2]:
+            if isinstance(d, tirx.IntImm) and int(d.value) == 1:
+                return product  # broadcasting: stock's
+        dims = a_dims[:-2] + b_dims[-2:]
+        b = bb.match_cast(b, relax.TensorType(dims, b_ty.dtype, b_ty.vdevice))
+        return relax.op.matmul(a, b)
+
+
 def _is_shape_value(expr) -> bool:
     return isinstance(expr, relax.ShapeExpr) or isinstance(
         getattr(expr, "ty", None), relax.ShapeType
@@ -474,6 +509,7 @@ OVERRIDES = {
     "Expand": Expand,
     "Slice": Slice,
     "Tile": Tile,
+    "MatMul": MatMul,
     "Clip": Clip,
     "Concat": Concat,
     **_FIXES,  # wrong numbers for some attribute values (onnx_fixes.py)

@@ -90,7 +90,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.ir import PrimType
 
-from . import torch_ops_extra
+from . import torch_moe, torch_ops_extra
 from .torch_ops_extra import stock as _stock
 
 logger = logging.getLogger(__name__)
@@ -593,6 +593,7 @@ CONVERTERS = {
     "cumsum.default": _promoted("cumsum.default"),
     **{f"rsub.{kind}": _rsub(f"rsub.{kind}") for kind in _KINDS},
     **torch_ops_extra.CONVERTERS,
+    **torch_moe.CONVERTERS,
 }
 
 

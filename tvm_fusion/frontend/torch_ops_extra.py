@@ -13,6 +13,12 @@
   is emitted with ``assume_inbound=True``: declared ``(1, seq)``, the same values. A step
   other than 1, a start that is not a non-negative integer, or a length torch leaves clipped
   (``Min(seq, 16)``) go to stock's converter as they are.
+- ``empty.memory_format`` / ``empty.default`` / ``empty_permuted.default`` to a symbolic
+  size (transformers' grouped experts: ``inv_perm = torch.empty_like(perm)`` of the ``T * k``
+  routed pairs, decomposed to ``empty_permuted(sym_size)``): stock passes the fx nodes of the
+  size to ``relax.op.zeros`` ("Expected ``Array<ir.Expr>`` but got ``Array[index 0:
+  ffi.OpaquePyObject]``"); the size's entries are read from the importer's environment (their
+  ``PrimExpr``), the result zeros as stock's.
 """
 
 from __future__ import annotations
@@ -92,4 +98,29 @@ def _slice(node, importer) -> relax.Var:
     return bb.emit(relax.op.strided_slice(x, [axis], [start], [end_expr], [1], assume_inbound=True))
 
 
-CONVERTERS = {"slice.Tensor": _slice}
+def _empty(name: str):
+    """``empty(size)`` with symbolic entries in ``size`` (see the docstring)."""
+
+    def convert(node, importer) -> relax.Var:
+        import torch
+
+        size = node.args[0] if node.args else None
+        if not isinstance(size, list | tuple) or not any(
+            isinstance(d, torch.fx.Node) for d in size
+        ):
+            return stock(importer, name)(node)
+        dims = [importer.env[d] if isinstance(d, torch.fx.Node) else d for d in size]
+        if not all(isinstance(d, int) or tvm.ir.is_prim_expr(d) for d in dims):
+            return stock(importer, name)(node)
+        dtype = importer._convert_data_type(
+            node.kwargs.get("dtype", torch.get_default_dtype()), importer.env
+        )
+        return importer.block_builder.emit(relax.op.zeros(relax.ShapeExpr(dims), dtype))
+
+    return convert
+
+
+CONVERTERS = {
+    "slice.Tensor": _slice,
+    **{n: _empty(n) for n in ("empty.memory_format", "empty.default", "empty_permuted.default")},
+}
