@@ -431,10 +431,12 @@ KERNEL_CASES = [
 ]
 
 
-def _kernel_cases():
+def _kernel_cases(picked: list[str] | None = None):
     """Single fused kernels at the sizes where each CUDA rule of ours fires, small (checked) and
-    timed, with a PyTorch peer of the same computation and dtype."""
+    timed, with a PyTorch peer of the same computation and dtype (``picked``: these cases only)."""
     for name, kind, small, seed, dtype in KERNEL_CASES:
+        if picked is not None and name not in picked:
+            continue
         for size, (rows, k, d) in (("small", small), ("seed", seed)):
             if kind == "linear":
                 mod, inputs, ref = _linear_module(rows, k, d, dtype)
@@ -513,6 +515,12 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python")
     parser.add_argument("--only", default="", help="comma-separated workload names")
+    parser.add_argument(
+        "--kernels", default="", help="with --only kernels: comma-separated kernel case names"
+    )
+    parser.add_argument(
+        "--pipelines", default="stock,tvm_fusion", help="comma-separated: stock, tvm_fusion"
+    )
     parser.add_argument("--lift-min", type=int, default=1 << 16)
     parser.add_argument(
         "--no-runtime",
@@ -543,7 +551,9 @@ def main(argv=None) -> int:
 
     llama = _llama_cases() if not args.only or "llama_block" in names else iter(())
     shapes = _shape_cases() if not args.only or "shape_idioms" in names else iter(())
-    kernels = _kernel_cases() if not args.only or "kernels" in names else iter(())
+    picked = [n for n in args.kernels.split(",") if n] or None
+    kernels = _kernel_cases(picked) if not args.only or "kernels" in names else iter(())
+    pipelines = [p for p in args.pipelines.split(",") if p]
     workloads = [n for n in names if n not in ("llama_block", "shape_idioms", "kernels")]
     for case, stock_mod, ours_mod, inputs, function, ref, peer, size in itertools.chain(
         _cases(workloads), llama, shapes, kernels
@@ -575,6 +585,8 @@ def main(argv=None) -> int:
             )
             entry["data"] = f"data/{case}.npz"
         for pipeline, mod in (("stock", stock_mod), ("tvm_fusion", ours_mod)):
+            if pipeline not in pipelines:
+                continue
             path = out / "modules" / f"{case}.{pipeline}.so"
             try:
                 info = _compile_case(

@@ -139,6 +139,25 @@ def test_tile_fits_and_fills_the_sms(rows, units, gates, k, min_blocks):
     assert symbolic == gtc.choose_tile(gtc.SYMBOLIC_ROWS, units, 32, gates, k)
 
 
+@pytest.mark.parametrize(
+    "rows, units, gates, k",
+    [(64, 5632, 2, 2048), (37, 1024, 3, 1024), (16, 1024, 4, 1024), (128, 1024, 3, [1024] * 2)],
+)
+def test_few_rows_deepen_the_weight_stream(rows, units, gates, k):
+    """Few rows (<= SKINNY_ROWS, or symbolic): the kernel streams its weight, so the pipeline
+    holds more than one step in flight (3 or 4 stages within the shared memory; SwiGLU's 64 x
+    2048 -> 2 x 5632 had 2 stages, one 12 KB step in flight per block). Many rows: unchanged."""
+    tile = gtc.choose_tile(rows, units, 32, gates, k)
+    assert tile.stages >= 3 and gtc.smem_bytes(tile) <= gtc.SMEM_BUDGET, tile
+    gemms = 1 if isinstance(k, int) else len(k)
+    two = [gtc.TensorCoreTile(tile.wr, tile.wu, bk, gates, gemms) for bk in (64, 32, 16)]
+    two = next(t for t in two if gtc.smem_bytes(t) <= gtc.SMEM_BUDGET)  # 2 stages, widest step
+    assert tile.bk * (tile.stages - 1) > two.bk * (two.stages - 1), (tile, two)
+    symbolic = gtc.choose_tile(tvm.tirx.Var("n", "int64"), units, 32, gates, k)
+    assert symbolic.stages >= 3, symbolic
+    assert gtc.choose_tile(512, units, 32, gates, k).stages == gtc.STAGES
+
+
 def test_retyped_intrinsics_are_tvms_for_float16():
     """The bfloat16 intrinsics are made by retyping TVM's float16 ones; retyped to float16 they
     are TVM's (the ldmatrix implementation differs only in its pointer's printed type)."""

@@ -17,15 +17,18 @@ copying them cooperatively with 16-byte copies (``cp.async`` on sm_80+ where the
 scalar copies when its row length ``K`` is not a multiple of 4, where 16 bytes would be
 misaligned) in a 2-stage software pipeline (the next step's copy overlaps this step's math),
 then every thread runs ``BK`` steps of ``TM x gates x TU`` FMAs from shared memory (the weights
-as ``float4`` shared loads). The tile sizes are chosen to give at least ``SMS`` thread blocks
-(132, an H100's SMs) where the problem has that many tiles of at least one warp; a smaller
-problem gets the tile with the most blocks (no in-block split-K yet). With ``tunable=True``
-the tile is a ``sample_categorical`` decision among :func:`tunable_tiles` (the default first),
-and the split-K GEMV's split of ``K`` among ``GEMV_SPLITS``: MetaSchedule's space for these
-kernels (``tuning.gate_space``). Rows and ``K`` that the tiles do not divide are padded
-(``pad_einsum``; the padding read in place, zeros past the end), units are guarded; no extent
-is refused. At most ``ACC_BUDGET`` accumulators per thread and
-``SMEM_BUDGET`` bytes of static shared memory per block (both stages).
+as ``float4`` shared loads). The tile is the first of the preference order giving ``SMS x
+FILL_THREADS`` threads in flight (132 SMs, an H100's: an assumption, the target does not say;
+512 threads each: at 64 rows the largest register tile left 4 warps per SM, and SwiGLU's 64 x
+2048 -> 2 x 5632 ran at 14 TFLOP/s on an H200), else the first giving ``SMS`` thread blocks
+where the problem has that many tiles of at least one warp; a smaller problem gets the tile with
+the most blocks (no in-block split-K yet). With ``tunable=True`` the tile is a
+``sample_categorical`` decision among :func:`tunable_tiles` (the default first), and the split-K
+GEMV's split of ``K`` among ``GEMV_SPLITS``: MetaSchedule's space for these kernels
+(``tuning.gate_space``). Rows and ``K`` that the tiles do not divide are padded (``pad_einsum``;
+the padding read in place, zeros past the end), units are guarded; no extent is refused. At most
+``ACC_BUDGET`` accumulators per thread and ``SMEM_BUDGET`` bytes of static shared memory per
+block (both stages).
 
 Half precision (float16 / bfloat16 operands, accumulated in float32; kernels that
 :mod:`.gate_tensor_core` does not take): sized by element size. A 16-byte copy is 8 halves
@@ -34,14 +37,14 @@ the unit block ``BN`` is whole vectors of the weight (or the whole block ``V``),
 is counted in bytes and ``BK`` starts at 64 (a step dividing ``K`` preferred); the split-K
 GEMV reads a ``k``'s ``gates x 4`` halves as 16-byte loads where they are whole vectors.
 
-**Split-K GEMV** (static rows < ``MIN_TILED_ROWS``: batch-1 decode, LSTM/GRU cells): the
-weight block is ``V = TU = 4`` (:func:`gate_block`), so one thread's weights of one ``k`` (all
-gates of 4 units) are contiguous and 32 lanes at consecutive ``k`` read one contiguous run. A
-thread block per 4 units (``D / 4`` blocks: 256 for ``D = 1024``) and per ``RT`` rows; its
-``KS`` threads split ``K`` (rfactor), each accumulating ``RT x gates x 4`` partial sums with
-``float4`` weight loads; a cross-thread reduction (warp shuffles, then shared memory across
-warps) per sum; then the gate math on the block's units, in the same kernel (both GRU GEMMs
-too). ``K`` that ``KS`` does not divide is padded with zeros, read in place.
+**Split-K GEMV** (:mod:`.gate_gemv`; static rows < ``MIN_TILED_ROWS``: batch-1 decode, LSTM/GRU
+cells): the weight block is ``V = TU = 4`` (:func:`gate_block`), so one thread's weights of one
+``k`` (all gates of 4 units) are contiguous and 32 lanes at consecutive ``k`` read one
+contiguous run. A thread block per 4 units (``D / 4`` blocks: 256 for ``D = 1024``) and per
+``RT`` rows; its ``KS`` threads split ``K`` (rfactor), each accumulating ``RT x gates x 4``
+partial sums with ``float4`` weight loads; a cross-thread reduction (warp shuffles, then shared
+memory across warps) per sum; then the gate math on the block's units, in the same kernel (both
+GRU GEMMs too). ``K`` that ``KS`` does not divide is padded with zeros, read in place.
 
 Rows on several axes (a ``(batch, seq, K)`` input) are not tiled yet: static ones take the
 split-K GEMV (correct, not the best schedule from 16 rows up), symbolic ones the few-rows one.
@@ -56,30 +59,28 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import tvm
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from ... import target as _target
-from .._common import GATE_ATTR, extent, gate_blocks, is_reduction, is_static, try_inline_safe
+from .._common import GATE_ATTR, extent, gate_blocks, is_static
 from . import gate_tensor_core
+from .gate_gemv import ACC_BUDGET, TU, gemv_or_none, sample, vector
+from .gate_gemv import elem_bytes as _elem_bytes
 
 logger = logging.getLogger(__name__)
 
 THREADS = 256  # few-rows path, per thread block: TM rows x V units
 MIN_TILED_ROWS = 16  # static rows from which the tiled schedule runs
 SMS = 132  # thread blocks wanted: an H100 SXM's streaming multiprocessors
-TU = 4  # units per thread (one float4 of the blocked weight per gate)
-ACC_BUDGET = 48  # accumulators per thread (all GEMMs of the kernel live at once)
+FILL_THREADS = 512  # threads in flight wanted per SM (a quarter of sm_80 / sm_90's 2048)
 SMEM_BUDGET = 48 * 1024  # static shared memory per block
 COPY_BYTES = (16, 4)  # a cooperative copy's widths: 128-bit where aligned, else one word
 PIPELINE = True  # 2-stage software pipeline over the reduction steps
 STAGES = 2 if PIPELINE else 1
 KI_UNROLL = 16  # reduction steps unrolled per shared-memory slab
 TUNABLE_TILES = 8  # tiles MetaSchedule chooses among (tunable_tiles)
-GEMV_SPLITS = (32, 64, 128)  # threads splitting K in the split-K GEMV, when tuned
 
 
 @dataclass(frozen=True)
@@ -124,11 +125,6 @@ def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int 
         if width % v == 0:
             return v
     return 32 if width >= 32 else TU
-
-
-def vector(elem: int) -> int:
-    """Elements of ``elem`` bytes per 128-bit copy: 4 floats, 8 halves."""
-    return 16 // elem
 
 
 def first_bk(k_max: int, elem: int = 4) -> int:
@@ -188,6 +184,9 @@ def choose_tile(
         return Tile(1, 32 // tx, tx, 8)
     if not is_static(rows):
         return next((t for t in candidates if t.ty == 8), candidates[0])
+    for tile in candidates:  # enough threads in flight to hide the FMA and load latencies
+        if blocks(tile, rows, units) * tile.threads >= SMS * FILL_THREADS:
+            return tile
     for tile in candidates:
         if blocks(tile, rows, units) >= SMS:
             return tile
@@ -214,15 +213,6 @@ def tunable_tiles(
                 continue
             options.append(variant)
     return options
-
-
-def sample(sch: s_tir.Schedule, options: list):
-    """One of ``options``, chosen by a ``sample_categorical`` decision of ``sch`` (uniform): a
-    decision MetaSchedule samples anew for each candidate and records in its trace."""
-    if len(options) == 1:
-        return options[0]
-    pick = sch.sample_categorical(list(range(len(options))), [1 / len(options)] * len(options))
-    return options[int(sch.get(pick))]
 
 
 def _fit_smem(tile: Tile, gemm_gates: list[int], elem: int = 4) -> Tile | None:
@@ -280,7 +270,7 @@ class GateFusion(ScheduleRule):
                 # not the expected form: the few-rows schedule, from the unscheduled function
                 sch, reductions, finals, inner = gate_blocks(func)
         if (not row_loops or is_static(rows)) and block % TU == 0:
-            gemv = _gemv_or_none(func, params, tunable)
+            gemv = gemv_or_none(func, params, tunable)
             if gemv is not None:
                 return gemv
         return _few_rows(sch, block, reductions, finals, inner)
@@ -452,126 +442,6 @@ def _copy_width(sch: s_tir.Schedule, loops, buf) -> int:
         if run % width == 0 and span % width == 0:
             return width
     return 1
-
-
-def _elem_bytes(buf) -> int:
-    return tvm.DataType(str(buf.dtype)).bits // 8
-
-
-def _gemv_or_none(func, params, tunable=False):
-    """The split-K GEMV schedule of ``func`` from scratch, None when it does not apply."""
-    sch = s_tir.Schedule(func)
-    infos = normalize_prim_func(sch)
-    reductions = [i.block_rv for i in infos if is_reduction(sch, i.block_rv)]
-    others = [i for i in infos if not is_reduction(sch, i.block_rv)]
-    remaining = [i.block_rv for i in try_inline_safe(sch, others)]
-    finals = [b for b in remaining if any(w.source in params for w in sch.get(b).writes)]
-    inner = [b for b in remaining if b not in finals]
-    try:
-        return _schedule_gemv(sch, reductions, finals, inner, tunable)
-    except Exception as err:  # noqa: BLE001 - not the expected form: the few-rows schedule
-        logger.debug("gate fusion (cuda): split-K GEMV failed: %s", str(err)[:300])
-        return None
-
-
-def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner, tunable=False):
-    """Few static rows: a thread block per ``TU`` units (and per ``RT`` rows); its ``KS``
-    threads split ``K`` (thread ``t`` takes ``k = t, t + KS, ...``: a warp reads one contiguous
-    run of the blocked weight, each thread ``gates`` float4 per step), each keeping ``RT x gates
-    x TU`` partial sums in registers (rfactor); then one cross-thread reduction per sum (warp
-    shuffles, then shared memory across warps) and the gate math on the block's units.
-
-    Half-precision weights: a thread's ``gates x TU`` halves of one ``k`` (8 bytes a gate) are
-    read as 16-byte loads of 8 halves where they are whole vectors (an even number of gates:
-    LSTM), else as 8-byte loads per gate (GRU's 3 gates: taking two consecutive ``k`` per
-    thread would make whole vectors, but TVM 0.27's CUDA codegen then writes the vector's
-    index as an 8-lane int64 vector, ``make_longlong4`` with 8 arguments, that nvcc rejects)."""
-    *row_loops, unit_loop = sch.get_loops(finals[0])
-    gemm_gates = []
-    k_max = 0
-    for red in reductions:
-        stmt = sch.get(red)
-        shape = stmt.writes[0].source.shape
-        gemm_gates.append(int(shape[-3]))
-        k_max = max(
-            k_max, *(int(iv.dom.extent) for iv in stmt.iter_vars if iv.iter_type == iv.CommReduce)
-        )
-    ks = 64 if k_max >= 64 * 8 else 32
-    if tunable:  # MetaSchedule chooses the split (the default first)
-        ks = sample(sch, [ks, *(v for v in GEMV_SPLITS if v != ks and v <= max(k_max, 32))])
-    # split K over the threads first: rfactor wants the reduction first in its loop nest; a K
-    # that the threads do not divide is padded with zeros (no predicate in the partial sums)
-    factored, pads = [], []
-    for red in reductions:
-        stmt = sch.get(red)
-        k_ext = [int(iv.dom.extent) for iv in stmt.iter_vars if iv.iter_type == iv.CommReduce]
-        if k_ext[0] % ks:
-            before = {sch.get(b).name_hint for b in sch.get_consumers(red)}
-            factors = [ks if iv.iter_type == iv.CommReduce else 1 for iv in stmt.iter_vars]
-            sch.pad_einsum(red, factors)
-            pads += list(sch.get_producers(red))
-            for cut in sch.get_consumers(red):
-                if sch.get(cut).name_hint not in before:
-                    sch.compute_inline(cut)
-        *_, k_loop = sch.get_loops(red)
-        _, kt = sch.split(k_loop, [None, ks])
-        factored.append((red, sch.rfactor(kt, 0)))
-    bx, tu = sch.split(unit_loop, [None, TU])
-    sch.bind(bx, "blockIdx.x")
-    if row_loops:  # a single row may have no loop left
-        rows = sch.fuse(*row_loops) if len(row_loops) > 1 else row_loops[0]
-        rt = max(1, min(extent(sch, rows), ACC_BUDGET // (sum(gemm_gates) * TU)))
-        by, ri = sch.split(rows, [None, rt])
-        sch.reorder(bx, by, ri, tu)
-        sch.bind(by, "blockIdx.y")
-    else:
-        by = bx
-    loops = [sch.get(loop) for loop in sch.get_loops(finals[0])]
-    depth = next(i for i, loop in enumerate(loops) if loop.same_as(sch.get(by))) + 1
-    for other in reversed(inner):
-        sch.compute_at(other, by, preserve_unit_loops=True)
-        sch.set_scope(other, 0, "local")
-    for red, rf in factored:
-        sch.compute_at(red, by, preserve_unit_loops=True)
-        sch.set_scope(red, 0, "local")
-        sch.compute_at(rf, by, preserve_unit_loops=True)
-        kt_rf, *acc, ko_rf = sch.get_loops(rf)[depth:]
-        sch.reorder(kt_rf, ko_rf, *acc)
-        sch.bind(kt_rf, "threadIdx.x")
-        sch.set_scope(rf, 0, "local")
-        for loop in acc:
-            sch.unroll(loop)
-        # the weights of one k: gates x TU contiguous elements, read as float4 (halves: as
-        # 16-byte vectors where gates x TU is a multiple of 8, else 8 bytes a gate)
-        reads = sch.get(rf).reads
-        weight = max(range(len(reads)), key=lambda i: len(reads[i].source.shape))
-        width = vector(_elem_bytes(reads[weight].source))
-        cache = sch.cache_read(rf, weight, "local")
-        sch.compute_at(cache, ko_rf, preserve_unit_loops=True)
-        *_, vec = sch.get_loops(cache)
-        run = sch.get_loops(cache)[-2:]  # gate, unit
-        total = [extent(sch, loop) for loop in run]
-        if width > TU and all(isinstance(e, int) for e in total) and total[0] * total[1] % width:
-            run = []  # halves of an odd number of gates: 8 bytes a gate
-        if extent(sch, vec) == width:
-            sch.vectorize(vec)
-        elif width > TU and run:  # halves: (gate, unit) fused into 16-byte vectors
-            sch.vectorize(sch.split(sch.fuse(*run), [None, width])[1])
-        elif extent(sch, vec) == TU:
-            sch.vectorize(vec)
-        sch.decompose_reduction(rf, ko_rf)
-        # the write-back: one cross-thread reduction per partial sum
-        wb_loops = sch.get_loops(red)[depth:]
-        ivs = sch.get(red).iter_vars
-        (kt_wb,) = [
-            loop for loop, iv in zip(wb_loops, ivs, strict=True) if iv.iter_type == iv.CommReduce
-        ]
-        spatial = [loop for loop in wb_loops if not sch.get(loop).same_as(sch.get(kt_wb))]
-        sch.reorder(*spatial, kt_wb)
-        sch.bind(kt_wb, "threadIdx.x")
-    for pad in pads:  # read in place, zeros past K
-        sch.compute_inline(pad)
-    return sch
 
 
 def _few_rows(sch: s_tir.Schedule, block: int, reductions, finals, inner):

@@ -37,7 +37,11 @@ The tile: of the ``WR x WU`` (at most ``MAX_WARPS`` warps) whose shared memory (
 the result tile) fits ``SMEM_BUDGET``, the one with the most warps that still gives ``SMS``
 thread blocks; when none does, the one with the most blocks (gate_2890, 64 x 3 x 1024: 3 warps
 per block, 256 blocks). Static rows: the row block divides the rows padded to 16 (at most 15
-padded rows); symbolic rows are tiled as ``SYMBOLIC_ROWS`` static rows. ``BK``: the largest of
+padded rows); symbolic rows are tiled as ``SYMBOLIC_ROWS`` static rows. Few rows (static
+``<= SKINNY_ROWS``, or symbolic) stream the weight rather than compute: the pipeline gets 3 or
+4 stages (``SKINNY_STAGES``, as many bytes in flight as the shared memory allows; SwiGLU's 64
+x 2048 -> 2 x 5632 had one 12 KB step in flight per block and moved 0.58 TB/s on an H200;
+now 3 stages of 64, 36 KB, 42 registers, sm_90). ``BK``: the largest of
 64, 32, 16 whose zero padding of ``K`` is at most 15 or ``K / 16`` (:func:`reduction_steps`).
 
 Few rows: fewer than ``MIN_ROWS`` (16) static rows stay on the split-K GEMV. There both paths
@@ -85,6 +89,8 @@ SMS = 132  # thread blocks wanted: an H100 SXM's streaming multiprocessors
 SMEM_BUDGET = 48 * 1024  # static shared memory per block
 MAX_WARPS = 8
 STAGES = 2  # software pipeline over the reduction steps
+SKINNY_ROWS = 128  # static rows up to which (and symbolic rows) the weight stream is deepened
+SKINNY_STAGES = (4, 3)  # ... to as many pipeline stages as fit the shared memory
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ class TensorCoreTile:
     bk: int
     gates: int
     gemms: int = 1
+    stages: int = STAGES
 
     @property
     def bm(self) -> int:
@@ -115,7 +122,7 @@ class TensorCoreTile:
 def smem_bytes(tile: TensorCoreTile) -> int:
     """Per GEMM, both stages of the ``x`` and weight slabs (2-byte elements) and the float32
     result tile."""
-    staged = STAGES * ELEM * tile.bk * (tile.bm + tile.gates * tile.bn)
+    staged = tile.stages * ELEM * tile.bk * (tile.bm + tile.gates * tile.bn)
     return tile.gemms * (staged + 4 * tile.gates * tile.bm * tile.bn)
 
 
@@ -140,6 +147,7 @@ def choose_tile(rows, units: int, block: int, gates: int, k) -> TensorCoreTile |
     computed); symbolic rows are tiled as ``SYMBOLIC_ROWS`` rows would be. None when nothing
     fits."""
     ks = [k] if isinstance(k, int) else list(k)
+    skinny = not is_static(rows) or int(rows) <= SKINNY_ROWS
     rows = int(rows) if is_static(rows) else SYMBOLIC_ROWS
     rows16 = padded(rows, MMA)
     bks = reduction_steps(ks)
@@ -158,6 +166,8 @@ def choose_tile(rows, units: int, block: int, gates: int, k) -> TensorCoreTile |
                 ),
                 None,
             )
+            if tile is not None and skinny:
+                tile = _deepened(tile, bks, ks)
             if tile is not None:
                 candidates.append(tile)
     if not candidates:
@@ -170,6 +180,26 @@ def choose_tile(rows, units: int, block: int, gates: int, k) -> TensorCoreTile |
     if full:
         return max(full, key=lambda t: (t.warps, t.wr))
     return max(candidates, key=lambda t: (blocks(t), t.warps))
+
+
+def _deepened(tile: TensorCoreTile, bks: list[int], ks: list[int]) -> TensorCoreTile:
+    """Few rows: the weight stream, not the math, bounds the kernel, and a 2-stage pipeline
+    leaves one step's slab in flight per block. Of ``SKINNY_STAGES`` x ``bks`` within the
+    shared memory, the one with the most bytes in flight (``bk x (stages - 1)``), fewer stages
+    on a tie, with at least ``2 x stages`` steps of every ``K``; ``tile`` when none is
+    deeper."""
+    deeper = [
+        TensorCoreTile(tile.wr, tile.wu, bk, tile.gates, tile.gemms, stages)
+        for stages in SKINNY_STAGES
+        for bk in bks
+    ]
+    deeper = [
+        t
+        for t in deeper
+        if smem_bytes(t) <= SMEM_BUDGET and all(padded(k, t.bk) // t.bk >= 2 * t.stages for k in ks)
+    ]
+    best = max(deeper, key=lambda t: (t.bk * (t.stages - 1), -t.stages), default=tile)
+    return best if best.bk * (best.stages - 1) > tile.bk * (tile.stages - 1) else tile
 
 
 # --- intrinsics ----------------------------------------------------------------------------
@@ -407,7 +437,7 @@ def _schedule(sch, func, reductions, infos, dtype: str, tensorize: bool):
         _stage_gemm(sch, red, tile, pad, aligned_x=form[3] % VEC == 0)
         for red, pad, form in zip(reductions, pads, forms, strict=True)
     ]
-    warp_blocks = [_warp_tiles(sch, *loops) for loops in staged]
+    warp_blocks = [_warp_tiles(sch, *loops, stages=tile.stages) for loops in staged]
     if len(reductions) > 1:
         for loops in staged:  # nvcc unrolled both K loops in full: 168 registers at 64 x 1024
             sch.annotate(loops[1], "disable_unroll", 1)
@@ -475,7 +505,7 @@ def _stage_gemm(sch, red, tile: TensorCoreTile, pads: list, aligned_x: bool) -> 
     return r16, k0, k1, a_warp, b_warp, c_warp
 
 
-def _warp_tiles(sch, r16, k0, k1, a_warp, b_warp, c_warp) -> tuple:
+def _warp_tiles(sch, r16, k0, k1, a_warp, b_warp, c_warp, stages: int = STAGES) -> tuple:
     """The warp tiles of one GEMM as blocks of the intrinsics' shapes (16 x 16 x 16 per warp
     and step, the operands and accumulators in the ``ldmatrix`` / ``mma`` register layouts),
     the 2-stage pipeline over ``k0``. Returns the blocks that :func:`_tensorize` replaces."""
@@ -491,7 +521,7 @@ def _warp_tiles(sch, r16, k0, k1, a_warp, b_warp, c_warp) -> tuple:
     for loop in (*sch.get_loops(b_warp)[-4:-2], *sch.get_loops(c_warp)[-4:-2]):
         sch.unroll(loop)
     sch.unroll(k1)
-    sch.annotate(k0, "software_pipeline_stage", [0, 0, 1])
+    sch.annotate(k0, "software_pipeline_stage", [0, 0, stages - 1])
     sch.annotate(k0, "software_pipeline_order", [0, 1, 2])
     sch.annotate(k0, "software_pipeline_async_stages", [0])
     return a_warp, b_warp, outer, init, c_warp
