@@ -44,7 +44,8 @@ K^T packed per (batch, head), 32-row tiles), fused / unfused ours: causal B,H,S,
 8,4,63,64: 0.79x, 1,8,256,64: 0.79x, 1,4,512,64: 0.63x, 4,8,512,64: 0.56x, 1,8,2048,64:
 0.55x; without a mask 1.00x at S = 63, 1.20x at 128, 0.99x at 256 (the gate keeps these
 unfused), 0.92x / 0.97x at 512, 0.87x at 2048. The memory saving holds at any size (S = N =
-2048, B = 1, H = 8, D = 64: 0.021x stock's planned peak).
+2048, B = 1, H = 8, D = 64: 0.021x stock's planned peak; the kernel's packed K^T, a workspace
+the size of K allocated per call, is outside the plan).
 
 Left alone (reason at debug level): other dtypes (float16 / bfloat16), a softmax over another
 axis, a symbolic ``D`` / ``Dv``, a mask of another dtype, the mask added before the scale,
