@@ -347,6 +347,18 @@ def test_size_gate(monkeypatch):
     assert _fused(load_onnx(_onnx_model(s="S"))) == 1
 
 
+def test_unmasked_fuses_from_512(monkeypatch):
+    """The module's own gate: without a mask, a static S = N = 512 fuses (the kernel is faster
+    than the unfused matmuls there) and gives softmax's numbers; 256 stays unfused."""
+    monkeypatch.undo()  # the module's own gate
+    assert _fused(load_onnx(_onnx_model(s=256))) == 0
+    mod = load_onnx(_onnx_model(s=512))
+    assert _fused(mod) == 1
+    q, k, v = _qkv(512)
+    ref = _reference(q, k, v, 1 / np.sqrt(D))
+    np.testing.assert_allclose(_run(mod, [q, k, v]), ref, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # causal: the key blocks that the mask makes -inf whole are skipped
 

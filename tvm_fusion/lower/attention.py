@@ -11,19 +11,21 @@ gives). ``B, H, S, N`` (and the mask's dims) are symbolic in the kernel, ``D`` a
 fixed. The mask is 4-D; ``mask_dims[i]`` False means that axis is broadcast (read at 0). An
 added float32 mask, or with ``where_fill`` a boolean one that keeps or replaces scores.
 
-Per tile of ``QB`` query rows of one (batch, head), in parallel over all tiles: the running
+Per tile of ``QB`` = 32 query rows of one (batch, head), in parallel over all tiles: the running
 maximum ``m`` (a vector over the tile's rows), the running sums of ``exp(score - m)`` per row
 and lane (a ``(QB, lanes)`` buffer, added up at the end) and a ``(QB, Dv)`` accumulator stay in
 local buffers, the tile's Q rows scaled and transposed into a ``(D, QB)`` buffer once. The keys
 go by in blocks of ``KB`` = 64 (what one correction ``exp(m_old - m_new)`` is amortised over;
 the keys past the last whole block in blocks of two vectors, the last one clamped): the
-block's K^T rows copied together (in K^T they lie ``N`` apart, at N = 512 or 2048 in a few L1
-sets), its ``(QB, KB)`` scores as register-blocked GEMMs vectorised along the keys (``rp``
-rows x two vectors of keys per pass, accumulators in registers over ``D``: 4 x 2 ymm of 16 on
-AVX2, 8 x 2 where the target has 32 SIMD registers), masked, the row maxima as vectors of
-lanes, then ``exp(score - m_new)`` times the block's V rows (the accumulator in ``rp`` rows x
-two vectors of columns, corrected as it comes into registers). No spills in either inner loop
-(znver3 assembly read: 8 accumulators, operands in ymm8-13).
+block's K^T rows read together from a copy (in K^T they lie ``N`` apart, at N = 512 or 2048 in
+a few L1 sets): the whole blocks packed once per (batch, head) before the tiles, into a
+workspace the size of K (per tile, the copy took a sixth of the time at S = 512), the tail
+blocks copied by each tile; its ``(QB, KB)`` scores as register-blocked GEMMs vectorised
+along the keys (``rp`` rows x two vectors of keys per pass, accumulators in registers over
+``D``: 4 x 2 ymm of 16 on AVX2, 8 x 2 where the target has 32 SIMD registers), masked, the
+row maxima as vectors of lanes, then ``exp(score - m_new)`` times the block's V rows (the
+accumulator in ``rp`` rows x two vectors of columns, corrected as it comes into registers). No
+spills in either inner loop (znver3 assembly read: 8 accumulators, operands in ymm8-13).
 
 Blocks the mask sets to ``-inf`` whole are skipped: per (tile, block) the mask is read first
 (``QB x KB`` values, vectors; far less than the block's ``2 QB KB (D + Dv)`` flops), and a block
@@ -47,7 +49,7 @@ from tvm.script import tirx as T
 
 from .legalize import _EXP_POLY, _ROUNDING
 
-QB = 8  # query rows per tile
+QB = 32  # query rows per tile: 8 (AVX2) or 4 register blocks sharing each key block
 KB = 64  # keys per block: what one online-softmax correction is amortised over
 KERNEL_NAME = "fused_attention"
 
@@ -160,14 +162,23 @@ def attention_kernel(
     # register blocks: rp rows x two vectors of accumulators, the operand vectors and a
     # broadcast within the target's SIMD registers (AVX2: 4 x 2 + 2 + 1 of 16 ymm; 32
     # registers: 8 x 2 + 2 + 1). A spilled accumulator is a store-to-load chain through the
-    # stack on every iteration.
-    rp = QB if vector_registers >= 4 * QB else QB // 2
+    # stack on every iteration. (6 x 2 on AVX2 with QB = 24 was 7-9 % faster again, but 24
+    # does not divide KB: a tile straddling a block boundary would read a causal mask's
+    # masked block for its upper rows.)
+    rp = 8 if vector_registers >= 32 else 4
     ks = 2 * nl  # keys per QK^T register block
     cb = _columns(dv, 2 * nl)  # output columns per P V register block
 
     def key(k0, jj, n, tail):
         """Key ``jj`` of the block from ``k0``; in the tail block clamped to the last key."""
         return T.min(k0 + jj, n - 1) if tail else k0 + jj
+
+    def k_of(kbuf, kp, t, k0, c, j, s, n):
+        """The block's K^T row ``c``, key ``j``: from ``kp`` (packed per (batch, head) before
+        the tiles) where the block is whole, else from ``kbuf`` (copied by the tile)."""
+        if kp is None:
+            return kbuf[c, j]
+        return kp[t // _tiles(s) * (n // KB * KB * d) + k0 * d + c * KB + j]
 
     @T.macro
     def block_live(mask, live, vmax, t, k0, kb, s, h, n, tail):
@@ -197,6 +208,7 @@ def attention_kernel(
         qt,
         kt,
         kbuf,
+        kp,
         v,
         mask,
         acc,
@@ -220,9 +232,10 @@ def attention_kernel(
         sums are vector operations over the block's keys."""
         # the block's K^T rows copied together: in K^T they lie N apart, at a large power of
         # two (N = 512, 2048...) in a few L1 sets, evicting each other between the passes
-        for c in range(d):
-            for jj in T.vectorized(kb):
-                kbuf[c, jj] = kt[_batch(t, s, h), _head(t, s, h), c, key(k0, jj, n, tail)]
+        if kp is None:
+            for c in range(d):
+                for jj in T.vectorized(kb):
+                    kbuf[c, jj] = kt[_batch(t, s, h), _head(t, s, h), c, key(k0, jj, n, tail)]
         # rp rows x ks keys at a time, vectorised over the keys (K^T rows are contiguous in
         # them): the accumulators stay in registers over c
         for rh in range(QB // rp):
@@ -233,9 +246,8 @@ def attention_kernel(
                 for c in range(d):
                     for r in T.unroll(rp):
                         for jj in T.vectorized(ks):
-                            sc[rh * rp + r, ko * ks + jj] = (
-                                sc[rh * rp + r, ko * ks + jj]
-                                + qt[c, rh * rp + r] * kbuf[c, ko * ks + jj]
+                            sc[rh * rp + r, ko * ks + jj] = sc[rh * rp + r, ko * ks + jj] + (
+                                qt[c, rh * rp + r] * k_of(kbuf, kp, t, k0, c, ko * ks + jj, s, n)
                             )
         # masked, and the rows' maxima as vectors of lanes
         for r in range(QB):
@@ -307,6 +319,7 @@ def attention_kernel(
         qt,
         kt,
         kbuf,
+        kp,
         v,
         mask,
         acc,
@@ -332,6 +345,7 @@ def attention_kernel(
                     qt,
                     kt,
                     kbuf,
+                    kp,
                     v,
                     mask,
                     acc,
@@ -354,6 +368,7 @@ def attention_kernel(
                 qt,
                 kt,
                 kbuf,
+                kp,
                 v,
                 mask,
                 acc,
@@ -388,6 +403,15 @@ def attention_kernel(
         v = T.match_buffer(p_v, (b, h, n, dv))
         mask = T.match_buffer(p_m, (mb, mh, ms, mn), mask_dtype)
         o = T.match_buffer(p_o, (b, h, s, dv))
+        # the whole key blocks' K^T rows, packed once per (batch, head): (d, KB) each, as
+        # the tiles read them (in K^T they lie N apart, at N = 512, 2048... in a few L1 sets)
+        kp = T.decl_buffer((b * h * (n // KB * KB * d),), "float32")
+        for bh in T.parallel(b * h):
+            for jb, c in T.grid(n // KB, d):
+                for jj in T.vectorized(KB):
+                    kp[bh * (n // KB * KB * d) + (jb * d + c) * KB + jj] = kt[
+                        bh // h, bh % h, c, jb * KB + jj
+                    ]
         for t in T.parallel(b * h * ((s + QB - 1) // QB)):
             acc = T.decl_buffer((QB, dv), "float32", scope="local")
             run_max = T.decl_buffer((QB,), "float32", scope="local")
@@ -418,6 +442,7 @@ def attention_kernel(
                     qt,
                     kt,
                     kbuf,
+                    kp,
                     v,
                     mask,
                     acc,
@@ -441,6 +466,7 @@ def attention_kernel(
                     qt,
                     kt,
                     kbuf,
+                    None,
                     v,
                     mask,
                     acc,
@@ -464,6 +490,7 @@ def attention_kernel(
                     qt,
                     kt,
                     kbuf,
+                    None,
                     v,
                     mask,
                     acc,

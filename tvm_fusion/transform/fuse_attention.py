@@ -35,16 +35,17 @@ Every intermediate (scores, scaled, masked, probabilities, the 3-D views of them
 by the chain alone, else the chain stays. Run before LegalizeOps.
 
 Size gate: where ``S`` and ``N`` are both static and one (batch, head)'s scores ``S * N`` are
-below ``MIN_STATIC_SCORES`` (4096 x 4096), the chain is fused only when its mask can make the
+below ``MIN_STATIC_SCORES`` (512 x 512), the chain is fused only when its mask can make the
 kernel skip key blocks: a where with fill ``-inf`` (the ONNX exporters' causal ``Where``), a
 constant holding ``-inf``, or ``where(C, 0, -inf)`` (torch's ``is_causal`` and boolean
 ``attn_mask``); a symbolic ``S`` or ``N`` always fuses. Measured (scripts/bench_attention.py
-``--clock cpu``, znver3, one thread, CPU time, medians, two runs at load 7 and 11 on 2 shared
-cores), fused / unfused ours: causal B,H,S,D = 1,4,512,64: 0.64-0.84x, 4,8,512,64: 0.63-0.70x,
-8,4,63,64: 0.68-0.82x, 1,8,2048,64: 0.67-0.82x; without a mask 1.0-1.24x at S = 512,
-1.17-1.26x at 63, 1.21-1.35x at 2048: the unfused matmuls stay where nothing is skipped and
-the scores are small. The memory saving holds at any size (S = N =
-2048, B = 1, H = 8, D = 64: 0.021x stock's planned peak).
+``--clock cpu --reps 9``, znver3, one thread, CPU time, medians, load 7-8 on 2 shared cores;
+K^T packed per (batch, head), 32-row tiles), fused / unfused ours: causal B,H,S,D =
+8,4,63,64: 0.79x, 1,8,256,64: 0.79x, 1,4,512,64: 0.63x, 4,8,512,64: 0.56x, 1,8,2048,64:
+0.55x; without a mask 1.00x at S = 63, 1.20x at 128, 0.99x at 256 (the gate keeps these
+unfused), 0.92x / 0.97x at 512, 0.87x at 2048. The memory saving holds at any size (S = N =
+2048, B = 1, H = 8, D = 64: 0.021x stock's planned peak; the kernel's packed K^T, a workspace
+the size of K allocated per call, is outside the plan).
 
 Left alone (reason at debug level): other dtypes (float16 / bfloat16), a softmax over another
 axis, a symbolic ``D`` / ``Dv``, a mask of another dtype, the mask added before the scale,
@@ -78,7 +79,7 @@ from ._common import (
 
 NAME = "FuseAttention"
 # the size gate (module docstring): static S * N of one (batch, head) below this stays unfused
-MIN_STATIC_SCORES = 4096 * 4096
+MIN_STATIC_SCORES = 512 * 512
 logger = get_logger(__name__)
 
 
