@@ -29,7 +29,8 @@ cores shared, load average 8): ShuffleNet 36.5 ms against ONNX Runtime's 50.2 (5
 Sized from the target: ``lanes`` and the vector registers (accumulators <= registers - 4).
 
 Skipped (left to the next rule, the reason logged at debug level): more than one reduction
-block, no grouped input index, symbolic output positions, non-float dtypes.
+block, no grouped input index, symbolic output positions, non-float dtypes, and rows whose
+divisors fill under 3/4 of a vector (13 or 27 positions: no vector tail yet).
 """
 
 from __future__ import annotations
@@ -186,6 +187,11 @@ class GroupedConv(CPURule):
         p_ext = int(extent(sch, p_loop))
         row = int(after[-1].dom.extent)
         vw = _vector_width(row, lanes)
+        if vw < row and vw * 4 < lanes * 3:
+            # no vector tail here (yet): a row of 13 would run as scalars, one of 27 as
+            # vectors of 3 (AlexNet's groups-2 convolutions): the window rule's vector tail
+            logger.debug("grouped: rows of %d fill %d of %d lanes", row, vw, lanes)
+            return None
         mr, nv = _tile(og, p_ext, row if flat else p_ext, vw, max(regs - 4, 2))
         oc_o, oc_i = sch.split(oc_loop, [None, mr])
         p_o, p_v, p_i = sch.split(p_loop, [None, nv, vw])
