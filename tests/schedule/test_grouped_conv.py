@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import tvm
 from helpers import run
-from tvm import relax
+from tvm import relax, s_tir
 from tvm.relax import op as R
 
 from tvm_fusion import analysis, build_pipeline
 from tvm_fusion.build import engine
+from tvm_fusion.tir_util import iter_stmts
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -150,3 +151,24 @@ def test_grouped_conv_must_not_fire(target):
         with target:
             lowered = build_pipeline(target)(mod)
         assert "GroupedConv" not in _rules(lowered).values(), _rules(lowered)
+
+
+def test_grouped_conv_padding_is_a_copy(target):
+    """A padded convolution reads a padded copy: no ``if_then_else`` in the tile's loads (TVM's
+    vectoriser would load lane by lane)."""
+    build, shape, _ = CASES["g4_3x3_pad"]
+    with target:
+        lowered = build_pipeline(target)(_module(build, (1, *shape)))
+    (func,) = [
+        f
+        for f in lowered.functions.values()
+        if isinstance(f, tvm.tirx.PrimFunc)
+        and str(f.attrs.get("tvm_fusion.schedule_rule", "")) == "GroupedConv"
+    ]
+    updates = [
+        s
+        for s in iter_stmts(func.body)
+        if isinstance(s, s_tir.SBlock) and s.name_hint.endswith("_update")
+    ]
+    assert updates
+    assert all("if_then_else" not in s.body.script() for s in updates)
