@@ -21,10 +21,11 @@ The schedule, per group a GEMM ``W_g (OG x CG*kh*kw) @ X_g`` computed in place:
 - a padding block is computed whole before (a padded copy of the input), a plain copy is
   inlined.
 
-Measured (``scripts/bench_cnn.py --models shufflenet --repeat 5 --budget 3``, 2 threads, the 2
-cores shared, load average 8): ShuffleNet 36.5 ms against ONNX Runtime's 50.2 (568.9 against
-63.9 with the window rule, same load); its 1 x 1 groups-4 kernel 1 x 272 x 14 x 14 0.17 ms
-(1.9 ms as dot products).
+Measured (``scripts/bench_cnn.py --repeat 5 --budget 3``, 2 threads, the 2 cores shared with
+other jobs, the old and new code one after the other): ShuffleNet 27.3 ms against ONNX Runtime's
+25.2 (the window rule's dot products: 53.5 against 21.8, load 3-4; 568.9 against 63.9 at load
+7-9); its 1 x 1 groups-4 kernel 1 x 272 x 14 x 14 0.17 ms (1.9 ms). AlexNet's 3 x 3 groups-2
+convolutions (12 x 12): 103.6 ms against ORT's 107.1 (116.0 against 112.6 before).
 
 Sized from the target: ``lanes`` and the vector registers (accumulators <= registers - 4).
 
