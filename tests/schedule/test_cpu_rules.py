@@ -81,6 +81,7 @@ def test_rules_skip_gpu_targets():
     gpu = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     rules = (
         cpu.Matmul(),
+        cpu.GroupedConv(),
         cpu.RowReduction(),
         cpu.Injective(),
         cpu.WindowReduction(),

@@ -49,6 +49,7 @@ def default_rules(target: Target) -> list[dl.ScheduleRule]:
     return [
         cpu.GateFusion(),
         cpu.Matmul(),
+        cpu.GroupedConv(),  # before the window rule, which would take it as dot products
         cpu.RowReduction(),
         cpu.Injective(),
         cpu.WindowReduction(),

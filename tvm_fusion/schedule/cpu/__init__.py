@@ -2,9 +2,18 @@
 
 from .fallback import Fallback
 from .gate_fusion import GateFusion
+from .grouped import GroupedConv
 from .injective import Injective
 from .matmul import Matmul
 from .reduction import RowReduction
 from .window import WindowReduction
 
-__all__ = ["Fallback", "GateFusion", "Injective", "Matmul", "RowReduction", "WindowReduction"]
+__all__ = [
+    "Fallback",
+    "GateFusion",
+    "GroupedConv",
+    "Injective",
+    "Matmul",
+    "RowReduction",
+    "WindowReduction",
+]
