@@ -56,6 +56,7 @@ _MODULES = {
     "test_reflect_pad": "pad",
     "test_wrap_pad": "pad",
     "test_training_dropout": "dropout",
+    "test_range": "rangeop",
 }
 
 

@@ -88,6 +88,11 @@ CASES = [
     "test_edge_pad",
     "test_reflect_pad",
     "test_wrap_pad",
+    # ONNX Range: its length, a scalar reshaped to (1,), crashed FuseSplitGates' unbind plan
+    "test_range_float_type_positive_delta",
+    "test_range_int32_type_negative_delta",
+    "test_range_float16_type_positive_delta",
+    "test_range_bfloat16_type_positive_delta",
     # found by the whole suite (onnx_refusals.py): a shift count out of range (stock: C's
     # shift, -8 << 32 = -8), Dropout's mask (stock: float32) and training mode (ignored)
     "test_bitshift_left_int32_shift_ge_width",

@@ -240,6 +240,8 @@ def _unbind_plan(value: dict, users: dict, outputs: set, v_var, v_value) -> dict
     y_shape, v_shape = _shape(y), _shape(v_var)
     if y_shape is None or v_shape is None or len(v_shape) != len(y_shape) + 1 or v_var in outputs:
         return {}
+    if not y_shape:  # a scalar reshaped to (1,) (ONNX Range's length): no axis to unbind
+        return {}
     k, d = _static_int(v_shape[-2]), _static_int(v_shape[-1])
     n = _static_int(y_shape[-1])
     if None in (k, d, n) or k * d != n or k < 2:
