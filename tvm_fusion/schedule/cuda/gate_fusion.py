@@ -17,12 +17,10 @@ copying them cooperatively with 16-byte copies (``cp.async`` on sm_80+ where the
 scalar copies when its row length ``K`` is not a multiple of 4, where 16 bytes would be
 misaligned) in a 2-stage software pipeline (the next step's copy overlaps this step's math),
 then every thread runs ``BK`` steps of ``TM x gates x TU`` FMAs from shared memory (the weights
-as ``float4`` shared loads). The tile is the first of the preference order giving ``SMS x
-FILL_THREADS`` threads in flight (132 SMs, an H100's: an assumption, the target does not say;
-512 threads each: at 64 rows the largest register tile left 4 warps per SM, and SwiGLU's 64 x
-2048 -> 2 x 5632 ran at 14 TFLOP/s on an H200), else the first giving ``SMS`` thread blocks
-where the problem has that many tiles of at least one warp; a smaller problem gets the tile with
-the most blocks (no in-block split-K yet). With ``tunable=True`` the tile is a
+as ``float4`` shared loads). The tile is the first of the preference order giving ``SMS``
+thread blocks (132 SMs, an H100's: an assumption, the target does not say) where the problem
+has that many tiles of at least one warp; a smaller problem gets the tile with the most blocks
+(no in-block split-K yet). With ``tunable=True`` the tile is a
 ``sample_categorical`` decision among :func:`tunable_tiles` (the default first), and the split-K
 GEMV's split of ``K`` among ``GEMV_SPLITS``: MetaSchedule's space for these kernels
 (``tuning.gate_space``). Rows and ``K`` that the tiles do not divide are padded (``pad_einsum``;
@@ -74,7 +72,10 @@ logger = logging.getLogger(__name__)
 THREADS = 256  # few-rows path, per thread block: TM rows x V units
 MIN_TILED_ROWS = 16  # static rows from which the tiled schedule runs
 SMS = 132  # thread blocks wanted: an H100 SXM's streaming multiprocessors
-FILL_THREADS = 512  # threads in flight wanted per SM (a quarter of sm_80 / sm_90's 2048)
+# Tried and dropped: the first tile giving SMS x 512 threads in flight (1 x 2 x 4 register
+# tiles, 352 blocks x 256 threads for SwiGLU's 64 x 2048 -> 2 x 5632, float32) ran 0.238 ms on an
+# H200 against 0.210 ms for this rule's 176 x 128 (bench/gpu.md, 2026-11-26): more threads, each
+# with less reuse of its shared-memory loads.
 SMEM_BUDGET = 48 * 1024  # static shared memory per block
 COPY_BYTES = (16, 4)  # a cooperative copy's widths: 128-bit where aligned, else one word
 PIPELINE = True  # 2-stage software pipeline over the reduction steps
@@ -184,9 +185,6 @@ def choose_tile(
         return Tile(1, 32 // tx, tx, 8)
     if not is_static(rows):
         return next((t for t in candidates if t.ty == 8), candidates[0])
-    for tile in candidates:  # enough threads in flight to hide the FMA and load latencies
-        if blocks(tile, rows, units) * tile.threads >= SMS * FILL_THREADS:
-            return tile
     for tile in candidates:
         if blocks(tile, rows, units) >= SMS:
             return tile
