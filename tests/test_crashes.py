@@ -139,3 +139,38 @@ def test_reshape_to_a_zero_dim(tmp_path):
         }
         cases.append((model, [feed], [ReferenceEvaluator(model).run(None, feed)]))
     _check(tmp_path, cases)
+
+
+def _reshape_to_signed_input(form: str):
+    """``Reshape(x, t)`` with ``t`` computed from the int64 input ``s``: ``Where(Less(s, 0),
+    Neg(s), s)`` or ``Abs(s)``; x (2, 6)."""
+    if form == "where":
+        nodes = [
+            helper.make_node("Less", ["s", "zero"], ["neg"]),
+            helper.make_node("Neg", ["s"], ["ms"]),
+            helper.make_node("Where", ["neg", "ms", "s"], ["t"]),
+        ]
+    else:
+        nodes = [helper.make_node("Abs", ["s"], ["t"])]
+    nodes.append(helper.make_node("Reshape", ["x", "t"], ["y"]))
+    inputs = [onnx_input("x", "float32", [2, 6]), onnx_input("s", "int64", [2])]
+    out = [onnx_input("y", "float32", ["a", "b"])]
+    return onnx_model(nodes, inputs, out, {"zero": np.array(0, "int64")}, opset=17)
+
+
+def test_reshape_to_a_sign_test_of_an_input(tmp_path):
+    """A Reshape target computed from a graph input by a sign test (issue #40): PlaceShapeOnHost
+    read ``s`` into dims and wrote ``T.Select(s_0 < 0, s_0 * -1, s_0)``, on which
+    CanonicalizeBindings recursed until the stack overflowed (segfault); TVM also takes dims
+    as >= 0, so the sign test could fold to false. Negative, positive and 0 (copies the input
+    dim) entries; onnxruntime gives the expected outputs."""
+    import onnxruntime as ort
+
+    x = np.arange(12, dtype="float32").reshape(2, 6)
+    cases = []
+    for form in ("where", "abs"):
+        model = _reshape_to_signed_input(form)
+        session = ort.InferenceSession(model.SerializeToString())
+        feeds = [{"x": x, "s": np.array(s, "int64")} for s in ([-3, 4], [3, 4], [0, 6], [4, -3])]
+        cases.append((model, feeds, [session.run(None, feed) for feed in feeds]))
+    _check(tmp_path, cases)

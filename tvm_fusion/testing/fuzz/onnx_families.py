@@ -18,7 +18,8 @@ parameters give no valid graph; :func:`.onnx_frontend.generate` draws again).
 - ``shape_chains``: Shape / Gather / Div / Mul / Concat / Reshape / Slice / Expand /
   ConstantOfShape / Tile / Pad / CumSum / Range on a (b, s, h) input with dynamic b, s; the
   halves of an axis also on the static h (or a static s) inside the dynamic shape, sliced "to
-  the end" by INT64_MAX, 2**62, 2**31 - 1 or 2**31.
+  the end" by INT64_MAX, 2**62, 2**31 - 1 or 2**31; maybe a Reshape to a target computed from
+  an int64 input by a sign test (Where / Less / Greater / Neg / Abs).
 """
 
 from __future__ import annotations
@@ -523,4 +524,34 @@ def _shape_chains(rng):
             pos = g.node("Expand", [g.node("Unsqueeze", [pos, g.i64(0)]), vec(dim(0), dim(1))])
             posf = g.node("Cast", [pos], to=TensorProto.FLOAT)
             g.output(g.node("Add", [x, g.node("Unsqueeze", [posf, g.i64(-1)])]))
-    return g.model(), feeds, " ".join(str(c) for c in chains)
+    notes = [str(c) for c in chains]
+    # drawn after the chains: the earlier seeds build the graphs they built before
+    if rng.random() < 0.5:
+        notes.append(_signed_target(g, rng, x, feeds, b_sizes, s_sizes, h))
+    return g.model(), feeds, " ".join(notes)
+
+
+def _signed_target(g: _Graph, rng, x: str, feeds, b_sizes, s_sizes, h: int) -> str:
+    """``Reshape(x, t)`` with ``t`` computed from an int64 input ``v`` by a sign test:
+    ``Where(Less(v, 0), Neg(v), v)``, ``Where(Greater(v, 0), v, Neg(v))`` or ``Abs(v)`` (issue
+    #40: PlaceShapeOnHost read ``v`` into dims, which TVM takes as >= 0, and the sign test's
+    Select segfaulted CanonicalizeBindings). ``v`` holds (b*s, h), (b, s*h) or (0, s*h) (a 0
+    copies the input's dim), each entry negated or not per feed."""
+    from onnx import TensorProto
+
+    v = g.input("target", [2], TensorProto.INT64)
+    form = str(rng.choice(["where_less", "where_greater", "abs"]))
+    if form == "where_less":
+        t = g.node("Where", [g.node("Less", [v, g.scalar64(0)]), g.node("Neg", [v]), v])
+    elif form == "where_greater":
+        t = g.node("Where", [g.node("Greater", [v, g.scalar64(0)]), v, g.node("Neg", [v])])
+    else:
+        t = g.node("Abs", [v])
+    layout = str(rng.choice(["bs_h", "b_sh", "0_sh"]))
+    for i, feed in enumerate(feeds):
+        b_, s_ = b_sizes[i], s_sizes[i]
+        dims = {"bs_h": [b_ * s_, h], "b_sh": [b_, s_ * h], "0_sh": [0, s_ * h]}[layout]
+        signs = np.where(rng.random(2) < 0.5, -1, 1)
+        feed[v] = (np.array(dims, "int64") * signs).astype("int64")
+    g.output(g.node("Reshape", [x, t]))
+    return f"signed {form} {layout}"

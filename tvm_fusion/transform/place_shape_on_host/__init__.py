@@ -42,7 +42,9 @@ pipeline stops FuseOps from merging them into device kernels), and the read need
 copy. Larger inputs (the mask itself) are data and stay on the device. The module's ``vdevice``
 global info lists the device first and the host after it, so the VM is created with
 ``[gpu, cpu]``. Anything the evaluator does not understand is left as it was, with the reason at
-debug level.
+debug level. Sign tests (comparisons, abs, min/max, floor division) of values read at run time
+are not evaluated: TVM takes every dim a ``match_cast`` defines to be >= 0 and would fold them;
+such a chain stays tensor ops, and its result is read instead.
 
 A ``strided_slice`` from a positive constant begin (as written, or clamped by the importer to a
 symbolic end: ``min(1, 2 * seq)``) to the end of a symbolic axis or to a symbolic end within it

@@ -77,6 +77,12 @@ _LOGICAL = {
     "relax.logical_and": tirx.And,
     "relax.logical_or": tirx.Or,
 }
+# ops whose result depends on the sign of an operand: not evaluated over values read at run time
+# (graph inputs, data), which may be negative, while TVM takes every dim a ``match_cast``
+# defines to be >= 0 and folds ``s_0 < 0`` to false (issue #40: ``Where(Less(s, 0), Neg(s), s)``
+# as a Reshape target; its ``T.Select(s_0 < 0, ...)`` also sent CanonicalizeBindings into
+# endless recursion, a segfault). Such a chain stays tensor ops; its result is read instead.
+_SIGNED = (*_COMPARE, "relax.minimum", "relax.maximum", "relax.floor_divide", "relax.floor_mod")
 _PASS_THROUGH = ("relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.flatten")
 
 
@@ -188,6 +194,14 @@ class _Evaluator:
             expr = self.var2val[expr]
             seen += 1
         return expr
+
+    def _signed_read(self, elems, name: str) -> bool:
+        """Whether ``elems`` use a value read at run time; then ``name`` is refused."""
+        read = {d for dims in (*self.inputs.values(), *self.reads.values()) for d in dims}
+        if any(v in read for e in elems for v in tirx.analysis.undefined_vars(e)):
+            self.fail(f"{name} of a value read at run time (may be negative; TVM takes dims >= 0)")
+            return True
+        return False
 
     def fail(self, why: str) -> None:
         if not self.why:
@@ -412,7 +426,7 @@ class _Evaluator:
 
     def _abs(self, expr) -> _Value | None:
         inner = self.value(expr.args[0])
-        if inner is None:
+        if inner is None or self._signed_read(inner.elems, "abs"):
             return None
         return _Value([tirx.Select(e < 0, -e, e) for e in inner.elems], inner.rank)
 
@@ -445,6 +459,8 @@ class _Evaluator:
         if a is None or b is None:
             return self.fail("elementwise op with mismatched lengths")
         rank = max(lhs.rank, rhs.rank)
+        if name in _SIGNED and self._signed_read(a + b, name.removeprefix("relax.")):
+            return None
         if name in _COMPARE:
             return _Value([_COMPARE[name](x, y) for x, y in zip(a, b, strict=True)], rank)
         if name in _LOGICAL:
