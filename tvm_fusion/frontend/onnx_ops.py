@@ -12,7 +12,8 @@ constants or shapes), which stock rejects or turns into tensors of unknown shape
 - ``Reshape`` of a scalar dim (a PrimExpr: stock "expects the input data to be a Tensor");
 - ``Reshape`` with a computed target (stock: "Reshape requires the input new shape to be
   Shape"): ``tensor_to_shape`` of the target, ``match_cast`` to fresh dims, ONNX's 0 (copy the
-  input dim) and -1 (infer) rules written as symbolic expressions over them;
+  input dim) and -1 (infer) rules written as symbolic expressions over them, the element
+  count checked at run time unless proven (:mod:`~.onnx_reshape_check`);
 - ``ConstantOfShape`` with an empty shape (a scalar; transformers' attention-mask code): stock
   fails with "broadcast_to expects the input shape to have the number of ndim at least as the
   input tensor's";
@@ -82,6 +83,7 @@ from .onnx_fixes import expand_to_runtime_shape
 from .onnx_known_shapes import KnownShapes
 from .onnx_op_gaps import CONVERTERS as _GAPS
 from .onnx_refusals import FIXES as _SUITE_FIXES
+from .onnx_reshape_check import checked_input
 from .onnx_rnn import CONVERTERS as _RNN_CONVERTERS
 
 _NO_IGNORE = -100
@@ -168,6 +170,11 @@ class Reshape(_frontend.Reshape):
         if dims is None or not isinstance(in_shape, relax.ShapeExpr):
             return super()._impl_v13(bb, inputs, attr, params)
         in_dims = list(in_shape.values)
+        node = attr.get("tvm_custom", {}).get("name") or "(unnamed)"
+        x_name = repr(data.name) if isinstance(data, relax.Var) else "its input"
+        data = checked_input(
+            bb, data, target, dims, bool(attr.get("allowzero", 0)), f"Reshape {node!r} of {x_name}"
+        )
         if not attr.get("allowzero", 0):  # 0 copies the input's dim at the same position
             dims = [
                 tirx.Select(d == 0, _i64(in_dims[i]), d) if i < len(in_dims) else d

@@ -1,0 +1,149 @@
+"""ONNX ``Reshape`` to a target computed from the data (issue #40): the element count is
+checked at run time (``check_reshape``, :mod:`tvm_fusion.frontend.onnx_reshape_check`).
+Before, ``x`` of 12 elements reshaped to ``[1, 6]`` gave a (1, 6) tensor and to ``[3, 6]`` a
+view reading past ``x``'s buffer, where onnxruntime refuses both. Every compiled case runs in
+a subprocess, so that an out-of-bounds read that crashes fails its test instead of pytest."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import onnxruntime.capi.onnxruntime_pybind11_state as _ortc
+import pytest
+from onnx import TensorProto, helper
+
+from tvm_fusion import load_onnx
+
+CORPUS = Path(__file__).parent / "corpus"
+_ORT_ERRORS = (_ortc.Fail, _ortc.InvalidArgument, _ortc.RuntimeException)
+
+# compiles argv[1] with our pipeline on llvm, runs each feed of argv[2] (an npz of
+# "<i>/<name>"), prints one JSON line per feed: the outputs, or the error's first line
+_RUN = """
+import json, sys
+import numpy as np
+import onnx
+
+from tvm_fusion import host_target, load_onnx
+from tvm_fusion.build import engine
+
+model = onnx.load(sys.argv[1])
+feeds = np.load(sys.argv[2])
+compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
+names = [v.name for v in model.graph.input]
+for i in range(len(feeds.files) // len(names)):
+    try:
+        got = engine.TvmRunner(compiled, [feeds[f"{i}/{n}"] for n in names]).outputs()
+        print(json.dumps({"out": [[list(g.shape), g.reshape(-1).tolist()] for g in got]}))
+    except Exception as e:  # noqa: BLE001
+        print(json.dumps({"error": type(e).__name__ + ": " + str(e)}))
+    sys.stdout.flush()
+"""
+
+
+def _model(through_abs: bool, x_dims=(2, 6)):
+    """``Reshape(x, t)`` (``Abs(t)`` with ``through_abs``), x float32 of ``x_dims``, t int64
+    of 2 elements: a model input, so the target is data."""
+    nodes = [helper.make_node("Abs", ["t"], ["target"])] if through_abs else []
+    nodes.append(
+        helper.make_node("Reshape", ["x", "target" if through_abs else "t"], ["y"], name="rs")
+    )
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_dims)),
+        helper.make_tensor_value_info("t", TensorProto.INT64, [2]),
+    ]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])
+    graph = helper.make_graph(nodes, "reshape", inputs, [out])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+
+
+def _run(tmp_path, model, feeds: list[dict]) -> list[dict]:
+    path, data = tmp_path / "m.onnx", tmp_path / "feeds.npz"
+    path.write_bytes(model.SerializeToString())
+    np.savez(data, **{f"{i}/{n}": a for i, feed in enumerate(feeds) for n, a in feed.items()})
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN, str(path), str(data)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(feeds), proc.stdout
+    return lines
+
+
+def _ort(model):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return lambda feed: sess.run(None, feed)
+
+
+def _x():
+    return np.arange(12, dtype="float32").reshape(2, 6) - 5.5
+
+
+@pytest.mark.parametrize("through_abs", [True, False])
+def test_valid_and_invalid_targets(tmp_path, through_abs):
+    """Valid targets give onnxruntime's numbers; invalid ones (too few / too many elements,
+    two -1, a -1 that does not divide) raise one ValueError naming the node, as onnxruntime
+    refuses them."""
+    model = _model(through_abs)
+    valid = [[-3, 4], [0, 6], [-4, 3]] if through_abs else [[3, 4], [0, 6], [-1, 4], [0, -1]]
+    invalid = [[1, 6], [3, 6], [0, 5]]
+    invalid += [] if through_abs else [[-1, -1], [5, -1], [-2, -6], [0, -5]]
+    feeds = [{"x": _x(), "t": np.array(t, "int64")} for t in valid + invalid]
+    got = _run(tmp_path, model, feeds)
+    ort_run = _ort(model)
+    for feed, result in zip(feeds[: len(valid)], got, strict=False):
+        (want,) = ort_run(feed)
+        assert "out" in result, (feed["t"], result)
+        shape, values = result["out"][0]
+        assert tuple(shape) == want.shape, (feed["t"], shape, want.shape)
+        np.testing.assert_array_equal(np.array(values, "float32").reshape(shape), want)
+    for feed, result in zip(feeds[len(valid) :], got[len(valid) :], strict=True):
+        with pytest.raises(_ORT_ERRORS):
+            ort_run(feed)
+        assert "error" in result, (feed["t"], result)
+        assert "ValueError" in result["error"] and "Reshape 'rs'" in result["error"], result
+
+
+def _kernels(model) -> int:
+    mod = load_onnx(model)
+    return sum("check_reshape" in gv.name_hint for gv in mod.get_global_vars())
+
+
+def test_no_check_for_constant_or_shape_targets():
+    """A constant target, and one computed from a dynamic input's Shape (``(2 * b, 2)`` of x
+    (b, 4), kept as tensor ops by the importer, proven for b >= 1 and b = 0), get no check
+    kernel; a target from the data gets one."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["p", "q"])
+    const = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "c"], ["y"])],
+        "const",
+        [x],
+        [y],
+        [helper.make_tensor("c", TensorProto.INT64, [2], [-1, 2])],
+    )
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Slice", ["s", "zero", "one"], ["b1"]),
+        helper.make_node("Mul", ["b1", "two"], ["b2"]),
+        helper.make_node("Concat", ["b2", "two"], ["t"], axis=0),
+        helper.make_node("Reshape", ["x", "t"], ["y"]),
+    ]
+    inits = [
+        helper.make_tensor(n, TensorProto.INT64, [1], [v])
+        for n, v in (("zero", 0), ("one", 1), ("two", 2))
+    ]
+    arith = helper.make_graph(nodes, "arith", [x], [y], inits)
+    for graph in (const, arith):
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+        assert _kernels(model) == 0, graph.name
+    assert _kernels(_model(True)) == 1
+    # a corpus export (its Reshapes to Shape-derived targets): no check either
+    assert _kernels(onnx.load(CORPUS / "gpt2_dynamo.onnx")) == 0
