@@ -67,7 +67,13 @@ def _shape_dims(bb, expr, prefix: str) -> list | None:
     values = _shape_value(bb, expr)
     if values is not None:
         return [_i64(v) for v in values]
-    sinfo = getattr(expr, "ty", None)
+    return fresh_shape(bb, expr, prefix)
+
+
+def fresh_shape(bb, tensor, prefix: str) -> list | None:
+    """``tensor_to_shape(tensor)`` matched to fresh dims, or None when its length is unknown
+    (also the importer's Reshape / ConstantOfShape to a run-time target, onnx_ops)."""
+    sinfo = getattr(tensor, "ty", None)
     if not isinstance(sinfo, relax.TensorType) or sinfo.ndim != 1:
         return None
     if not isinstance(sinfo.shape, relax.ShapeExpr):
@@ -76,8 +82,8 @@ def _shape_dims(bb, expr, prefix: str) -> list | None:
     if not isinstance(length, tirx.IntImm):
         return None
     if str(sinfo.dtype) != "int64":
-        expr = bb.normalize(relax.op.astype(expr, "int64"))
-    shape = bb.emit(relax.op.tensor_to_shape(expr))
+        tensor = bb.normalize(relax.op.astype(tensor, "int64"))
+    shape = bb.emit(relax.op.tensor_to_shape(tensor))
     dims = [tirx.Var(f"{prefix}_{i}", "int64") for i in range(int(length.value))]
     bb.match_cast(shape, relax.ShapeType(dims))
     return dims

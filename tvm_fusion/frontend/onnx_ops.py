@@ -78,6 +78,7 @@ from ..transform._common import as_i64 as _i64
 from ..transform._common import op_name
 from . import onnx_known_shapes
 from .onnx_dynamic import DYNAMIC as _DYNAMIC
+from .onnx_dynamic import fresh_shape as _fresh_shape
 from .onnx_fixes import FIXES as _FIXES
 from .onnx_fixes import expand_to_runtime_shape
 from .onnx_known_shapes import KnownShapes
@@ -119,24 +120,6 @@ class NegativeLogLikelihoodLoss(_frontend.OnnxOpConverter):
     def _impl_v12(cls, bb, inputs, attr, params):
         weights = inputs[2] if len(inputs) > 2 else None
         return _nll(bb, inputs[0], inputs[1], weights, attr)
-
-
-def _fresh_shape(bb, tensor, prefix: str) -> list | None:
-    """``tensor_to_shape(tensor)`` matched to fresh dims, or None when its length is unknown."""
-    sinfo = tensor.ty
-    if not isinstance(sinfo, relax.TensorType) or sinfo.ndim != 1:
-        return None
-    if not isinstance(sinfo.shape, relax.ShapeExpr):
-        return None
-    length = sinfo.shape.values[0]
-    if not isinstance(length, tirx.IntImm):
-        return None
-    if str(sinfo.dtype) != "int64":
-        tensor = bb.normalize(relax.op.astype(tensor, "int64"))
-    shape = bb.emit(relax.op.tensor_to_shape(tensor))
-    dims = [tirx.Var(f"{prefix}_{i}", "int64") for i in range(int(length.value))]
-    bb.match_cast(shape, relax.ShapeType(dims))
-    return dims
 
 
 def _is_runtime(expr) -> bool:
