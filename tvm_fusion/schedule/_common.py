@@ -164,6 +164,24 @@ def try_inline_safe(sch: s_tir.Schedule, infos: list) -> list:
     return remaining
 
 
+def single_reduction(func: tirx.PrimFunc) -> tuple | None:
+    """``(sch, infos, at)``: a new schedule of ``func``, its blocks as dlight's
+    ``normalize_prim_func`` reads them, and the index of its one reduction that is not trivial;
+    None where the blocks cannot be read or there is not exactly one such reduction."""
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    if not infos:
+        return None
+    reductions = [
+        i
+        for i, info in enumerate(infos)
+        if not info.is_injective() and not is_trivial_reduction(sch, info.block_rv)
+    ]
+    if len(reductions) != 1:
+        return None
+    return sch, infos, reductions[0]
+
+
 def gate_blocks(func: tirx.PrimFunc):
     """A new schedule of a gate kernel with the blocks that can be inlined inlined, and its
     blocks: ``(sch, reductions, finals, inner)``, ``finals`` the blocks that write parameters

@@ -38,9 +38,8 @@ from __future__ import annotations
 
 import logging
 
-from tvm import s_tir, tirx
+from tvm import tirx
 from tvm.ir.expr import Expr, TensorLoad
-from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
 from ... import target as _target
@@ -50,11 +49,11 @@ from .._common import (
     block_dtype,
     extent,
     inline_is_cheap,
-    is_trivial_reduction,
     loop_nest_work,
     parallelize_outer,
     same_domain,
     schedule_copy,
+    single_reduction,
     sole_consumer,
     vectorize_innermost,
 )
@@ -140,18 +139,10 @@ class GroupedConv(CPURule):
     def apply(self, func, target: Target, tunable: bool):  # noqa: PLR0911, PLR0912
         if not self.applicable(func, target):
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if not infos:
+        found = single_reduction(func)
+        if found is None:
             return None
-        reductions = [
-            i
-            for i, info in enumerate(infos)
-            if not info.is_injective() and not is_trivial_reduction(sch, info.block_rv)
-        ]
-        if len(reductions) != 1:
-            return None
-        at = reductions[0]
+        sch, infos, at = found
         block = infos[at].block_rv
         if any(not info.is_injective() for i, info in enumerate(infos) if i != at):
             return None

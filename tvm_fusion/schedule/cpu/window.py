@@ -47,7 +47,6 @@ import logging
 
 from tvm import s_tir, tirx
 from tvm.ir.expr import Call, TensorLoad
-from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
 from ... import target as _target
@@ -57,9 +56,9 @@ from .._common import (
     block_dtype,
     extent,
     is_static,
-    is_trivial_reduction,
     loop_nest_work,
     parallelize_outer,
+    single_reduction,
     vectorize_innermost,
 )
 
@@ -246,18 +245,10 @@ class WindowReduction(CPURule):
     def apply(self, func, target: Target, tunable: bool):
         if not self.applicable(func, target):
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if not infos:
+        found = single_reduction(func)
+        if found is None:
             return None
-        reductions = [
-            i
-            for i, info in enumerate(infos)
-            if not info.is_injective() and not is_trivial_reduction(sch, info.block_rv)
-        ]
-        if len(reductions) != 1:
-            return None
-        at = reductions[0]
+        sch, infos, at = found
         block = infos[at].block_rv
         # checked on the block as written: normalize_prim_func drops unit iterators, and an
         # output axis of extent 1 leaves its window offset (``ow + rx``) a bare ``rx``
