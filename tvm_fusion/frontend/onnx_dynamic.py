@@ -271,6 +271,7 @@ class Pad(_frontend.Pad):
                     raise ModelError(f"{node}: axes must be constants in [-{rank}, {rank})")
                 normal.append(_i64(int(a.value) % rank))
         else:
+
             def count(v):  # from 0; out of range: rank
                 v = tirx.Select(v < 0, v + rank, v)
                 return tirx.Select(tirx.Or(v < 0, v >= rank), _i64(rank), v)
@@ -305,9 +306,7 @@ class Pad(_frontend.Pad):
         )
         # negative widths crop first (ONNX's reference), then the rest pads the cropped extent
         off = crop_b
-        kept = [
-            _simplify(n - cb - ca) for n, cb, ca in zip(dims, crop_b, crop_a, strict=True)
-        ]
+        kept = [_simplify(n - cb - ca) for n, cb, ca in zip(dims, crop_b, crop_a, strict=True)]
         for m, gb, ga in zip(kept, grow_b, grow_a, strict=True):
             conds.append(m >= 0)
             if mode == "reflect":
@@ -430,9 +429,7 @@ class Split(_frontend.Split):
 
                 return te.compute(shape, at, name="split")
 
-            results.append(
-                bb.emit_te(kernel, data, begin, primfunc_name_hint=f"dynamic_split_{i}")
-            )
+            results.append(bb.emit_te(kernel, data, begin, primfunc_name_hint=f"dynamic_split_{i}"))
             start = start + p
         return relax.Tuple(results)
 
