@@ -147,3 +147,25 @@ def test_no_check_for_constant_or_shape_targets():
     assert _kernels(_model(True)) == 1
     # a corpus export (its Reshapes to Shape-derived targets): no check either
     assert _kernels(onnx.load(CORPUS / "gpt2_dynamo.onnx")) == 0
+
+
+def test_data_target_resolved_to_fresh_dims():
+    """A target from the data reaches the reshape as fresh dims, resolved (0 and -1) by tensor
+    ops: not the nested Selects that took dlight and has_reshape_pattern 4-15 s a kernel on the
+    fuzzer's signed targets, and not a match_cast of those Selects, which TVM simplifies as if
+    the dims were >= 0 (a -1 target then fails at run time)."""
+    from tvm import relax, tirx
+
+    main = load_onnx(_model(True))["main"]
+    reshapes = []
+    relax.analysis.post_order_visit(
+        main.body,
+        lambda e: (
+            reshapes.append(e)
+            if isinstance(e, relax.Call) and getattr(e.op, "name", "") == "relax.reshape"
+            else None
+        ),
+    )
+    assert len(reshapes) == 1
+    (dims,) = [r.args[1].values for r in reshapes]
+    assert len(dims) == 2 and all(isinstance(d, tirx.Var) for d in dims), dims

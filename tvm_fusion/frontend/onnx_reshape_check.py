@@ -55,6 +55,40 @@ def checked_input(
     return bb.emit(relax.call_tir_inplace(gv, args, 0, ty))
 
 
+def resolved_shape(bb, target: relax.Expr, in_dims: list, allowzero: bool) -> relax.ShapeExpr:
+    """The dims of an ONNX Reshape of an input of ``in_dims`` to the run-time ``target`` (a
+    1-D int64 tensor, checked by :func:`checked_input`): each 0 the input's dim at its position
+    (``allowzero=0``), a -1 the element count over the other dims' product; computed by tensor
+    ops, matched to fresh dims."""
+    rank = int(target.ty.shape.values[0].value)
+
+    def const(v):
+        return relax.const(v, "int64")
+
+    def emit(expr):
+        return bb.emit(expr)
+
+    def shape_tensor(values):
+        return emit(relax.op.shape_to_tensor(relax.ShapeExpr([as_i64(v) for v in values])))
+
+    t = target
+    if str(t.ty.dtype) != "int64":
+        t = emit(relax.op.astype(t, "int64"))
+    if not allowzero and in_dims:
+        copied = [in_dims[i] if i < len(in_dims) else 0 for i in range(rank)]
+        t = emit(relax.op.where(relax.op.equal(t, const(0)), shape_tensor(copied), t))
+    total = as_i64(1)
+    for d in in_dims:
+        total = total * as_i64(d)
+    infer = emit(relax.op.equal(t, const(-1)))
+    known = emit(relax.op.prod(relax.op.where(infer, const(1), t), axis=[0], keepdims=True))
+    inferred = relax.op.floor_divide(shape_tensor([total]), relax.op.maximum(known, const(1)))
+    t = emit(relax.op.where(infer, emit(inferred), t))
+    dims = [tirx.Var(f"reshape_to_{i}", "int64") for i in range(rank)]
+    bb.match_cast(emit(relax.op.tensor_to_shape(t)), relax.ShapeType(dims))
+    return relax.ShapeExpr(dims)
+
+
 def reshape_kernel(x_ty: relax.TensorType, rank: int, allowzero: bool, what: str):
     """``check_reshape(x, t0, ..)``: ``ValueError`` unless ``(t0, ..)`` is a valid ONNX
     Reshape target of ``x`` (its shape read at run time; its data not read)."""
