@@ -17,7 +17,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tvm_fusion"
 
-GROUND = {"_compat", "errors", "pool", "target", "tir_util", "models"}
+GROUND = {"_compat", "check_kernels", "errors", "pool", "target", "tir_util", "models"}
 LAYERS = ["schedule", "lower", "transform", "frontend", "build", "tools", "testing"]
 MAX_LINES = 650  # the limit; STYLE.md asks for ~600
 

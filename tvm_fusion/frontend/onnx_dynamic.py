@@ -43,9 +43,8 @@ from tvm import relax, sym, te, tirx
 from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
-from tvm.script import tirx as T
-from tvm.script.parser import parse as tvm_script_parse
 
+from ..check_kernels import Buf, assert_kernel, shape_vars
 from ..errors import ModelError
 from ..transform._common import as_i64 as _i64
 from ..transform._common import op_name
@@ -161,18 +160,9 @@ def _check(bb, data, ok, message: str):
             return data
         raise ModelError(message)
     sinfo = data.ty
-    xs = [f"x{i}" for i in range(sinfo.ndim)]
-    shape = "(" + "".join(f"{d}, " for d in xs) + ")"
-    lines = [
-        "@T.prim_func(private=True, s_tir=True)",
-        "def check_operands(var_x: T.handle, ok: T.int64):",
-        '    T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})',
-        *(f"    {v} = T.int64()" for v in xs),
-        f"    x = T.match_buffer(var_x, {shape}, {str(sinfo.dtype)!r})",
-        '    with T.sblock("root"):',
-        f'        T.Assert(ok == T.int64(1), {message!r}, "ValueError")',
-    ]
-    gv = bb.add_func(tvm_script_parse("\n".join(lines), {"T": T}), "check_operands")
+    x = Buf("x", shape_vars("x", sinfo.ndim), str(sinfo.dtype))
+    kernel = assert_kernel("check_operands", [x], ["ok"], "ok == T.int64(1)", message, "ValueError")
+    gv = bb.add_func(kernel, "check_operands")
     return bb.emit(relax.call_tir_inplace(gv, (data, relax.prim_value(ok)), 0, sinfo))
 
 

@@ -36,6 +36,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 from tvm.script import tirx as T
 from tvm.script.parser import parse as tvm_script_parse
 
+from ..check_kernels import Buf, flag_kernel, indices, shape_vars
 from ..errors import ModelError
 
 
@@ -53,29 +54,12 @@ def checked(bb, tensor: relax.Expr, condition: str, message: str) -> relax.Expr:
     ``condition`` (TVMScript over ``v``, one element as int64) holds for every element; the
     kernel runs in place and writes nothing."""
     ty = tensor.ty
-    ds = [f"d{i}" for i in range(ty.ndim)]
-    at = ", ".join(f"i{i}" for i in range(len(ds))) or "()"
-    shape = "(" + "".join(f"{d}, " for d in ds) + ")"
-    lines = [
-        "@T.prim_func(private=True, s_tir=True)",
-        "def check_value(var_x: T.handle):",
-        '    T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})',
-        *(f"    {d} = T.int64()" for d in ds),
-        f"    x = T.match_buffer(var_x, {shape}, {str(ty.dtype)!r})",
-        '    with T.sblock("root"):',
-        '        bad = T.sblock_alloc_buffer((1,), "int64", scope="local")',
-        "        bad[0] = T.int64(0)",
-    ]
-    indent = "        "
-    if ds:
-        lines.append(f"{indent}for {at} in T.grid({', '.join(ds)}):")
-        indent += "    "
-    lines += [
-        f'{indent}v = T.Cast("int64", x[{at}])',
-        f'{indent}bad[0] = T.max(bad[0], T.Cast("int64", not ({condition})))',
-        f'        T.Assert(bad[0] == T.int64(0), {message!r}, "ValueError")',
-    ]
-    kernel = tvm_script_parse("\n".join(lines), {"T": T})
+    ds = shape_vars("d", ty.ndim)
+    x = Buf("x", ds, str(ty.dtype))
+    let = f'v = T.Cast("int64", x[{indices(len(ds))}])'
+    kernel = flag_kernel(
+        "check_value", [x], ds, [f"not ({condition})"], message, "ValueError", lets=(let,)
+    )
     gv = bb.add_func(kernel, "check_value")
     return bb.emit(relax.call_tir_inplace(gv, (tensor,), 0, ty))
 

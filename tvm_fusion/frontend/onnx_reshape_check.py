@@ -27,9 +27,8 @@ import itertools
 import tvm
 from tvm import relax, tirx
 from tvm.ir.expr import GenericConst
-from tvm.script import tirx as T
-from tvm.script.parser import parse as tvm_script_parse
 
+from ..check_kernels import Buf, assert_kernel
 from ..transform._common import as_i64, op_name
 
 _ARITH = {
@@ -116,17 +115,8 @@ def reshape_kernel(x_ty: relax.TensorType, rank: int, allowzero: bool, what: str
         + ("" if allowzero else "; a 0 copies the input's dim")
         + ")"
     )
-    params = "".join(f", {t}: T.int64" for t in ts)
-    lines = [
-        "@T.prim_func(private=True, s_tir=True)",
-        f"def check_reshape(var_x: T.handle{params}):",
-        '    T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})',
-        *(f"    {v} = T.int64()" for v in xs),
-        f"    x = T.match_buffer(var_x, ({''.join(f'{v}, ' for v in xs)}), {str(x_ty.dtype)!r})",
-        '    with T.sblock("root"):',
-        f'        T.Assert({" and ".join(valid)}, {message!r}, "ValueError")',
-    ]
-    return tvm_script_parse("\n".join(lines), {"T": T})
+    x = Buf("x", tuple(xs), str(x_ty.dtype))
+    return assert_kernel("check_reshape", [x], ts, " and ".join(valid), message, "ValueError")
 
 
 def _proven(values: list | None, in_dims: list, allowzero: bool) -> bool:
