@@ -36,7 +36,7 @@ DEMO_MODELS := bert_mlm_torchscript,lstm_cell_torchscript
 # workers do not take each other's cores.
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check tvm_fusion tests scripts tutorials
-	TVM_NUM_THREADS=1 $(PY) -m pytest -q -n $(NPROC) --dist loadfile
+	TVM_NUM_THREADS=1 $(PY) -m pytest -q -n $(NPROC) --dist loadfile --durations=30
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check tvm_fusion tests scripts tutorials
