@@ -1,0 +1,325 @@
+"""The CUDA form of the fused attention kernel (:mod:`.attention` is the CPU one):
+``softmax(Q K^T * scale + mask) V`` with an online softmax, FlashAttention-2 style on CUDA
+cores, one scheduled TIR PrimFunc (``tirx.is_scheduled``; ``op_pattern`` opaque).
+
+``attention_kernel_cuda(d, dv, scale, mask_dims, empty_rows, where_fill, dtype)`` -> PrimFunc
+with the parameters of :func:`.attention.attention_kernel` (``q (B, H, S, D)``,
+``kt (B, H, D, N)``, ``v (B, H, N, Dv)``[, mask], ``o (B, H, S, Dv)``), in ``dtype`` (float32
+or float16: the products, sums, maxima and exponentials in float32, the output cast once).
+
+One thread block per (batch x head, ``BQ`` query rows), one thread per query row (``BQ``
+threads): the row's scaled Q is staged once into shared memory, transposed (``(D, BQ)``: a
+thread reads its column, the warp 32 consecutive words). Then per block of ``KB`` keys:
+
+1. with a mask that can make scores ``-inf``: the block's mask values read by all threads
+   (coalesced), one flag per thread in shared memory, the block skipped by every thread when no
+   score of it is visible (a causal mask's blocks above the diagonal: no K, V read, no flops);
+2. the block's K^T (``(D, KB)``) staged through shared memory (coalesced loads, float32);
+3. each thread's ``KB`` scores in registers (``Q[row, c]`` times a K^T row that every thread
+   of the warp reads: a broadcast), masked (the mask read per row), keys past ``N`` ``-inf``;
+   the running maximum, the correction ``exp(m_old - m_new)`` and the running sum in registers
+   (no cross-thread reduction: the row is the thread's own);
+4. the block's V (``(KB, Dv)``) staged into the same shared buffer;
+5. the ``(Dv,)`` accumulator (registers) corrected and added ``p_j V[j, :]`` (broadcast reads).
+
+``bar.sync`` between the phases. The output is written once, ``acc / l``; rows past ``S`` are
+not written, a row whose every score is ``-inf`` gets ``empty_rows`` as on the CPU. ``B, H, S,
+N`` are symbolic (every load predicated on ``N``, rows on ``S``); ``D, Dv`` static.
+
+``serial=True`` gives the same program with each phase a serial loop over the threads and
+the per-thread buffers indexed by the thread: its meaning, runnable on llvm (the barriers are
+where the phases end).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
+
+from .attention import KERNEL_NAME
+
+SMEM_BUDGET = 48 * 1024  # static shared memory per block
+MAX_HEAD_DIM = 128  # the accumulator and the scores per thread within 255 registers
+_SHAPES = ((64, 64), (64, 32), (32, 32))  # (BQ, KB), the first that fits SMEM_BUDGET
+
+
+def tile(d: int, dv: int) -> tuple[int, int] | None:
+    """``(BQ, KB)``: query rows (= threads) per block and keys per block for head dims ``d``,
+    ``dv``, within :data:`SMEM_BUDGET`; None when the kernel does not take them."""
+    if max(d, dv) > MAX_HEAD_DIM or dv % 4:  # V rows read 4 words at a time
+        return None
+    for bq, kb in _SHAPES:
+        if smem_bytes(d, dv, bq, kb) <= SMEM_BUDGET:
+            return bq, kb
+    return None
+
+
+def smem_bytes(d: int, dv: int, bq: int, kb: int) -> int:
+    """Shared memory of one block: scaled Q^T, the K^T / V block, the probabilities."""
+    return 4 * (d * bq + max(d, dv) * kb + kb * bq)
+
+
+def supports(d: int, dv: int, dtype: str) -> bool:
+    return dtype in ("float32", "float16") and tile(d, dv) is not None
+
+
+def attention_kernel_cuda(
+    d: int,
+    dv: int,
+    scale: float,
+    mask_dims: tuple[bool, bool, bool, bool] | None,
+    empty_rows: str = "nan",
+    where_fill: tuple[float, bool] | None = None,
+    dtype: str = "float32",
+    serial: bool = False,
+) -> tirx.PrimFunc:
+    """The scheduled PrimFunc (see the module docstring). ``where_fill`` and ``mask_dims`` as
+    in :func:`.attention.attention_kernel`; an added mask is of ``dtype``."""
+    if empty_rows not in ("nan", "zero"):
+        raise ValueError(f"empty_rows must be 'nan' or 'zero', not {empty_rows!r}")
+    shape = tile(d, dv)
+    if shape is None or dtype not in ("float32", "float16"):
+        raise ValueError(f"no CUDA attention kernel for D = {d}, Dv = {dv}, {dtype}")
+    bq, kb = shape
+    nt = bq  # one thread per query row
+    has_mask = mask_dims is not None
+    keep = mask_dims if has_mask else (False,) * 4
+    skips = has_mask and (where_fill is None or where_fill[0] == float("-inf"))
+    f32 = "float32"
+    zero, one = tirx.const(0.0, f32), tirx.const(1.0, f32)
+    neg_inf = tirx.const(float("-inf"), f32)
+
+    with IRBuilder() as ib, T.prim_func():
+        T.func_name(KERNEL_NAME)
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        b, h, s, n = (tirx.Var(x, "int64") for x in "bhsn")
+        ms = [tirx.Var(f"m{x}", "int64") for x in "bhsn"]
+        q = T.match_buffer(T.arg("p_q", T.handle()), (b, h, s, d), dtype)
+        kt = T.match_buffer(T.arg("p_k", T.handle()), (b, h, d, n), dtype)
+        v = T.match_buffer(T.arg("p_v", T.handle()), (b, h, n, dv), dtype)
+        mask = None
+        if has_mask:
+            mask_dtype = "bool" if where_fill is not None else dtype
+            mask = T.match_buffer(T.arg("p_m", T.handle()), ms, mask_dtype)
+        o = T.match_buffer(T.arg("p_o", T.handle()), (b, h, s, dv), dtype)
+        tiles = (s + bq - 1) // bq
+        nkb = (n + kb - 1) // kb
+
+        def loop_blocks():
+            if serial:
+                return T.serial(0, b * h * tiles)
+            return T.thread_binding(0, b * h * tiles, "blockIdx.x")
+
+        with loop_blocks() as bx:
+            # (truncated division: the grid index is not negative, no floor corrections)
+            bh = tirx.truncdiv(bx, tiles)
+            bb, hh = tirx.truncdiv(bh, h), tirx.truncmod(bh, h)
+            row0 = tirx.truncmod(bx, tiles) * bq
+            local = "global" if serial else "local"
+            shared = "global" if serial else "shared"
+            lead = (nt,) if serial else ()
+            # scaled Q^T, the K^T / V block, the block's probabilities (P^T: thread tx writes
+            # column tx); the flags in P's place (read before the barrier that precedes P's
+            # writes). Three allocations: ThreadSync takes one buffer's accesses as aliasing
+            qs = T.decl_buffer((d, bq), f32, scope=shared)
+            kvs = T.decl_buffer((max(d, dv) * kb,), f32, scope=shared)
+            ps = T.decl_buffer((kb, bq), f32, scope=shared)
+            flags = T.decl_buffer((2, nt), f32, data=ps.data, scope=shared)
+            sc = T.decl_buffer((*lead, kb), f32, scope=local)
+            acc = T.decl_buffer((*lead, dv), f32, scope=local)
+            vec = T.decl_buffer((*lead, 4), f32, scope=local)  # 4 shared words at a time
+            # m (running maximum), l (running sum), the block's maximum, the correction
+            stat = T.decl_buffer((*lead, 4), f32, scope=local)
+            live = T.decl_buffer((*lead, 1), f32, scope=local)
+
+            def at(buf, tx, *idx):
+                return buf[(tx, *idx)] if serial else buf[idx]
+
+            def put(buf, tx, idx, value):
+                T.buffer_store(buf, value, [tx, *idx] if serial else list(idx))
+
+            def load4(tx, buf, start):
+                """``buf[start:start + 4]`` into ``vec`` (one 128-bit shared load)."""
+                value = tirx.BufferLoad(buf, [tirx.Ramp(start, 1, 4)])
+                put(vec, tx, (tirx.Ramp(0, 1, 4),), value)
+
+            cuda_tx = None
+
+            def phases(body):
+                """``body(tx)`` for every thread: a serial loop or the thread itself."""
+                if serial:
+                    with T.serial(0, nt) as tx:
+                        body(tx)
+                else:
+                    body(cuda_tx)
+
+            def sync():
+                if not serial:
+                    T.evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
+
+            def mask_value(i, j):
+                index = [x if kept else 0 for x, kept in zip((bb, hh, i, j), keep, strict=True)]
+                return mask[tuple(index)]
+
+            def visible(i, j):
+                value = mask_value(i, j)
+                if where_fill is None:
+                    return tirx.Select(value.astype(f32) == neg_inf, zero, one)
+                cond = value if where_fill[1] else tirx.Not(value)
+                return tirx.Select(cond, one, zero)
+
+            def masked(score, i, j):
+                if not has_mask:
+                    return score
+                value = mask_value(i, j)
+                if where_fill is None:
+                    return score + value.astype(f32)
+                fill, keep_when = where_fill
+                cond = value if keep_when else tirx.Not(value)
+                return tirx.Select(cond, score, tirx.const(fill, f32))
+
+            def body():
+                def load_q(tx):
+                    with T.serial(0, d) as i:
+                        idx = i * nt + tx
+                        r, c = idx // d, idx % d
+                        row = T.min(row0 + r, s - 1)
+                        T.buffer_store(
+                            qs,
+                            q[bb, hh, row, c].astype(f32) * tirx.const(scale, f32),
+                            [c, r],
+                        )
+                    put(stat, tx, (0,), neg_inf)
+                    put(stat, tx, (1,), zero)
+                    with T.unroll(0, dv) as c:
+                        put(acc, tx, (c,), zero)
+
+                phases(load_q)
+                sync()
+                with T.serial(0, nkb) as jb:
+                    k0 = jb * kb
+                    if skips:
+                        _flags(jb, k0)
+                        with T.If(at(live, 0 if serial else None, 0) > zero):
+                            with T.Then():
+                                _block(k0)
+                    else:
+                        _block(k0)
+                    # K^T / V and P read before the next block writes them (outside the
+                    # condition: a barrier in it would not be one on the skipping path)
+                    sync()
+                phases(_store)
+
+            def _flags(jb, k0):
+                def write(tx):
+                    put(live, tx, (0,), zero)
+                    with T.serial(0, bq * kb // nt) as i:
+                        idx = i * nt + tx
+                        r, j = idx // kb, idx % kb
+                        ok = tirx.all(row0 + r < s, k0 + j < n)
+                        seen = tirx.Select(
+                            ok, visible(T.min(row0 + r, s - 1), T.min(k0 + j, n - 1)), zero
+                        )
+                        put(live, tx, (0,), T.max(at(live, tx, 0), seen))
+                    T.buffer_store(flags, at(live, tx, 0), [jb % 2, tx])
+
+                def read(tx):
+                    put(live, tx, (0,), zero)
+                    with T.serial(0, nt) as t:
+                        put(live, tx, (0,), T.max(at(live, tx, 0), flags[jb % 2, t]))
+
+                phases(write)
+                sync()
+                phases(read)
+                sync()  # the flags read before a thread overwrites them (P, the next block's)
+
+            def _block(k0):
+                def load_k(tx):
+                    with T.serial(0, d * kb // nt) as i:
+                        idx = i * nt + tx
+                        c, j = idx // kb, idx % kb
+                        value = kt[bb, hh, c, T.min(k0 + j, n - 1)].astype(f32)
+                        T.buffer_store(kvs, tirx.Select(k0 + j < n, value, zero), [c * kb + j])
+
+                def scores(tx):
+                    with T.unroll(0, kb) as j:
+                        put(sc, tx, (j,), zero)
+                    with T.serial(0, d) as c:
+                        with T.unroll(0, kb // 4) as j4:
+                            load4(tx, kvs, c * kb + j4 * 4)
+                            with T.unroll(0, 4) as i:
+                                j = j4 * 4 + i
+                                put(sc, tx, (j,), at(sc, tx, j) + qs[c, tx] * at(vec, tx, i))
+                    row = T.min(row0 + tx, s - 1)
+                    put(stat, tx, (2,), at(stat, tx, 0))
+                    with T.unroll(0, kb) as j:
+                        score = masked(at(sc, tx, j), row, T.min(k0 + j, n - 1))
+                        put(sc, tx, (j,), tirx.Select(k0 + j < n, score, neg_inf))
+                        put(stat, tx, (2,), T.max(at(stat, tx, 2), at(sc, tx, j)))
+                    # the shift: the new maximum, 0 while it is -inf (exp(-inf - 0) = 0)
+                    new = at(stat, tx, 2)
+                    base = tirx.Select(new == neg_inf, zero, new)
+                    put(stat, tx, (3,), T.exp(at(stat, tx, 0) - base))
+                    put(stat, tx, (1,), at(stat, tx, 1) * at(stat, tx, 3))
+                    with T.unroll(0, kb) as j:
+                        put(sc, tx, (j,), T.exp(at(sc, tx, j) - base))
+                        put(stat, tx, (1,), at(stat, tx, 1) + at(sc, tx, j))
+                        T.buffer_store(ps, at(sc, tx, j), [j, tx])
+                    put(stat, tx, (0,), new)
+
+                def load_v(tx):
+                    with T.serial(0, kb * dv // nt) as i:
+                        idx = i * nt + tx
+                        j, c = idx // dv, idx % dv
+                        value = v[bb, hh, T.min(k0 + j, n - 1), c].astype(f32)
+                        T.buffer_store(kvs, tirx.Select(k0 + j < n, value, zero), [j * dv + c])
+
+                def update(tx):
+                    with T.unroll(0, dv) as c:
+                        put(acc, tx, (c,), at(acc, tx, c) * at(stat, tx, 3))
+                    with T.serial(0, kb) as j:
+                        with T.unroll(0, dv // 4) as c4:
+                            load4(tx, kvs, j * dv + c4 * 4)
+                            with T.unroll(0, 4) as i:
+                                c = c4 * 4 + i
+                                put(acc, tx, (c,), at(acc, tx, c) + ps[j, tx] * at(vec, tx, i))
+
+                phases(load_k)
+                sync()
+                phases(scores)
+                sync()
+                phases(load_v)
+                sync()
+                phases(update)
+
+            def _store(tx):
+                row = row0 + tx
+                if empty_rows == "zero":
+                    empty = zero
+                else:
+                    empty = tirx.Select(n > 0, tirx.const(math.nan, f32), zero)
+                l_inv = one / at(stat, tx, 1)
+                with T.If(row < s):
+                    with T.Then():
+                        with T.unroll(0, dv // 4) as c4:
+                            with T.unroll(0, 4) as i:
+                                value = tirx.Select(
+                                    at(stat, tx, 0) == neg_inf,
+                                    empty,
+                                    at(acc, tx, c4 * 4 + i) * l_inv,
+                                )
+                                put(vec, tx, (i,), value)
+                            # 4 words at a time
+                            value = at(vec, tx, tirx.Ramp(0, 1, 4)).astype(f"{dtype}x4")
+                            T.buffer_store(o, value, [bb, hh, row, tirx.Ramp(c4 * 4, 1, 4)])
+
+            if serial:
+                body()
+            else:
+                with T.thread_binding(0, nt, "threadIdx.x") as tx:
+                    cuda_tx = tx
+                    body()
+    return ib.get()
