@@ -39,8 +39,6 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from .attention import KERNEL_NAME
-
 SMEM_BUDGET = 48 * 1024  # static shared memory per block
 MAX_HEAD_DIM = 128  # the accumulator and the scores per thread within 255 registers
 _SHAPES = ((64, 64), (64, 32), (32, 32))  # (BQ, KB), the first that fits SMEM_BUDGET
@@ -92,19 +90,24 @@ def attention_kernel_cuda(
     zero, one = tirx.const(0.0, f32), tirx.const(1.0, f32)
     neg_inf = tirx.const(float("-inf"), f32)
 
-    with IRBuilder() as ib, T.prim_func():
-        T.func_name(KERNEL_NAME)
+    with IRBuilder() as ib, T.prim_func(is_private=True):
         T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
         b, h, s, n = (tirx.Var(x, "int64") for x in "bhsn")
         ms = [tirx.Var(f"m{x}", "int64") for x in "bhsn"]
-        q = T.match_buffer(T.arg("p_q", T.handle()), (b, h, s, d), dtype)
-        kt = T.match_buffer(T.arg("p_k", T.handle()), (b, h, d, n), dtype)
-        v = T.match_buffer(T.arg("p_v", T.handle()), (b, h, n, dv), dtype)
+
+        def param(name, shape, param_dtype):
+            # no explicit layout (the builder's default): renew_defs (AttachLayoutFreeBuffers)
+            # does not remap a layout's vars
+            return T.match_buffer(T.arg(name, T.handle()), shape, param_dtype, layout=None)
+
+        q = param("p_q", (b, h, s, d), dtype)
+        kt = param("p_k", (b, h, d, n), dtype)
+        v = param("p_v", (b, h, n, dv), dtype)
         mask = None
         if has_mask:
             mask_dtype = "bool" if where_fill is not None else dtype
-            mask = T.match_buffer(T.arg("p_m", T.handle()), ms, mask_dtype)
-        o = T.match_buffer(T.arg("p_o", T.handle()), (b, h, s, dv), dtype)
+            mask = param("p_m", ms, mask_dtype)
+        o = param("p_o", (b, h, s, dv), dtype)
         tiles = (s + bq - 1) // bq
         nkb = (n + kb - 1) // kb
 
@@ -124,16 +127,16 @@ def attention_kernel_cuda(
             # scaled Q^T, the K^T / V block, the block's probabilities (P^T: thread tx writes
             # column tx); the flags in P's place (read before the barrier that precedes P's
             # writes). Three allocations: ThreadSync takes one buffer's accesses as aliasing
-            qs = T.decl_buffer((d, bq), f32, scope=shared)
-            kvs = T.decl_buffer((max(d, dv) * kb,), f32, scope=shared)
-            ps = T.decl_buffer((kb, bq), f32, scope=shared)
-            flags = T.decl_buffer((2, nt), f32, data=ps.data, scope=shared)
-            sc = T.decl_buffer((*lead, kb), f32, scope=local)
-            acc = T.decl_buffer((*lead, dv), f32, scope=local)
-            vec = T.decl_buffer((*lead, 4), f32, scope=local)  # 4 shared words at a time
+            qs = T.decl_buffer((d, bq), f32, scope=shared, layout=None)
+            kvs = T.decl_buffer((max(d, dv) * kb,), f32, scope=shared, layout=None)
+            ps = T.decl_buffer((kb, bq), f32, scope=shared, layout=None)
+            flags = T.decl_buffer((2, nt), f32, data=ps.data, scope=shared, layout=None)
+            sc = T.decl_buffer((*lead, kb), f32, scope=local, layout=None)
+            acc = T.decl_buffer((*lead, dv), f32, scope=local, layout=None)
+            vec = T.decl_buffer((*lead, 4), f32, scope=local, layout=None)  # 4 words at a time
             # m (running maximum), l (running sum), the block's maximum, the correction
-            stat = T.decl_buffer((*lead, 4), f32, scope=local)
-            live = T.decl_buffer((*lead, 1), f32, scope=local)
+            stat = T.decl_buffer((*lead, 4), f32, scope=local, layout=None)
+            live = T.decl_buffer((*lead, 1), f32, scope=local, layout=None)
 
             def at(buf, tx, *idx):
                 return buf[(tx, *idx)] if serial else buf[idx]
