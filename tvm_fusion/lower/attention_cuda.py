@@ -41,17 +41,28 @@ from tvm.script.ir_builder import tirx as T
 
 SMEM_BUDGET = 48 * 1024  # static shared memory per block
 MAX_HEAD_DIM = 128  # the accumulator and the scores per thread within 255 registers
-_SHAPES = ((64, 64), (64, 32), (32, 32))  # (BQ, KB), the first that fits SMEM_BUDGET
+# (BQ query rows, G key groups, KB keys per block), the first that fits (:func:`tile`)
+_SHAPES = ((32, 4, 64), (32, 2, 64), (32, 2, 32), (32, 1, 32))
 
 
-def tile(d: int, dv: int) -> tuple[int, int] | None:
-    """``(BQ, KB)``: query rows (= threads) per block and keys per block for head dims ``d``,
-    ``dv``, within :data:`SMEM_BUDGET`; None when the kernel does not take them."""
+def tile(d: int, dv: int) -> tuple[int, int, int] | None:
+    """``(BQ, G, KB)`` for head dims ``d``, ``dv``: query rows per block, key groups (the
+    block's ``BQ x G`` threads: thread ``g * BQ + r`` takes row ``r`` and the ``g``-th
+    ``KB / G`` keys of each block), keys per block; None when the kernel does not take them."""
     if max(d, dv) > MAX_HEAD_DIM or dv % 4:  # V rows read 4 words at a time
         return None
-    for bq, kb in _SHAPES:
-        if smem_bytes(d, dv, bq, kb) <= SMEM_BUDGET:
-            return bq, kb
+    for bq, groups, kb in _SHAPES:
+        nt = bq * groups
+        pool = d * bq + max(d, dv) * kb  # Q^T and the K^T / V block
+        fits = (
+            smem_bytes(d, dv, bq, kb) <= SMEM_BUDGET
+            and (groups - 1) * bq * dv <= pool  # the groups' accumulators, merged at the end
+            and 2 * groups <= kb  # the flags in P's place
+            and all(x % nt == 0 for x in (d * bq, d * kb, kb * dv, bq * kb))
+            and kb // groups % 4 == 0
+        )
+        if fits:
+            return bq, groups, kb
     return None
 
 
@@ -81,8 +92,9 @@ def attention_kernel_cuda(
     shape = tile(d, dv)
     if shape is None or dtype not in ("float32", "float16"):
         raise ValueError(f"no CUDA attention kernel for D = {d}, Dv = {dv}, {dtype}")
-    bq, kb = shape
-    nt = bq  # one thread per query row
+    bq, groups, kb = shape
+    nt = bq * groups  # threads
+    kg = kb // groups  # keys of a block per thread
     has_mask = mask_dims is not None
     keep = mask_dims if has_mask else (False,) * 4
     skips = has_mask and (where_fill is None or where_fill[0] == float("-inf"))
@@ -124,14 +136,26 @@ def attention_kernel_cuda(
             local = "global" if serial else "local"
             shared = "global" if serial else "shared"
             lead = (nt,) if serial else ()
-            # scaled Q^T, the K^T / V block, the block's probabilities (P^T: thread tx writes
-            # column tx); the flags in P's place (read before the barrier that precedes P's
-            # writes). Three allocations: ThreadSync takes one buffer's accesses as aliasing
-            qs = T.decl_buffer((d, bq), f32, scope=shared, layout=None)
-            kvs = T.decl_buffer((max(d, dv) * kb,), f32, scope=shared, layout=None)
+            # scaled Q^T and the K^T / V block in one allocation (at the end the key groups'
+            # accumulators in their place), the block's probabilities P^T in another (before
+            # them the flags, at the end the groups' maxima and sums): ThreadSync takes the
+            # accesses to one allocation as overlapping, and P is written while K^T is read
+            pool_size = d * bq + max(d, dv) * kb
+            pool = T.decl_buffer((pool_size,), f32, scope=shared, layout=None)
+
+            def view(shape, data, offset=0):
+                return T.decl_buffer(
+                    shape, f32, data=data, elem_offset=offset, scope=shared, layout=None
+                )
+
+            qs = view((d, bq), pool.data)
+            kvs = view((max(d, dv) * kb,), pool.data, d * bq)
             ps = T.decl_buffer((kb, bq), f32, scope=shared, layout=None)
-            flags = T.decl_buffer((2, nt), f32, data=ps.data, scope=shared, layout=None)
-            sc = T.decl_buffer((*lead, kb), f32, scope=local, layout=None)
+            flags = view((2, nt), ps.data)
+            if groups > 1:
+                merged = view((groups - 1, dv, bq), pool.data)
+                merged_stats = view((groups - 1, 2, bq), ps.data)
+            sc = T.decl_buffer((*lead, kg), f32, scope=local, layout=None)
             acc = T.decl_buffer((*lead, dv), f32, scope=local, layout=None)
             vec = T.decl_buffer((*lead, 4), f32, scope=local, layout=None)  # 4 words at a time
             # m (running maximum), l (running sum), the block's maximum, the correction
@@ -186,15 +210,12 @@ def attention_kernel_cuda(
 
             def body():
                 def load_q(tx):
-                    with T.serial(0, d) as i:
+                    with T.serial(0, d * bq // nt) as i:
                         idx = i * nt + tx
                         r, c = idx // d, idx % d
                         row = T.min(row0 + r, s - 1)
-                        T.buffer_store(
-                            qs,
-                            q[bb, hh, row, c].astype(f32) * tirx.const(scale, f32),
-                            [c, r],
-                        )
+                        value = q[bb, hh, row, c].astype(f32) * tirx.const(scale, f32)
+                        T.buffer_store(qs, value, [c, r])
                     put(stat, tx, (0,), neg_inf)
                     put(stat, tx, (1,), zero)
                     with T.unroll(0, dv) as c:
@@ -213,6 +234,9 @@ def attention_kernel_cuda(
                         _block(k0)
                     # K^T / V and P read before the next block writes them (outside the
                     # condition: a barrier in it would not be one on the skipping path)
+                    sync()
+                if groups > 1:
+                    phases(_publish)
                     sync()
                 phases(_store)
 
@@ -248,29 +272,32 @@ def attention_kernel_cuda(
                         T.buffer_store(kvs, tirx.Select(k0 + j < n, value, zero), [c * kb + j])
 
                 def scores(tx):
-                    with T.unroll(0, kb) as j:
+                    r, j0 = tx % bq, tx // bq * kg  # the thread's row and first key
+                    with T.unroll(0, kg) as j:
                         put(sc, tx, (j,), zero)
+                    # the warp's threads share g: K^T read 4 keys at a time, a broadcast
                     with T.serial(0, d) as c:
-                        with T.unroll(0, kb // 4) as j4:
-                            load4(tx, kvs, c * kb + j4 * 4)
+                        with T.unroll(0, kg // 4) as j4:
+                            load4(tx, kvs, c * kb + j0 + j4 * 4)
                             with T.unroll(0, 4) as i:
                                 j = j4 * 4 + i
-                                put(sc, tx, (j,), at(sc, tx, j) + qs[c, tx] * at(vec, tx, i))
-                    row = T.min(row0 + tx, s - 1)
+                                put(sc, tx, (j,), at(sc, tx, j) + qs[c, r] * at(vec, tx, i))
+                    row = T.min(row0 + r, s - 1)
                     put(stat, tx, (2,), at(stat, tx, 0))
-                    with T.unroll(0, kb) as j:
-                        score = masked(at(sc, tx, j), row, T.min(k0 + j, n - 1))
-                        put(sc, tx, (j,), tirx.Select(k0 + j < n, score, neg_inf))
+                    with T.unroll(0, kg) as j:
+                        key = k0 + j0 + j
+                        score = masked(at(sc, tx, j), row, T.min(key, n - 1))
+                        put(sc, tx, (j,), tirx.Select(key < n, score, neg_inf))
                         put(stat, tx, (2,), T.max(at(stat, tx, 2), at(sc, tx, j)))
                     # the shift: the new maximum, 0 while it is -inf (exp(-inf - 0) = 0)
                     new = at(stat, tx, 2)
                     base = tirx.Select(new == neg_inf, zero, new)
                     put(stat, tx, (3,), T.exp(at(stat, tx, 0) - base))
                     put(stat, tx, (1,), at(stat, tx, 1) * at(stat, tx, 3))
-                    with T.unroll(0, kb) as j:
+                    with T.unroll(0, kg) as j:
                         put(sc, tx, (j,), T.exp(at(sc, tx, j) - base))
                         put(stat, tx, (1,), at(stat, tx, 1) + at(sc, tx, j))
-                        T.buffer_store(ps, at(sc, tx, j), [j, tx])
+                        T.buffer_store(ps, at(sc, tx, j), [j0 + j, r])
                     put(stat, tx, (0,), new)
 
                 def load_v(tx):
@@ -281,14 +308,16 @@ def attention_kernel_cuda(
                         T.buffer_store(kvs, tirx.Select(k0 + j < n, value, zero), [j * dv + c])
 
                 def update(tx):
+                    r, j0 = tx % bq, tx // bq * kg
                     with T.unroll(0, dv) as c:
                         put(acc, tx, (c,), at(acc, tx, c) * at(stat, tx, 3))
-                    with T.serial(0, kb) as j:
+                    with T.serial(0, kg) as j:
                         with T.unroll(0, dv // 4) as c4:
-                            load4(tx, kvs, j * dv + c4 * 4)
+                            load4(tx, kvs, (j0 + j) * dv + c4 * 4)
                             with T.unroll(0, 4) as i:
                                 c = c4 * 4 + i
-                                put(acc, tx, (c,), at(acc, tx, c) + ps[j, tx] * at(vec, tx, i))
+                                p = ps[j0 + j, r]
+                                put(acc, tx, (c,), at(acc, tx, c) + p * at(vec, tx, i))
 
                 phases(load_k)
                 sync()
@@ -298,14 +327,30 @@ def attention_kernel_cuda(
                 sync()
                 phases(update)
 
+            def _publish(tx):
+                """Key groups 1.. leave their maximum, sum and accumulator for group 0."""
+                r, g = tx % bq, tx // bq
+                with T.If(g > 0):
+                    with T.Then():
+                        T.buffer_store(merged_stats, at(stat, tx, 0), [g - 1, 0, r])
+                        T.buffer_store(merged_stats, at(stat, tx, 1), [g - 1, 1, r])
+                        with T.unroll(0, dv) as c:
+                            T.buffer_store(merged, at(acc, tx, c), [g - 1, c, r])
+
             def _store(tx):
-                row = row0 + tx
+                """Group 0: the groups' statistics merged, the row written once."""
+                r = tx % bq
+                row = row0 + r
+                if groups > 1:
+                    with T.If(tx < bq):
+                        with T.Then():
+                            _merge(tx, r)
                 if empty_rows == "zero":
                     empty = zero
                 else:
                     empty = tirx.Select(n > 0, tirx.const(math.nan, f32), zero)
                 l_inv = one / at(stat, tx, 1)
-                with T.If(row < s):
+                with T.If(tirx.all(tx < bq, row < s)):
                     with T.Then():
                         with T.unroll(0, dv // 4) as c4:
                             with T.unroll(0, 4) as i:
@@ -318,6 +363,25 @@ def attention_kernel_cuda(
                             # 4 words at a time
                             value = at(vec, tx, tirx.Ramp(0, 1, 4)).astype(f"{dtype}x4")
                             T.buffer_store(o, value, [bb, hh, row, tirx.Ramp(c4 * 4, 1, 4)])
+
+            def _merge(tx, r):
+                # stat[2]: the overall maximum; stat[3]: this group's factor
+                put(stat, tx, (2,), at(stat, tx, 0))
+                for g in range(1, groups):
+                    put(stat, tx, (2,), T.max(at(stat, tx, 2), merged_stats[g - 1, 0, r]))
+                new = at(stat, tx, 2)
+                base = tirx.Select(new == neg_inf, zero, new)
+                put(stat, tx, (3,), T.exp(at(stat, tx, 0) - base))
+                put(stat, tx, (1,), at(stat, tx, 1) * at(stat, tx, 3))
+                with T.unroll(0, dv) as c:
+                    put(acc, tx, (c,), at(acc, tx, c) * at(stat, tx, 3))
+                for g in range(1, groups):
+                    put(stat, tx, (3,), T.exp(merged_stats[g - 1, 0, r] - base))
+                    factor = at(stat, tx, 3)
+                    put(stat, tx, (1,), at(stat, tx, 1) + merged_stats[g - 1, 1, r] * factor)
+                    with T.unroll(0, dv) as c:
+                        put(acc, tx, (c,), at(acc, tx, c) + merged[g - 1, c, r] * factor)
+                put(stat, tx, (0,), new)
 
             if serial:
                 body()
