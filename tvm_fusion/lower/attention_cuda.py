@@ -276,7 +276,9 @@ def attention_kernel_cuda(
                     with T.unroll(0, kg) as j:
                         put(sc, tx, (j,), zero)
                     # the warp's threads share g: K^T read 4 keys at a time, a broadcast
-                    with T.serial(0, d) as c:
+                    # unrolled by 2 (nvcc's own choice held more loads in flight: a 16-byte
+                    # spill at float16 with a causal mask, sm_90)
+                    with T.serial(0, d, unroll=2) as c:
                         with T.unroll(0, kg // 4) as j4:
                             load4(tx, kvs, c * kb + j0 + j4 * 4)
                             with T.unroll(0, 4) as i:
