@@ -428,7 +428,40 @@ KERNEL_CASES = [
     ("skinny_down_f32", "linear", (13, 1300, 97), (64, 5632, 2048), "float32"),
     ("skinny_down_f16", "linear", (13, 1300, 97), (64, 5632, 2048), "float16"),
     ("skinny_down_f16_r1", "linear", (1, 1300, 97), (1, 5632, 2048), "float16"),
+    # FuseAttention's CUDA kernel: (B, H, S, D); unmasked small at S = 515 (the size gate
+    # leaves a static S below 512 unfused without a mask), causal: a Where(tril, ., -inf)
+    ("attn_f32", "attention", (1, 2, 515, 64), (1, 8, 2048, 64), "float32"),
+    ("attn_f16", "attention", (1, 2, 515, 64), (1, 8, 2048, 64), "float16"),
+    ("attn_causal_f32", "causal", (1, 2, 37, 64), (1, 8, 2048, 64), "float32"),
+    ("attn_causal_f16", "causal", (1, 2, 37, 64), (1, 8, 2048, 64), "float16"),
 ]
+
+
+def _attention_module(b: int, h: int, s: int, d: int, dtype: str, causal: bool):
+    """``softmax(Q K^T / sqrt(D) [where(tril, ., -inf)]) V`` as the ONNX exporters write it:
+    FuseAttention's kernel."""
+    from tvm import relax
+    from tvm.script import relax as R
+
+    gen = np.random.default_rng(4)
+    dt = _np_dtype(dtype)
+    inputs = {n: gen.standard_normal((b, h, s, d)).astype(dt) for n in "qkv"}
+    q, k, v = (relax.Var(n, relax.TensorType((b, h, s, d), dtype)) for n in "qkv")
+    keep = np.tril(np.ones((s, s), bool))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            kt = bb.emit(R.permute_dims(k, [0, 1, 3, 2]))
+            x = bb.emit(R.multiply(bb.emit(R.matmul(q, kt)), relax.const(d**-0.5, dtype)))
+            if causal:
+                x = bb.emit(R.where(relax.const(keep), x, relax.const(float("-inf"), dtype)))
+            out = bb.emit_output(R.matmul(bb.emit(R.nn.softmax(x, axis=-1)), v))
+        bb.emit_func_output(out)
+    f32 = {n: a.astype("float32") for n, a in inputs.items()}
+    x = f32["q"] @ f32["k"].transpose(0, 1, 3, 2) * d**-0.5
+    x = np.where(keep, x, -np.inf) if causal else x
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return bb.get(), inputs, [(e / e.sum(-1, keepdims=True) @ f32["v"]).astype(dt)]
 
 
 def _kernel_cases(picked: list[str] | None = None):
@@ -437,7 +470,22 @@ def _kernel_cases(picked: list[str] | None = None):
     for name, kind, small, seed, dtype in KERNEL_CASES:
         if picked is not None and name not in picked:
             continue
-        for size, (rows, k, d) in (("small", small), ("seed", seed)):
+        for size, dims in (("small", small), ("seed", seed)):
+            if kind in ("attention", "causal"):
+                mod, inputs, ref = _attention_module(*dims, dtype, kind == "causal")
+                peer = {"workload": "kernel", "kind": kind, "dtype": dtype}
+                yield (
+                    f"{name}.{size}",
+                    mod,
+                    mod,
+                    inputs,
+                    "main",
+                    ref if size == "small" else None,
+                    peer,
+                    size,
+                )
+                continue
+            rows, k, d = dims
             if kind == "linear":
                 mod, inputs, ref = _linear_module(rows, k, d, dtype)
             else:

@@ -152,6 +152,10 @@ def _torch_peer(peer: dict, arrays: list[np.ndarray], repeat: int):
         def fn():
             gate, up = F.linear(x, w_gu).chunk(2, dim=1)
             return F.linear(act(gate) * up, w_down)
+    elif name == "kernel" and peer["kind"] in ("attention", "causal"):  # FuseAttention's
+        q, k, v = args
+        causal = peer["kind"] == "causal"
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
     elif name == "kernel":  # one fused kernel of bench/gpu.md's kernel table
         x = args[0]
         dt, kind, k, d = getattr(torch, peer["dtype"]), peer["kind"], peer["k"], peer["d"]

@@ -7,7 +7,7 @@ Numbers through ``tvm.compile(..., relax_pipeline="tvm_fusion")`` against numpy 
 sequence lengths 1, 7, 33 (the kernel's 8-row tiles and 16-key blocks both have tails there).
 Must not fire: softmax over a non-last axis, Q K^T or the scaled scores also returned,
 probabilities read twice, a scale that is a tensor, float16, K with one head broadcast over the
-others, a CUDA target.
+others, a GPU target other than CUDA (CUDA: test_fuse_attention_cuda.py).
 """
 
 import numpy as np
@@ -295,10 +295,16 @@ def test_not_fired(change):
     tvm.ir.assert_structural_equal(after, mod)
 
 
-def test_not_on_cuda():
+def test_gpus_other_than_cuda_left_alone():
+    """On CUDA the pass emits the CUDA kernel (tests/transform/test_fuse_attention_cuda.py);
+    on another GPU kind it does nothing."""
     mod = _decomposed()
+    rocm = tvm.target.Target({"kind": "rocm"})
+    tvm.ir.assert_structural_equal(FuseAttention(rocm)(mod), mod)
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
-    tvm.ir.assert_structural_equal(FuseAttention(cuda)(mod), mod)
+    with collect_rewrites() as counts:
+        FuseAttention(cuda)(mod)
+    assert counts["FuseAttention"] == 1
 
 
 def test_kernel_symbolic_dims():

@@ -47,14 +47,19 @@ unfused), 0.92x / 0.97x at 512, 0.87x at 2048. The memory saving holds at any si
 2048, B = 1, H = 8, D = 64: 0.021x stock's planned peak; the kernel's packed K^T, a workspace
 the size of K allocated per call, is outside the plan).
 
-Left alone (reason at debug level): other dtypes (float16 / bfloat16), a softmax over another
-axis, a symbolic ``D`` / ``Dv``, a mask of another dtype, the mask added before the scale,
-broadcast heads inside the matmul (K or V with one head for many: grouped-query heads that the
-exporter already copied with ``expand`` + ``reshape`` are ordinary 4-D operands and do fuse), a
-scale that is not a scalar constant. ``R.nn.attention`` is not matched: torch 2.13's
+CUDA targets: the same chains, float32 or float16 (products, sums and softmax in float32, the
+output cast once), with head dims ``D, Dv <= 128`` (``Dv`` a multiple of 4), become
+:func:`tvm_fusion.lower.attention_cuda.attention_kernel_cuda` (one thread block per 64 query
+rows, the scores and running statistics in registers); the size gate is the CPU's (not measured
+on a GPU). Other GPU targets: the pass does nothing.
+
+Left alone (reason at debug level): other dtypes (float16 / bfloat16 on the CPU), a softmax
+over another axis, a symbolic ``D`` / ``Dv``, a mask of another dtype, the mask added before
+the scale, broadcast heads inside the matmul (K or V with one head for many: grouped-query heads
+that the exporter already copied with ``expand`` + ``reshape`` are ordinary 4-D operands and do
+fuse), a scale that is not a scalar constant. ``R.nn.attention`` is not matched: torch 2.13's
 ``torch.export`` decomposes ``scaled_dot_product_attention`` before our importer sees it (the
-3-D form above), and no frontend of ours emits the op. Not yet: a CUDA kernel (on CUDA targets the
-pass does nothing).
+3-D form above), and no frontend of ours emits the op.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import target as _target
+from ..lower import attention_cuda
 from ..lower.attention import KERNEL_NAME, attention_kernel
 from ._common import (
     get_logger,
@@ -86,18 +92,22 @@ logger = get_logger(__name__)
 @tvm.transform.module_pass(opt_level=0, name=NAME)
 class FuseAttention:
     """``softmax(Q K^T * scale + mask) V`` chains as one online-softmax kernel (see the module
-    docstring). CPU targets only."""
+    docstring). CPU and CUDA targets."""
 
     def __init__(self, target=None):
         self.target = target
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
         target = self.target or tvm.target.Target.current(allow_none=True)
-        if target is not None and not _target.is_cpu(target):
+        cuda = target is not None and target.kind.name == "cuda"
+        if target is not None and not (cuda or _target.is_cpu(target)):
             return mod
-        registers = _target.vector_registers(target) if target is not None else 16
-        lanes = _target.vector_lanes(target) if target is not None else 8
-        rewriter = _Rewriter(mod, (registers, min(lanes, 16)))
+        if cuda:
+            rewriter = _Rewriter(mod, None)
+        else:
+            registers = _target.vector_registers(target) if target is not None else 16
+            lanes = _target.vector_lanes(target) if target is not None else 8
+            rewriter = _Rewriter(mod, (registers, min(lanes, 16)))
         mod = rewriter.transform()
         record_rewrite(NAME, rewriter.count)
         return mod
@@ -112,7 +122,10 @@ class _Plan:
 
 
 class _Matcher:
-    def __init__(self, func: relax.Function):
+    def __init__(self, func: relax.Function, cuda: bool = False):
+        self.cuda = cuda
+        # float16 on CUDA: products, sums and the softmax in float32, the output cast once
+        self.dtypes = ("float32", "float16") if cuda else ("float32",)
         self.bound: dict = {}
         for block in func.body.blocks:
             for binding in block.bindings:
@@ -162,8 +175,9 @@ class _Matcher:
         what = f"matmul {call}"[:80]
         p, v = call.args
         out = static_shape(call)
-        if out is None or call.ty.dtype != "float32":
-            return skip(logger, what, "not a float32 tensor of known rank") or None
+        if out is None or call.ty.dtype not in self.dtypes:
+            kinds = " / ".join(self.dtypes)
+            return skip(logger, what, f"not a {kinds} tensor of known rank") or None
         out_3d = len(out) == 3
         if out_3d:
             p4, v4 = self.unview(p, single=True), self.unview(v, single=False)
@@ -175,6 +189,8 @@ class _Matcher:
             return None
         if not self.single_use(p):
             return skip(logger, what, "probabilities read elsewhere") or None
+        if not p.ty.dtype == v.ty.dtype == call.ty.dtype:
+            return skip(logger, what, "a matmul with another output dtype") or None
         p = self._strip_casts(p)
         if p is None:
             return skip(logger, what, "a cast of the probabilities read elsewhere") or None
@@ -262,7 +278,7 @@ class _Matcher:
         """``expr`` is the (scaled) ``Q K^T``, read once (which addend is the mask: a 4-D
         bias such as T5's ``(1, H, S, N)`` looks like scores too)."""
         shape = static_shape(expr)
-        if shape is None or len(shape) != 4 or expr.ty.dtype != "float32":
+        if shape is None or len(shape) != 4 or expr.ty.dtype not in self.dtypes:
             return False
         if not self.single_use(expr):
             return False
@@ -304,8 +320,9 @@ class _Matcher:
         qs, kts, vs = static_shape(q), static_shape(kt), static_shape(v)
         if any(s is None or len(s) != 4 for s in (qs, kts, vs)):
             return skip(logger, what, "operands not 4-D") or None
-        if any(e.ty.dtype != "float32" for e in (q, kt, v)):
-            return skip(logger, what, "not float32") or None
+        dtype = v.ty.dtype
+        if dtype not in self.dtypes or any(e.ty.dtype != dtype for e in (q, kt)):
+            return skip(logger, what, "Q, K, V of different dtypes") or None
         b, h, _s, d = qs
         n = kts[3]
         same = all(
@@ -316,6 +333,8 @@ class _Matcher:
             return skip(logger, what, "Q, K, V shapes do not agree (broadcast heads?)") or None
         if not isinstance(d, tirx.IntImm) or not isinstance(vs[3], tirx.IntImm):
             return skip(logger, what, "head dim not static") or None
+        if self.cuda and not attention_cuda.supports(int(d), int(vs[3]), dtype):
+            return skip(logger, what, f"no CUDA kernel for head dims {d}, {vs[3]}") or None
         mask, where_fill = mask
         if isinstance(_s, tirx.IntImm) and isinstance(n, tirx.IntImm):
             small = int(_s) * int(n) < MIN_STATIC_SCORES
@@ -323,10 +342,10 @@ class _Matcher:
                 return skip(logger, what, f"static S x N = {_s} x {n}: faster unfused") or None
         mask_dims = None
         if mask is not None:
-            dtype = "bool" if where_fill is not None else "float32"
-            mask_dims = _mask_dims(mask, (b, h, _s, n), dtype)
+            mask_dtype = "bool" if where_fill is not None else dtype
+            mask_dims = _mask_dims(mask, (b, h, _s, n), mask_dtype)
             if mask_dims is None:
-                return skip(logger, what, f"mask not {dtype} or not broadcastable") or None
+                return skip(logger, what, f"mask not {mask_dtype} or not broadcastable") or None
         return _Plan(q, kt, v, (mask, mask_dims, where_fill), scale, guard, out_3d)
 
     def _skips_blocks(self, mask, where_fill) -> bool:
@@ -341,7 +360,8 @@ class _Matcher:
             return where_fill[0] == float("-inf")
         if isinstance(mask, GenericConst):
             values = mask.value.numpy()
-            return values.dtype.name == "float32" and bool(np.isneginf(values).any())
+            floating = values.dtype.name in ("float32", "float16")
+            return floating and bool(np.isneginf(values).any())
         where = self.value(mask, "relax.where")
         if where is None:
             return False
@@ -377,7 +397,7 @@ def _last_axis_reduce(call: relax.Call) -> bool:
 def _scalar(expr) -> float | None:
     if isinstance(expr, GenericConst):
         arr = expr.value.numpy()
-        if arr.size == 1 and arr.dtype.name == "float32":
+        if arr.size == 1 and arr.dtype.name in ("float32", "float16"):
             return float(arr.reshape(-1)[0])
     return None
 
@@ -406,7 +426,8 @@ def _mask_dims(mask, dims, dtype: str):
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule, registers: tuple[int, int]):
+    def __init__(self, mod: IRModule, registers: tuple[int, int] | None):
+        """``registers``: the CPU's SIMD registers and lanes; None: CUDA."""
         super().__init__(mod)
         self.mod = mod
         self.registers = registers
@@ -417,7 +438,7 @@ class _Rewriter(PyExprMutator):
         for gv, func in self.mod.functions_items():
             if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
                 continue
-            matcher = _Matcher(func)
+            matcher = _Matcher(func, cuda=self.registers is None)
             self.plans = {}
             for value in matcher.bound.values():
                 if op_name(value) == "relax.matmul":
@@ -447,17 +468,14 @@ class _Rewriter(PyExprMutator):
                 mask = bb.emit(relax.op.reshape(mask, shape))
             args.append(mask)
         qs, vs = q.ty.shape.values, v.ty.shape.values
-        kernel = attention_kernel(
-            int(qs[3]),
-            int(vs[3]),
-            plan.scale,
-            mask_dims,
-            "zero" if plan.guard else "nan",
-            where_fill,
-            *self.registers,
-        )
+        dtype = v.ty.dtype
+        common = (int(qs[3]), int(vs[3]), plan.scale, mask_dims, "zero" if plan.guard else "nan")
+        if self.registers is None:
+            kernel = attention_cuda.attention_kernel_cuda(*common, where_fill, dtype)
+        else:
+            kernel = attention_kernel(*common, where_fill, *self.registers)
         gv = bb.add_func(kernel, KERNEL_NAME)
-        out_sinfo = relax.TensorType([qs[0], qs[1], qs[2], vs[3]], "float32")
+        out_sinfo = relax.TensorType([qs[0], qs[1], qs[2], vs[3]], dtype)
         out = bb.emit(relax.call_tir(gv, args, out_sinfo))
         self.count += 1
         if plan.out_3d:
