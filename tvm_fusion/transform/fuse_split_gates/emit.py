@@ -211,11 +211,14 @@ def _round_to(t: te.Tensor, dtype: str) -> te.Tensor:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule, target, find=_find_gemms):
+    def __init__(self, mod: IRModule, target, find=_find_gemms, prepare=None):
         super().__init__(mod)
         self.mod = mod
         self.target = target
         self.find = find  # _Block -> [_Gemm] (FuseGatheredGates passes its own)
+        # (builder, group) -> None, run before a group is emitted (FuseGroupedGates emits the
+        # expert of each row there)
+        self.prepare = prepare
         self.count = 0
         self.uses: dict = {}
         self._blk: _Block | None = None
@@ -254,6 +257,8 @@ class _Rewriter(PyExprMutator):
         return self.builder_._end_block()
 
     def _emit_group(self, group: _Group) -> None:
+        if self.prepare is not None:
+            self.prepare(self.builder_, group)
         fast_math = _target.is_cpu(self.target)
         args = []
         layouts = []
