@@ -126,3 +126,54 @@ def test_not_fused(case):
     with torch.inference_mode():
         want = model(*args).numpy()
     np.testing.assert_allclose(_run(compiled, *args), want, rtol=1e-4, atol=1e-5)
+
+
+def _unrolled_around(stmt, block: str, outer: int = 1) -> list[int]:
+    """Products of the unrolled loop extents around each block named ``block``."""
+    import tvm
+    from tvm import s_tir
+
+    found = []
+
+    def walk(node, product):
+        if isinstance(node, tvm.tirx.For):
+            ext = node.extent
+            if node.kind == tvm.tirx.ForKind.UNROLLED and isinstance(ext, tvm.tirx.IntImm):
+                product *= int(ext.value)
+            walk(node.body, product)
+        elif isinstance(node, s_tir.SBlockRealize):
+            if node.block.name_hint == block:
+                found.append(product)
+            walk(node.block.body, product)
+        elif isinstance(node, tvm.tirx.SeqStmt):
+            for s in node.seq:
+                walk(s, product)
+        elif hasattr(node, "body"):
+            walk(node.body, product)
+
+    walk(stmt, outer)
+    return found
+
+
+@pytest.mark.parametrize("mcpu", ["haswell", "skylake-avx512"])
+def test_register_tile_of_several_rows(mcpu):
+    """The gathered GEMM over symbolic rows gets a register tile of several rows from the
+    target's registers (it had one row: ``pad_einsum`` refuses the ``W[ids[row]]`` read, and
+    the rule fell back to unpadded tiles of 1 row x 2 gates, 2 accumulators)."""
+    import tvm
+
+    from tvm_fusion.build.pipeline import build_pipeline
+
+    torch.manual_seed(0)
+    model = _GatedGrouped(3).eval()
+    rows = torch.export.Dim("rows", min=1, max=128)
+    offs = torch.tensor([2, 5, 7], dtype=torch.int32)
+    program = torch.export.export(
+        model, (torch.randn(7, 8), offs), dynamic_shapes=({0: rows}, None)
+    )
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    with target:
+        lowered = build_pipeline(target)(load.import_exported_program(program))
+    (gates,) = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("fused_gates")]
+    tiles = _unrolled_around(gates.body, "gemm0_update")
+    assert tiles and min(tiles) >= 2 * 2, tiles  # at least 2 rows x 2 gates accumulators

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from tvm import s_tir, tirx
+from tvm import s_tir, sym, tirx
 from tvm.target import Target
 
 from ... import target as _target
@@ -107,6 +107,20 @@ def _gemm_gates(sch: s_tir.Schedule, gemms: list, n_rows: int, gates: int) -> in
     return max(size // width for size in sizes) if all(s % width == 0 for s in sizes) else gates
 
 
+def _rows_padded(sch: s_tir.Schedule, gemms: list, n_rows: int, mr: int) -> bool:
+    """Every GEMM's last row axis a provable multiple of ``mr``: FuseSplitGates built the
+    kernel padded (a gathered weight, ``W[ids[row]]``, which ``pad_einsum`` refuses)."""
+    analyzer = sym.Analyzer()
+    for gemm in gemms:
+        iters = sch.get(gemm).iter_vars
+        if len(iters) < n_rows or not n_rows:
+            return False
+        ext = iters[n_rows - 1].dom.extent
+        if not analyzer.can_prove_equal(tirx.floormod(ext, mr), 0):
+            return False
+    return True
+
+
 class GateFusion(CPURule):
     def apply(self, func, target: Target, tunable: bool):
         if not self.applicable(func, target) or GATE_ATTR not in func.attrs:
@@ -138,7 +152,9 @@ class GateFusion(CPURule):
             rows, _gemm_gates(sch, reductions, len(row_loops), gates), block, lanes, regs
         )
         if mr > 1 and (not is_static(rows) or rows % mr):
-            if not pad:
+            if _rows_padded(sch, reductions, len(row_loops), mr):
+                pass  # built padded (a gathered weight): the results' rows get a tail
+            elif not pad:
                 mr = 1
             else:
                 for red in reductions:
