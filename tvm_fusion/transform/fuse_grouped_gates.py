@@ -181,7 +181,6 @@ def _grouped_gemm(blk: _Block, mod: IRModule, y, pieces, chain, width, aliases) 
     gemm.aliases = aliases
     gemm.ids = offs  # read by the group's ordering; the emitter replaces it by the experts
     gemm.offsets = offs
-    gemm.row_blocks = True  # transformers' rows are sorted by expert
     return gemm
 
 

@@ -35,7 +35,6 @@ from .._common import (
     schedule_copy,
     vectorize_innermost,
 )
-from ._row_blocks import guard_row_blocks
 
 # Rows of a padded tile with 32 vector registers (see tile_rows)
 PADDED_ROWS_MAX = 4
@@ -128,21 +127,12 @@ class GateFusion(CPURule):
             return None
         hints = func.attrs[GATE_ATTR]
         block, gates = int(hints["block"]), int(hints["gates"])
-        tile = int(hints["row_blocks"]) if "row_blocks" in hints else None
-        sch = self._schedule(func, target, block, gates, pad=True, tile=tile)
+        sch = self._schedule(func, target, block, gates, pad=True)
         if sch is None:  # padding refused: symbolic rows one at a time
-            sch = self._schedule(func, target, block, gates, pad=False, tile=tile)
-        if sch is not None and tile is not None:
-            # a tile runs its GEMM at the tile's expert or at each row's, not both
-            guarded = guard_row_blocks(sch.mod["main"], int(hints["row_blocks"]))
-            if guarded is None:
-                logger.debug("gate fusion: row blocks not guarded, left to another rule")
-                return None
-            sch = s_tir.Schedule(guarded)
+            sch = self._schedule(func, target, block, gates, pad=False)
         return sch
 
-    def _schedule(self, func, target: Target, block: int, gates: int, pad: bool, tile=None):
-        """``tile``: the rows of a tile that the kernel was built for (row blocks)."""
+    def _schedule(self, func, target: Target, block: int, gates: int, pad: bool):
         found = gate_blocks(func)
         if found is None:
             return None
@@ -161,8 +151,6 @@ class GateFusion(CPURule):
         mr = tile_rows(
             rows, _gemm_gates(sch, reductions, len(row_loops), gates), block, lanes, regs
         )
-        if tile is not None:  # its two GEMMs (see _row_blocks.py) built for this tile
-            mr = tile
         if mr > 1 and (not is_static(rows) or rows % mr):
             if _rows_padded(sch, reductions, len(row_loops), mr):
                 pass  # built padded (a gathered weight): the results' rows get a tail

@@ -25,7 +25,7 @@ logger = get_logger(__name__)
 
 def _gemm_stage(
     x, w, layout: str, block: int, width: int, gates: int, n_rows: int, name: str, ids=None,
-    pad_rows: int | None = None, row_blocks: int | None = None,
+    pad_rows: int | None = None,
 ):  # fmt: skip
     """``Y[rows, gate, d] = sum_k x[rows, k] * W(gate, d, k)`` for one weight layout. With the
     blocked weight, ``Y`` is blocked like it, ``Y[rows, gate, d // V, d % V]``: every index is
@@ -49,38 +49,14 @@ def _gemm_stage(
             last = lead[-1] - 1
             lead[-1] = (lead[-1] + pad_rows - 1) // pad_rows * pad_rows
 
-        def clamp(rows):
-            return rows if pad_rows is None else (*rows[:-1], tirx.min(rows[-1], last))
-
-        def read(idx, tile: bool):
-            rows, gate, do, di = idx[:n_rows], idx[n_rows], idx[n_rows + 1], idx[n_rows + 2]
-            expert = ids[clamp(rows)]
-            if tile:  # the expert of the tile's first row
-                expert = ids[clamp((*rows[:-1], rows[-1] - rows[-1] % row_blocks))]
-            return te.sum(mul(x[(*clamp(rows), kk)], w[expert, do, kk, gate, di]), axis=kk)
-
         def gathered(*idx):
-            return read(idx, False)
+            rows, gate, do, di = idx[:n_rows], idx[n_rows], idx[n_rows + 1], idx[n_rows + 2]
+            if pad_rows is not None:
+                rows = (*rows[:-1], tirx.min(rows[-1], last))
+            return te.sum(mul(x[(*rows, kk)], w[ids[rows], do, kk, gate, di]), axis=kk)
 
         blocks = -(-width // block)
-        shape = (*lead, gates, blocks, block)
-        if not row_blocks:
-            return te.compute(shape, gathered, name=name)
-        # one expert per tile of row_blocks rows where they share it (see
-        # schedule/cpu/_row_blocks.py: the rule runs one of the two GEMMs a tile)
-        y_tile = te.compute(shape, lambda *i: read(i, True), name=f"{name}_tile")
-        y_row = te.compute(shape, gathered, name=f"{name}_row")
-
-        def pick(*idx):
-            r = idx[n_rows - 1]
-            first = r - r % row_blocks
-            head = ids[clamp((*idx[: n_rows - 1], first))]
-            same = [
-                ids[clamp((*idx[: n_rows - 1], first + i))] == head for i in range(1, row_blocks)
-            ]
-            return tirx.Select(tirx.all(*same), y_tile(*idx), y_row(*idx))
-
-        return te.compute(shape, pick, name=name)
+        return te.compute((*lead, gates, blocks, block), gathered, name=name)
 
     if layout == "blocked":  # (D/V, K, gates, V)
 
@@ -177,10 +153,10 @@ def _piece_stage(y, gate: int, width: int, n_rows: int, name: str, rows=None):
 
 
 def _compute(
-    group: _Group, blk: _Block, block: int, fast_math: bool, layouts: list[str], tile_rows=None
+    group: _Group, blk: _Block, block: int, fast_math: bool, layouts: list[str], pad_rows=None
 ):
-    """The TE function for the group: (inputs...) -> outputs; ``tile_rows``: the rule's tile
-    of rows for gathered GEMMs (their rows padded to it, see :func:`_gemm_stage`)."""
+    """The TE function for the group: (inputs...) -> outputs; ``pad_rows``: the row multiple
+    of gathered GEMMs (see :func:`_gemm_stage`)."""
     n_rows = len(group.rows)
     width = group.width
     # float16 / bfloat16: the gate math runs on float32 tensors (half-precision inputs widened
@@ -197,14 +173,8 @@ def _compute(
             if g.ids is not None:  # the expert of each row, after the weight
                 ids = tensors[pos]
                 pos += 1
-            pad = tiles = None
-            if layouts[gi] == "gathered" and tile_rows is not None:
-                rows = _int(x.shape[0])
-                pad = tile_rows if rows is None or rows % tile_rows else None
-                tiles = tile_rows if g.row_blocks else None
-            y = _gemm_stage(
-                x, w, layouts[gi], block, width, g.gates, n_rows, f"gemm{gi}", ids, pad, tiles
-            )
+            pad = pad_rows if layouts[gi] == "gathered" else None
+            y = _gemm_stage(x, w, layouts[gi], block, width, g.gates, n_rows, f"gemm{gi}", ids, pad)
             if g.bias is not None:
                 row_ids = ids if g.gathered_bias else None
                 y = _bias_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_bias", row_ids)
@@ -334,8 +304,9 @@ class _Rewriter(PyExprMutator):
                 args.append(self.visit_expr(gemm.bias))
             args += [self.visit_expr(a) for a in gemm.addends]
         args += [self.visit_expr(e) for e in group.externals]
-        tile_rows = _tile_rows(group, self.target)
-        fn = _compute(group, self._blk, group.block, fast_math, layouts, tile_rows)
+        fn = _compute(
+            group, self._blk, group.block, fast_math, layouts, _pad_rows(group, self.target)
+        )
         call = self.builder_.call_te(fn, *args, primfunc_name_hint=_name(group))
         gv = call.args[0]
         func = self.builder_.get()[gv]
@@ -344,8 +315,6 @@ class _Rewriter(PyExprMutator):
             "gates": sum(g.gates for g in group.gemms),
             "width": group.width,
         }
-        if tile_rows is not None and any(g.row_blocks for g in group.gemms):
-            hints["row_blocks"] = tile_rows
         self.builder_.update_func(gv, func.with_attrs({"op_pattern": 8, GATE_ATTR: hints}))
         self.count += 1
         if len(group.outputs) == 1:
@@ -357,11 +326,11 @@ class _Rewriter(PyExprMutator):
             self.builder_.emit_normalized(relax.VarBinding(out, relax.TupleGetItem(fused, i)))
 
 
-def _tile_rows(group: _Group, target) -> int | None:
-    """The CPU gate rule's tile of rows for the group's gathered GEMMs (their rows are padded
-    to it where it does not divide them: symbolic rows, static ones); None where the group has
-    no gathered GEMM, adds a bias or addend read per row (not padded), or the tile is one
-    row."""
+def _pad_rows(group: _Group, target) -> int | None:
+    """The row multiple of the group's gathered GEMMs: the CPU gate rule's tile of rows where
+    it would pad them (symbolic rows, static ones that it does not divide); None where the
+    group has no gathered GEMM, adds a bias or addend read per row (not padded), or the tile
+    is one row."""
     from ...schedule import gate_tile_rows
 
     gathered = [g for g in group.gemms if g.ids is not None]
@@ -371,7 +340,9 @@ def _tile_rows(group: _Group, target) -> int | None:
         return None
     rows = _int(group.rows[0])
     mr = gate_tile_rows(target, rows, max(g.gates for g in group.gemms), group.block)
-    return mr if mr > 1 else None
+    if mr <= 1 or (rows is not None and rows % mr == 0):
+        return None
+    return mr
 
 
 def _name(group: _Group) -> str:

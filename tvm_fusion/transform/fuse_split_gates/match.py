@@ -40,9 +40,6 @@ class _Gemm:
     # ``bias`` is then (E, k*D) and gathered likewise when ``gathered_bias``
     ids: relax.Expr | None = None
     gathered_bias: bool = False
-    # rows sorted by expert (FuseGroupedGates): the GEMM reads one expert per register tile
-    # where the tile's rows share it (schedule/cpu/_row_blocks.py)
-    row_blocks: bool = False
 
     @property
     def gates(self) -> int:
