@@ -46,6 +46,7 @@ def test_grouped_experts_fused_match_torch(experts, gate):
     assert counts["FuseGroupedGates"] == 2  # the gate_up GEMM with its gate, the down GEMM
     names = _kernels(compiled)
     assert not any(n.startswith("grouped_mm") for n in names), names
+    assert sum(n.startswith("grouped_rows") for n in names) == 1, names  # shared by both
     for tokens in (1, 7, 61):
         x, ids = torch.randn(tokens, 8), torch.randint(0, experts, (tokens, 2))
         weights = torch.rand(tokens, 2)

@@ -92,7 +92,9 @@ class FuseGroupedGates:
         if not any(_is_grouped(f) for f in mod.functions.values()):
             return mod
         find = lambda blk: _find_grouped(blk, mod)  # noqa: E731
-        rewriter = _Rewriter(mod, target, find=find, prepare=_experts)
+        cache: dict = {}
+        prepare = lambda b, g, blk: _experts(b, g, blk, cache)  # noqa: E731
+        rewriter = _Rewriter(mod, target, find=find, prepare=prepare)
         out = rewriter.transform()
         record_rewrite(NAME, rewriter.count)
         return out if rewriter.count else mod
@@ -106,18 +108,22 @@ def _is_grouped(func) -> bool:
     )
 
 
-def _experts(builder, group) -> None:
-    """Emit the expert of each row of the group's grouped GEMMs (one small kernel each), read
-    by their kernel in place of the offsets."""
+def _experts(builder, group, blk, cache: dict) -> None:
+    """Emit the expert of each row of the group's grouped GEMMs (one small kernel for each
+    offsets and row count of a dataflow block: the gate-up and down GEMMs share it), read by
+    their kernel in place of the offsets."""
     for gemm in group.gemms:
-        experts = int(_shape(gemm.offsets)[0].value)
-        call = builder.call_te(
-            lambda o, x, e=experts: expert_of_rows(x.shape[0], o, e),
-            gemm.offsets,
-            gemm.x,
-            primfunc_name_hint="grouped_rows",
-        )
-        gemm.ids = builder.emit(call, "experts")
+        key = (id(blk), gemm.offsets, str(_shape(gemm.x)[0]))
+        if key not in cache:
+            experts = int(_shape(gemm.offsets)[0].value)
+            call = builder.call_te(
+                lambda o, x, e=experts: expert_of_rows(x.shape[0], o, e),
+                gemm.offsets,
+                gemm.x,
+                primfunc_name_hint="grouped_rows",
+            )
+            cache[key] = (blk, builder.emit(call, "experts"))  # blk kept alive with its id
+        gemm.ids = cache[key][1]
 
 
 def _find_grouped(blk: _Block, mod: IRModule) -> list[_Gemm]:

@@ -234,7 +234,7 @@ class _Rewriter(PyExprMutator):
         self.mod = mod
         self.target = target
         self.find = find  # _Block -> [_Gemm] (FuseGatheredGates passes its own)
-        # (builder, group) -> None, run before a group is emitted (FuseGroupedGates emits the
+        # (builder, group, block) -> None, run before a group is emitted (FuseGroupedGates emits the
         # expert of each row there)
         self.prepare = prepare
         self.count = 0
@@ -276,7 +276,7 @@ class _Rewriter(PyExprMutator):
 
     def _emit_group(self, group: _Group) -> None:
         if self.prepare is not None:
-            self.prepare(self.builder_, group)
+            self.prepare(self.builder_, group, self._blk)
         fast_math = _target.is_cpu(self.target)
         args = []
         layouts = []
