@@ -6,7 +6,10 @@ The experts of ``tvm_fusion.testing.moe.grouped_experts`` (H, I, E experts, top-
 routing, float32) exported with torch.export (tokens symbolic), imported and compiled for the
 host; the same compiled module runs every token count.
 
-    TVM_NUM_THREADS=2 PYTHONPATH=. python scripts/bench_moe_grouped.py --tokens 1,64,512
+    TVM_NUM_THREADS=2 PYTHONPATH=. python scripts/bench_moe_grouped.py --tokens 1,64,512 --unfused
+
+``--unfused`` adds the same pipeline with FuseGroupedGates off (the converter's grouped GEMM
+kernels, as before the pass) to the alternation.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget", type=float, default=6.0)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--unfused",
+        action="store_true",
+        help="also time the pipeline with FuseGroupedGates off (the converter's kernels)",
+    )
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -47,9 +55,11 @@ def main(argv=None) -> int:
         torch.rand(7, args.top),
     )
     program = torch.export.export(model, example, dynamic_shapes=({0: tokens},) * 3)
-    compiled = engine.compile_module(
-        load.import_exported_program(program), host_target(), "tvm_fusion"
-    )
+    mod = load.import_exported_program(program)
+    compiled = engine.compile_module(mod, host_target(), "tvm_fusion")
+    unfused = None
+    if args.unfused:
+        unfused = engine.compile_module(mod, host_target(), "tvm_fusion", fuse_grouped_gates=False)
     rules = {i.name: i.rule for i in schedule_info(compiled.lowered)}
     print("kernels:", json.dumps(rules, indent=1))
     rows = []
@@ -59,6 +69,9 @@ def main(argv=None) -> int:
         weights = torch.rand(count, args.top)
         feeds = [x.numpy(), ids.numpy(), weights.numpy()]
         ours = engine.TvmRunner(compiled, feeds)
+        runs = {"ours": ours}
+        if unfused is not None:
+            runs["unfused"] = engine.TvmRunner(unfused, feeds)
         with torch.inference_mode():
             want = model(x, ids, weights).numpy()
         got = np.asarray(ours.outputs()[0])
@@ -70,7 +83,7 @@ def main(argv=None) -> int:
 
         load_before = os.getloadavg()
         times = engine.time_interleaved(
-            {"ours": ours, "torch": eager}, repeat=50, budget_s=args.budget, min_time_s=0.5
+            {**runs, "torch": eager}, repeat=50, budget_s=args.budget, min_time_s=0.5
         )
         row = {
             "tokens": count,
@@ -80,6 +93,9 @@ def main(argv=None) -> int:
             "load": [round(v, 2) for v in (*load_before, *os.getloadavg()[:1])],
         }
         row["ours/torch"] = row["ours_ms"] / row["torch_ms"]
+        if unfused is not None:
+            row["unfused_ms"] = times["unfused"]["median_ms"]
+            row["unfused/torch"] = row["unfused_ms"] / row["torch_ms"]
         print(json.dumps(row))
         rows.append(row)
     if args.json:

@@ -10,6 +10,7 @@ import pytest
 from tvm_fusion.build import engine
 from tvm_fusion.frontend import load
 from tvm_fusion.target import host_target
+from tvm_fusion.tools.analysis.schedules import schedule_info
 from tvm_fusion.transform import collect_rewrites
 
 torch = pytest.importorskip("torch")
@@ -47,6 +48,8 @@ def test_grouped_experts_fused_match_torch(experts, gate):
     names = _kernels(compiled)
     assert not any(n.startswith("grouped_mm") for n in names), names
     assert sum(n.startswith("grouped_rows") for n in names) == 1, names  # shared by both
+    rules = {i.name: i.rule for i in schedule_info(compiled.lowered)}
+    assert {r for n, r in rules.items() if n.startswith("fused_gates")} == {"GateFusion"}, rules
     for tokens in (1, 7, 61):
         x, ids = torch.randn(tokens, 8), torch.randint(0, experts, (tokens, 2))
         weights = torch.rand(tokens, 2)

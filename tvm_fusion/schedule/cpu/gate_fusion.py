@@ -130,9 +130,20 @@ class GateFusion(CPURule):
         sch = self._schedule(func, target, block, gates, pad=True)
         if sch is None:  # padding refused: symbolic rows one at a time
             sch = self._schedule(func, target, block, gates, pad=False)
+        if sch is None:  # a kernel built with padded rows whose tile failed: one row a tile
+            sch = self._schedule(func, target, block, gates, pad=False, one_row=True)
         return sch
 
-    def _schedule(self, func, target: Target, block: int, gates: int, pad: bool):
+    def _schedule(
+        self, func, target: Target, block: int, gates: int, pad: bool, one_row: bool = False
+    ):
+        try:
+            return self._try_schedule(func, target, block, gates, pad, one_row)
+        except Exception as err:  # noqa: BLE001 - a primitive refused: the next way, if any
+            logger.debug("gate fusion: %s", str(err).splitlines()[-1] if str(err) else err)
+            return None
+
+    def _try_schedule(self, func, target: Target, block: int, gates: int, pad: bool, one_row):
         found = gate_blocks(func)
         if found is None:
             return None
@@ -151,6 +162,8 @@ class GateFusion(CPURule):
         mr = tile_rows(
             rows, _gemm_gates(sch, reductions, len(row_loops), gates), block, lanes, regs
         )
+        if one_row:
+            mr = 1
         if mr > 1 and (not is_static(rows) or rows % mr):
             if _rows_padded(sch, reductions, len(row_loops), mr):
                 pass  # built padded (a gathered weight): the results' rows get a tail

@@ -339,6 +339,11 @@ def _pad_rows(group: _Group, target) -> int | None:
     if any(g.gathered_bias or g.addends for g in group.gemms):
         return None
     rows = _int(group.rows[0])
+    if rows is None and not isinstance(group.rows[0], tirx.Var):
+        # rows such as tokens * top_k: TVM 0.27's compute_at then refuses the results' tile
+        # over the padded GEMM ("not a stage pipeline"), and the kernel would fall to the
+        # Fallback rule; unpadded, the gate rule takes it with tiles of one row
+        return None
     mr = gate_tile_rows(target, rows, max(g.gates for g in group.gemms), group.block)
     if mr <= 1 or (rows is not None and rows % mr == 0):
         return None
