@@ -44,6 +44,7 @@ import logging
 from tvm import relax, te, tirx
 
 from ..errors import ModelError
+from ..transform.fuse_grouped_gates import GROUPED_ATTR, expert_of_rows
 
 logger = logging.getLogger(__name__)
 
@@ -79,28 +80,16 @@ def _grouped_mm_fallback(node, importer) -> relax.Var:
         w = importer.block_builder.emit(relax.op.astype(w, dtype))
     acc = "float32" if dtype in ("float16", "bfloat16") else dtype
     bb = importer.block_builder
-    return bb.emit_te(_grouped_te, x, w, offs, acc, primfunc_name_hint="grouped_mm")
+    out = bb.emit_te(_grouped_te, x, w, offs, acc, primfunc_name_hint="grouped_mm")
+    gv = bb.lookup_binding(out).args[0]  # tagged for FuseGroupedGates
+    bb.update_func(gv, bb.get()[gv].with_attr(GROUPED_ATTR, True))
+    return out
 
 
 def _grouped_te(x: te.Tensor, w: te.Tensor, offs: te.Tensor, acc: str) -> te.Tensor:
     rows, depth = x.shape
     experts, _, cols = w.shape
-    idx = offs.dtype
-
-    def bound(v):  # a Python slice bound: negative wraps by S, then clipped to [0, S]
-        s = tirx.Cast(idx, rows)
-        v = tirx.Select(v < tirx.const(0, idx), v + s, v)
-        return tirx.max(tirx.min(v, s), tirx.const(0, idx))
-
-    i = te.reduce_axis((0, experts), name="i")
-
-    def expert(r):
-        rr = tirx.Cast(idx, r)
-        start = tirx.Select(i > 0, bound(offs[tirx.max(i - 1, 0)]), tirx.const(0, idx))
-        hit = tirx.all(start <= rr, rr < bound(offs[i]))
-        return te.max(tirx.Select(hit, tirx.Cast("int32", i), tirx.const(-1, "int32")), axis=i)
-
-    owner = te.compute((rows,), expert, name="expert")
+    owner = expert_of_rows(rows, offs, -1)
     k = te.reduce_axis((0, depth), name="k")
 
     def gemm(r, j):

@@ -317,3 +317,15 @@ def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int 
     # Units that no full vector divides (97, 1365, 1998) are padded to whole blocks of zero
     # columns rather than run on half or quarter vectors: 97 units are 7 vectors of 16, 13 of 8.
     return min(enumerate(fits), key=cost)[1]
+
+
+def gate_tile_rows(target: Target, rows: int | None, gates: int, block: int) -> int:
+    """Rows per register tile that the CPU gate rule gives a gate kernel of ``rows`` rows
+    (None: symbolic), ``gates`` gates of the widest GEMM and vector block ``block``
+    (``cpu/gate_fusion.tile_rows``, sized from the target's lanes and registers). A kernel
+    that ``pad_einsum`` cannot pad (a gathered expert weight, read at ``W[ids[row]]``) is built
+    with its GEMM rows padded to a multiple of it."""
+    from .cpu.gate_fusion import tile_rows
+
+    lanes = _target.vector_lanes(target, "float32")
+    return tile_rows(rows, gates, block, lanes, _target.vector_registers(target))

@@ -17,6 +17,7 @@ from .choose_recurrence import ChooseRecurrence
 from .fuse_attention import FuseAttention
 from .fuse_cross_entropy import FuseCrossEntropy
 from .fuse_gathered_gates import FuseGatheredGates
+from .fuse_grouped_gates import FuseGroupedGates
 from .fuse_linear_cross_entropy import FuseLinearCrossEntropy
 from .fuse_split_gates import FuseSplitGates
 from .gather_to_slice import GatherToSlice
@@ -34,6 +35,7 @@ GRAPH_PASSES: list[tuple[str, type]] = [
     ("fuse_linear_cross_entropy", FuseLinearCrossEntropy),  # chunks what the last one made
     ("check_gather_bounds", CheckGatherBounds),  # before anything rewrites a take
     ("gather_to_slice", GatherToSlice),
+    ("fuse_grouped_gates", FuseGroupedGates),
     ("fuse_gathered_gates", FuseGatheredGates),  # before FuseSplitGates
     ("fuse_split_gates", FuseSplitGates),
     ("fuse_attention", FuseAttention),
@@ -51,6 +53,7 @@ __all__ = [
     "FuseAttention",
     "FuseCrossEntropy",
     "FuseGatheredGates",
+    "FuseGroupedGates",
     "FuseLinearCrossEntropy",
     "FuseSplitGates",
     "POST_FUSION_PASSES",

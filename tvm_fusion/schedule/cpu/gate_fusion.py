@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from tvm import s_tir, tirx
+from tvm import s_tir, sym, tirx
 from tvm.target import Target
 
 from ... import target as _target
@@ -107,6 +107,20 @@ def _gemm_gates(sch: s_tir.Schedule, gemms: list, n_rows: int, gates: int) -> in
     return max(size // width for size in sizes) if all(s % width == 0 for s in sizes) else gates
 
 
+def _rows_padded(sch: s_tir.Schedule, gemms: list, n_rows: int, mr: int) -> bool:
+    """Every GEMM's last row axis a provable multiple of ``mr``: FuseSplitGates built the
+    kernel padded (a gathered weight, ``W[ids[row]]``, which ``pad_einsum`` refuses)."""
+    analyzer = sym.Analyzer()
+    for gemm in gemms:
+        iters = sch.get(gemm).iter_vars
+        if len(iters) < n_rows or not n_rows:
+            return False
+        ext = iters[n_rows - 1].dom.extent
+        if not analyzer.can_prove_equal(tirx.floormod(ext, mr), 0):
+            return False
+    return True
+
+
 class GateFusion(CPURule):
     def apply(self, func, target: Target, tunable: bool):
         if not self.applicable(func, target) or GATE_ATTR not in func.attrs:
@@ -116,9 +130,20 @@ class GateFusion(CPURule):
         sch = self._schedule(func, target, block, gates, pad=True)
         if sch is None:  # padding refused: symbolic rows one at a time
             sch = self._schedule(func, target, block, gates, pad=False)
+        if sch is None:  # a kernel built with padded rows whose tile failed: one row a tile
+            sch = self._schedule(func, target, block, gates, pad=False, one_row=True)
         return sch
 
-    def _schedule(self, func, target: Target, block: int, gates: int, pad: bool):
+    def _schedule(
+        self, func, target: Target, block: int, gates: int, pad: bool, one_row: bool = False
+    ):
+        try:
+            return self._try_schedule(func, target, block, gates, pad, one_row)
+        except Exception as err:  # noqa: BLE001 - a primitive refused: the next way, if any
+            logger.debug("gate fusion: %s", str(err).splitlines()[-1] if str(err) else err)
+            return None
+
+    def _try_schedule(self, func, target: Target, block: int, gates: int, pad: bool, one_row):
         found = gate_blocks(func)
         if found is None:
             return None
@@ -137,8 +162,12 @@ class GateFusion(CPURule):
         mr = tile_rows(
             rows, _gemm_gates(sch, reductions, len(row_loops), gates), block, lanes, regs
         )
+        if one_row:
+            mr = 1
         if mr > 1 and (not is_static(rows) or rows % mr):
-            if not pad:
+            if _rows_padded(sch, reductions, len(row_loops), mr):
+                pass  # built padded (a gathered weight): the results' rows get a tail
+            elif not pad:
                 mr = 1
             else:
                 for red in reductions:

@@ -24,14 +24,18 @@ logger = get_logger(__name__)
 
 
 def _gemm_stage(
-    x, w, layout: str, block: int, width: int, gates: int, n_rows: int, name: str, ids=None
-):
+    x, w, layout: str, block: int, width: int, gates: int, n_rows: int, name: str, ids=None,
+    pad_rows: int | None = None,
+):  # fmt: skip
     """``Y[rows, gate, d] = sum_k x[rows, k] * W(gate, d, k)`` for one weight layout. With the
     blocked weight, ``Y`` is blocked like it, ``Y[rows, gate, d // V, d % V]``: every index is
     then a plain iterator (an einsum, which ``pad_einsum`` can pad) and one ``V`` block of
     units is one contiguous vector of each gate. ``gathered``: the blocked weight of expert
-    ``ids[rows]``, ``Wg[ids[rows], d // V, k, gate, d % V]``, read in place. Half-precision
-    ``x`` and ``w`` are widened: the sum accumulates in float32."""
+    ``ids[rows]``, ``Wg[ids[rows], d // V, k, gate, d % V]``, read in place; with
+    ``pad_rows``, ``Y`` has the rows rounded up to a multiple of it, the padded ones reading
+    the last row (``pad_einsum`` refuses the indirect read: the rule's tile of ``pad_rows``
+    rows then has no tail). Half-precision ``x`` and ``w`` are widened: the sum accumulates
+    in float32."""
     kk = te.reduce_axis((0, x.shape[-1]), name="k")
 
     def mul(a, b):
@@ -40,13 +44,19 @@ def _gemm_stage(
         return a.astype(_ACC) * b.astype(_ACC)
 
     if layout == "gathered":  # (E, D/V, K, gates, V), expert ids[rows]
+        lead = list(x.shape[:-1])
+        if pad_rows is not None:  # one row axis (a gathered x is (S, K))
+            last = lead[-1] - 1
+            lead[-1] = (lead[-1] + pad_rows - 1) // pad_rows * pad_rows
 
         def gathered(*idx):
             rows, gate, do, di = idx[:n_rows], idx[n_rows], idx[n_rows + 1], idx[n_rows + 2]
+            if pad_rows is not None:
+                rows = (*rows[:-1], tirx.min(rows[-1], last))
             return te.sum(mul(x[(*rows, kk)], w[ids[rows], do, kk, gate, di]), axis=kk)
 
         blocks = -(-width // block)
-        return te.compute((*x.shape[:-1], gates, blocks, block), gathered, name=name)
+        return te.compute((*lead, gates, blocks, block), gathered, name=name)
 
     if layout == "blocked":  # (D/V, K, gates, V)
 
@@ -128,7 +138,9 @@ def _widen(tensor: te.Tensor, value, dtype: str):
     return value if tensor.dtype == dtype else tirx.Cast(dtype, value)
 
 
-def _piece_stage(y, gate: int, width: int, n_rows: int, name: str):
+def _piece_stage(y, gate: int, width: int, n_rows: int, name: str, rows=None):
+    """Piece ``gate`` of ``y`` over ``rows`` (``y``'s own by default; the real rows of a
+    ``y`` whose rows are padded)."""
     blocked = len(y.shape) == n_rows + 3
     block = y.shape[-1] if blocked else None
 
@@ -137,11 +149,14 @@ def _piece_stage(y, gate: int, width: int, n_rows: int, name: str):
             return y[(*idx[:-1], gate, idx[-1] // block, idx[-1] % block)]
         return y[(*idx[:-1], gate, idx[-1])]
 
-    return te.compute((*y.shape[:n_rows], width), body, name=name)
+    return te.compute((*(rows or y.shape[:n_rows]), width), body, name=name)
 
 
-def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: list[str]):
-    """The TE function for the group: (inputs...) -> outputs."""
+def _compute(
+    group: _Group, blk: _Block, block: int, fast_math: bool, layouts: list[str], pad_rows=None
+):
+    """The TE function for the group: (inputs...) -> outputs; ``pad_rows``: the row multiple
+    of gathered GEMMs (see :func:`_gemm_stage`)."""
     n_rows = len(group.rows)
     width = group.width
     # float16 / bfloat16: the gate math runs on float32 tensors (half-precision inputs widened
@@ -158,7 +173,8 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
             if g.ids is not None:  # the expert of each row, after the weight
                 ids = tensors[pos]
                 pos += 1
-            y = _gemm_stage(x, w, layouts[gi], block, width, g.gates, n_rows, f"gemm{gi}", ids)
+            pad = pad_rows if layouts[gi] == "gathered" else None
+            y = _gemm_stage(x, w, layouts[gi], block, width, g.gates, n_rows, f"gemm{gi}", ids, pad)
             if g.bias is not None:
                 row_ids = ids if g.gathered_bias else None
                 y = _bias_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_bias", row_ids)
@@ -167,7 +183,9 @@ def _compute(group: _Group, blk: _Block, block: int, fast_math: bool, layouts: l
                 y = _addend_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_add{ai}")
                 pos += 1
             for gate, piece in enumerate(g.pieces):
-                env[piece] = _piece_stage(y, gate, width, n_rows, f"gate{gi}_{gate}")
+                env[piece] = _piece_stage(
+                    y, gate, width, n_rows, f"gate{gi}_{gate}", list(x.shape[:-1])
+                )
             for dup, piece in g.aliases.items():
                 env[dup] = env[piece]
         externals = list(tensors[pos : pos + len(group.externals)])
@@ -211,11 +229,14 @@ def _round_to(t: te.Tensor, dtype: str) -> te.Tensor:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule, target, find=_find_gemms):
+    def __init__(self, mod: IRModule, target, find=_find_gemms, prepare=None):
         super().__init__(mod)
         self.mod = mod
         self.target = target
         self.find = find  # _Block -> [_Gemm] (FuseGatheredGates passes its own)
+        # (builder, group, block) -> None, run before a group is emitted (FuseGroupedGates emits the
+        # expert of each row there)
+        self.prepare = prepare
         self.count = 0
         self.uses: dict = {}
         self._blk: _Block | None = None
@@ -254,6 +275,8 @@ class _Rewriter(PyExprMutator):
         return self.builder_._end_block()
 
     def _emit_group(self, group: _Group) -> None:
+        if self.prepare is not None:
+            self.prepare(self.builder_, group, self._blk)
         fast_math = _target.is_cpu(self.target)
         args = []
         layouts = []
@@ -281,7 +304,9 @@ class _Rewriter(PyExprMutator):
                 args.append(self.visit_expr(gemm.bias))
             args += [self.visit_expr(a) for a in gemm.addends]
         args += [self.visit_expr(e) for e in group.externals]
-        fn = _compute(group, self._blk, group.block, fast_math, layouts)
+        fn = _compute(
+            group, self._blk, group.block, fast_math, layouts, _pad_rows(group, self.target)
+        )
         call = self.builder_.call_te(fn, *args, primfunc_name_hint=_name(group))
         gv = call.args[0]
         func = self.builder_.get()[gv]
@@ -299,6 +324,30 @@ class _Rewriter(PyExprMutator):
         fused = self.builder_.emit(call, "gates")
         for i, out in enumerate(group.outputs):
             self.builder_.emit_normalized(relax.VarBinding(out, relax.TupleGetItem(fused, i)))
+
+
+def _pad_rows(group: _Group, target) -> int | None:
+    """The row multiple of the group's gathered GEMMs: the CPU gate rule's tile of rows where
+    it would pad them (symbolic rows, static ones that it does not divide); None where the
+    group has no gathered GEMM, adds a bias or addend read per row (not padded), or the tile
+    is one row."""
+    from ...schedule import gate_tile_rows
+
+    gathered = [g for g in group.gemms if g.ids is not None]
+    if not gathered or not _target.is_cpu(target) or len(group.rows) != 1:
+        return None
+    if any(g.gathered_bias or g.addends for g in group.gemms):
+        return None
+    rows = _int(group.rows[0])
+    if rows is None and not isinstance(group.rows[0], tirx.Var):
+        # rows such as tokens * top_k: TVM 0.27's compute_at then refuses the results' tile
+        # over the padded GEMM ("not a stage pipeline"), and the kernel would fall to the
+        # Fallback rule; unpadded, the gate rule takes it with tiles of one row
+        return None
+    mr = gate_tile_rows(target, rows, max(g.gates for g in group.gemms), group.block)
+    if mr <= 1 or (rows is not None and rows % mr == 0):
+        return None
+    return mr
 
 
 def _name(group: _Group) -> str:
