@@ -91,6 +91,16 @@ def _is_cheap(store) -> bool:
     return isinstance(value, TensorLoad) or expr_size(store.value, 16) <= 8
 
 
+def _weights_outweigh(a_buf, j_ext, k_ext) -> bool:
+    """B (columns x reduction, static) larger than one image of A (its static dims)."""
+    if not (is_static(j_ext) and is_static(k_ext)):
+        return False
+    a_size = 1
+    for dim in a_buf.shape:
+        a_size *= int(dim) if isinstance(dim, tirx.IntImm) else 1
+    return j_ext * k_ext > a_size
+
+
 class _WideRefused(Exception):
     """A step of the wide tile's schedule (or of merged rows', _merge_rows) failed: schedule
     the function again without it."""
@@ -215,6 +225,11 @@ class Matmul(CPURule):
         m_ext = extent(sch, loop_of[i_var]) if i_var is not None else 1
 
         nr, mr = standard_tile(m_ext, j_ext, lanes, regs, n_gates)
+        if window and is_static(m_ext):
+            # a window's rows (the output width) are never padded (pad_einsum refuses its
+            # reads): a height that divides them, sized on the register file (14 rows on
+            # AVX2: 7 x 1 vector, where standard_tile's divisor gave 2 x 2 vectors)
+            nr, mr = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates)
         layout_free = {int(i) for i in func.attrs.get("layout_free_buffers", [])}
         b_param = self._param_index(func, b_load.source)
         is_const_b = b_param is not None and b_param in layout_free
@@ -343,7 +358,15 @@ class Matmul(CPURule):
         else:
             io, ii = None, None
         other_outer = [loop_of[v] for v in spatial if v not in cols and v is not i_var]
-        order = other_outer + [loop_of[v] for v in outer_cols] + [jo]
+        panel_loops = [loop_of[v] for v in outer_cols] + [jo]
+        if window and _weights_outweigh(a_load.source, j_ext, k_ext):
+            # VGG's 512-channel layers (9.4 MB of weights, a 14 x 14 or 28 x 28 image): the
+            # panel loop outside the output rows, each panel of weights read from memory once
+            # and reused from L2 by every row, not streamed again for every row
+            outer_rows = [loop_of[v] for v in rows if v is not i_var]
+            other_outer = [lp for lp in other_outer if all(lp is not r for r in outer_rows)]
+            panel_loops += outer_rows
+        order = other_outer + panel_loops
         order += [io] if io is not None else []
         order += [loop_of[k] for k in k_vars]
         order += [ii] if ii is not None else []
@@ -358,7 +381,7 @@ class Matmul(CPURule):
             sch.unroll(ii)
 
         tile_loop = io if io is not None else jo
-        outer = other_outer + [loop_of[v] for v in outer_cols] + [jo]
+        outer = other_outer + panel_loops
         tile_bytes = mr * n_gates * nr * DataType(dtype).bits // 8
         kc = None
         if not window:
