@@ -5,8 +5,10 @@ A k x k convolution keeps its reduction loops (input channels, kh, kw): fused in
 (VGG-19's 3x3 layers 1.5-3.6x ONNX Runtime's time, 0.5-1.2x kept apart). A 1x1 convolution's
 rows ``(h, w)``, contiguous in its NCHW input and output, become one axis of ``h * w`` rows that
 takes the GEMM's tile (ResNet's 14 x 14 layers: 196 rows in tiles of 4, where the width alone
-took tiles of 2). The tiles are checked compile-only on AVX2, AVX-512 and NEON targets
-(``cpu_target``), the numbers on the host against ONNX Runtime at small odd shapes."""
+took tiles of 2). Where the weights outweigh the image (VGG's 512-channel layers), the loop
+over weight panels encloses the output rows. The tiles are checked compile-only on AVX2,
+AVX-512 and NEON targets (``cpu_target``), the numbers on the host against ONNX Runtime at
+small odd shapes."""
 
 import numpy as np
 import pytest
@@ -166,3 +168,37 @@ def test_conv_numbers(name, target):
         (ref,) = engine.onnxruntime_runner(model, {"x": x}, 1)()
         (out,) = engine.TvmRunner(compiled, [x]).outputs()
         np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def _has(expr, kind) -> bool:
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, kind):
+            return True
+        stack.extend(tir_util.expr_children(e))
+    return False
+
+
+def test_weight_panels_outside_rows(cpu_target):
+    """3x3 conv 32 -> 48 channels on 7 x 7: the weights (48 x 288) outweigh the image
+    (32 x 9 x 9), so the loop over channel panels encloses the output rows: each panel is read
+    from memory once, not once per row (VGG's 512-channel layers). Panels and rows are fused
+    into the parallel loop: the channels are its quotient, the rows its remainder."""
+    func = _conv_func(cpu_target, 32, 48, (7, 7), 3, 1)
+    sch = cpu.Matmul().apply(func, cpu_target, False)
+    assert sch is not None
+    (realize,) = [
+        s
+        for s in tir_util.iter_stmts(sch.mod["main"].body)
+        if isinstance(s, tvm.s_tir.SBlockRealize) and s.block.name_hint.endswith("_update")
+    ]
+    spatial = [
+        (int(iv.dom.extent), value)
+        for iv, value in zip(realize.block.iter_vars, realize.iter_values, strict=True)
+        if iv.iter_type == tvm.tirx.IterVar.DataPar and int(iv.dom.extent) > 1
+    ]
+    channels, height = spatial[0][1], spatial[1][1]  # (channels, h, w)
+    assert [e for e, _ in spatial] == [48, 7, 7], spatial
+    assert _has(channels, tvm.tirx.FloorDiv), channels  # the panel: the outer part
+    assert _has(height, tvm.tirx.FloorMod), height  # the rows: the inner part
