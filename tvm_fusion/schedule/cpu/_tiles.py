@@ -35,7 +35,14 @@ def unpadded_tile(m_ext: int, j_ext: int, nr: int, lanes: int, regs: int, gates:
         if v < vecs and j_ext % width:
             continue
         per_row = gates * v
-        mr = dividing_width(m_ext, max(1, (regs - 1 - per_row) // per_row))
+        # the accumulators leave a row's weights twice over and two more registers free (a
+        # convolution's window addresses, LLVM's spills): 14 x 14 images at 512 channels on
+        # AVX2 in tiles of 7 rows x 1 vector, where 14 rows (16 registers in all) took
+        # 1.7x ONNX Runtime's time, 7 rows 1.0x (alternating in one run, load average 7.5)
+        # and at most 3/4 of the file in accumulators (AVX-512, 56 rows: 8 x 2 vectors, not
+        # 28 x 1)
+        most = min(regs - 2 - 2 * per_row, 3 * regs // 4) // per_row
+        mr = dividing_width(m_ext, max(1, most))
         best = max(best, (mr * per_row, width, mr))
     return best[1], best[2]
 

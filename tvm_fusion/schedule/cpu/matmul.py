@@ -31,7 +31,11 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
   result cut back where it is written), so the tile loops carry no tail predicate, which would
   make TVM keep the accumulator in memory at full size. ``pad_einsum`` takes einsum reads
   only: a convolution's static columns (channels) that no tile divides get a tile width that
-  divides them instead (20 channels: 10), and its static rows likewise.
+  divides them instead (20 channels: 10), and its static rows likewise;
+- a convolution (_conv.py): a k x k window keeps its reduction loops (channels, kh, kw; B
+  packed as ``[cols / NR, c, kh, kw, NR]``), where one flat ``k`` read its input at
+  ``k // 9, h + k % 9 // 3, w + k % 3``; a 1x1 convolution's rows ``(h, w)`` become one axis
+  (its accumulators and write-back too), tiled as a GEMM's rows.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from .._common import (
     vectorize_innermost,
     write_order,
 )
+from ._conv import is_mac, is_window, merge_rows
 from ._tiles import K_BLOCK_MIN, dividing_width, standard_tile, unpadded_tile, wide_tile
 
 logger = logging.getLogger(__name__)
@@ -77,32 +82,6 @@ class _Block:
         self.block_rv = block_rv
 
 
-def _is_mac(store) -> tuple | None:
-    """``Y[idx] = Y[idx] + A * B`` (with casts): returns (A load, B load) or None."""
-    if not isinstance(store, tirx.BufferStore):
-        return None
-    value = store.value
-    if not isinstance(value, tirx.Add):
-        return None
-    lhs, rhs = value.a, value.b
-    if isinstance(rhs, TensorLoad) and rhs.source.same_as(store.buffer):
-        lhs, rhs = rhs, lhs
-    if not (isinstance(lhs, TensorLoad) and lhs.source.same_as(store.buffer)):
-        return None
-    while isinstance(rhs, tirx.Cast):
-        rhs = rhs.value
-    if not isinstance(rhs, tirx.Mul):
-        return None
-    a, b = rhs.a, rhs.b
-    while isinstance(a, tirx.Cast):
-        a = a.value
-    while isinstance(b, tirx.Cast):
-        b = b.value
-    if isinstance(a, TensorLoad) and isinstance(b, TensorLoad):
-        return a, b
-    return None
-
-
 def _is_cheap(store) -> bool:
     """Data movement (a load, with casts) or a small expression (``x * scale`` on two indices),
     which an operand's read may recompute."""
@@ -112,8 +91,19 @@ def _is_cheap(store) -> bool:
     return isinstance(value, TensorLoad) or expr_size(store.value, 16) <= 8
 
 
+def _weights_outweigh(a_buf, j_ext, k_ext) -> bool:
+    """B (columns x reduction, static) larger than one image of A (its static dims)."""
+    if not (is_static(j_ext) and is_static(k_ext)):
+        return False
+    a_size = 1
+    for dim in a_buf.shape:
+        a_size *= int(dim) if isinstance(dim, tirx.IntImm) else 1
+    return j_ext * k_ext > a_size
+
+
 class _WideRefused(Exception):
-    """A step of the wide tile's schedule failed: schedule the function again without it."""
+    """A step of the wide tile's schedule (or of merged rows', _merge_rows) failed: schedule
+    the function again without it."""
 
 
 class Matmul(CPURule):
@@ -131,9 +121,13 @@ class Matmul(CPURule):
             return self._apply(func, target, wide_ok=True)
         except _WideRefused as err:
             logger.debug("matmul: no wide tile (%s): the standard tile", err)
+        try:
             return self._apply(func, target, wide_ok=False)
+        except _WideRefused as err:
+            logger.debug("matmul: rows kept apart (%s)", err)
+            return self._apply(func, target, wide_ok=False, merge_ok=False)
 
-    def _apply(self, func, target: Target, wide_ok: bool):  # noqa: C901 - one linear recipe
+    def _apply(self, func, target: Target, wide_ok: bool, merge_ok: bool = True):  # noqa: C901 - one linear recipe
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
         if infos is None:
@@ -146,20 +140,28 @@ class Matmul(CPURule):
         n_red = len(kinds) - len(kinds.rstrip("R"))
         if n_red == 0 or kinds.count("R") != n_red:
             return None
-        if n_red > 1 and not self._fuse_reduction(sch, red.block_rv, n_red):
+        window = n_red > 1 and is_window(sch.get(red.block_rv), n_red)
+        if n_red > 1 and not window and not self._fuse_reduction(sch, red.block_rv, n_red):
             return None
+        if not window and merge_ok:
+            merged = merge_rows(sch, red.block_rv)
+        else:
+            merged = ()
         stmt = sch.get(red.block_rv)
-        mac = _is_mac(stmt.body)
+        mac = is_mac(stmt.body)
         if mac is None:
             return None
         a_load, b_load = mac
         iters = [iv.var for iv in stmt.iter_vars]
-        k_var = iters[-1]
+        # a convolution keeps its reduction loops (channels, kh, kw): fused into one flat k,
+        # its input's index is k // 9, h + k % 9 // 3, w + k % 3, a division per step of k
+        k_vars = iters[len(iters) - n_red :] if window else iters[-1:]
+        k_var = k_vars[0]
         a_vars = set().union(*(vars_in(i) for i in a_load.indices))
         b_vars = set().union(*(vars_in(i) for i in b_load.indices))
-        if k_var not in a_vars or k_var not in b_vars:
+        if any(k not in a_vars or k not in b_vars for k in k_vars):
             return None
-        spatial = iters[:-1]
+        spatial = iters[: len(iters) - len(k_vars)]
         cols = [v for v in spatial if v in b_vars and v not in a_vars]
         rows = [v for v in spatial if v in a_vars and v not in b_vars]
         if not cols:
@@ -223,10 +225,17 @@ class Matmul(CPURule):
         m_ext = extent(sch, loop_of[i_var]) if i_var is not None else 1
 
         nr, mr = standard_tile(m_ext, j_ext, lanes, regs, n_gates)
+        if window and is_static(m_ext):
+            # a window's rows (the output width) are never padded (pad_einsum refuses its
+            # reads): a height that divides them, sized on the register file (14 rows on
+            # AVX2: 7 x 1 vector, where standard_tile's divisor gave 2 x 2 vectors)
+            nr, mr = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates)
         layout_free = {int(i) for i in func.attrs.get("layout_free_buffers", [])}
         b_param = self._param_index(func, b_load.source)
         is_const_b = b_param is not None and b_param in layout_free
-        k_ext = extent(sch, loop_of[k_var])
+        k_ext = 1
+        for k in k_vars:
+            k_ext = k_ext * extent(sch, loop_of[k])
         wide = wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates, is_const_b) if wide_ok else None
         if wide is not None:
             nr, mr = wide
@@ -272,7 +281,7 @@ class Matmul(CPURule):
                 a_pads, epilogue = padded
                 # A's copy is read in place with its rows clamped; B's (padded columns, its
                 # vector axis) stays a copy: clamped lanes would make its packing a gather.
-                a_buf = _is_mac(sch.get(block).body)[0].source
+                a_buf = is_mac(sch.get(block).body)[0].source
                 rows_pad = [p for p in a_pads if sch.get(p).writes[0].source.same_as(a_buf)]
                 inlined = inline_padding(sch, rows_pad) if rows_pad else None
                 if inlined is not None:
@@ -284,7 +293,7 @@ class Matmul(CPURule):
                     a_pads = same_blocks(sch, inlined, kept)
                     sch = inlined
                 stmt = sch.get(block)
-                a_load, b_load = _is_mac(stmt.body)
+                a_load, b_load = is_mac(stmt.body)
                 loops = sch.get_loops(block)
                 loop_of = dict(zip(iters, loops, strict=True))
                 j_ext = extent(sch, loop_of[j_var])
@@ -309,7 +318,7 @@ class Matmul(CPURule):
                 return (
                     *[env[v] for v in order],
                     env[j_var] // nr,
-                    env[k_var],
+                    *[env[k] for k in k_vars],
                     *[env[v] for v in gate_vars],
                     env[j_var] % nr,
                 )
@@ -349,9 +358,17 @@ class Matmul(CPURule):
         else:
             io, ii = None, None
         other_outer = [loop_of[v] for v in spatial if v not in cols and v is not i_var]
-        order = other_outer + [loop_of[v] for v in outer_cols] + [jo]
+        panel_loops = [loop_of[v] for v in outer_cols] + [jo]
+        if window and _weights_outweigh(a_load.source, j_ext, k_ext):
+            # VGG's 512-channel layers (9.4 MB of weights, a 14 x 14 or 28 x 28 image): the
+            # panel loop outside the output rows, each panel of weights read from memory once
+            # and reused from L2 by every row, not streamed again for every row
+            outer_rows = [loop_of[v] for v in rows if v is not i_var]
+            other_outer = [lp for lp in other_outer if all(lp is not r for r in outer_rows)]
+            panel_loops += outer_rows
+        order = other_outer + panel_loops
         order += [io] if io is not None else []
-        order += [loop_of[k_var]]
+        order += [loop_of[k] for k in k_vars]
         order += [ii] if ii is not None else []
         order += [loop_of[v] for v in gate_vars] + [ji]
         sch.reorder(*order)
@@ -364,9 +381,11 @@ class Matmul(CPURule):
             sch.unroll(ii)
 
         tile_loop = io if io is not None else jo
-        outer = other_outer + [loop_of[v] for v in outer_cols] + [jo]
+        outer = other_outer + panel_loops
         tile_bytes = mr * n_gates * nr * DataType(dtype).bits // 8
-        kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores)
+        kc = None
+        if not window:
+            kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores)
         if kc:
             # K in blocks: a panel's KC x NR block of B stays in L1 while every row tile of the
             # panel reads it, the accumulators of all the panel's rows stay local in between.
@@ -377,7 +396,7 @@ class Matmul(CPURule):
         else:
             outer += [io] if io is not None else []
         acc = sch.cache_write(block, 0, "local")
-        self._vector_axis_last(sch, block, j_var)
+        self._vector_axis_last(sch, block, j_var, merged)
         # Epilogue on the tile: elementwise consumers fold into the write-back, the rest are
         # computed under the tile loop.
         for info in epilogue:
@@ -389,6 +408,18 @@ class Matmul(CPURule):
                 sch.reverse_compute_inline(info.block_rv)
             except Exception:  # noqa: BLE001
                 break
+        if merged:
+            # the write-back iterates the merged rows too: over (h, w) it would cover the
+            # bounding box of a tile's rows, lanes of the accumulators the tile never wrote
+            for later in [acc, *epilogue]:
+                later_rv = later if later is acc else later.block_rv
+                try:
+                    if later is not acc:
+                        sch.get(later_rv)
+                except Exception:  # noqa: BLE001 - inlined above
+                    continue
+                if not merge_rows(sch, later_rv, merged):
+                    raise _WideRefused("the write-back's rows not merged")  # retried unmerged
         sch.reverse_compute_at(acc, tile_loop, preserve_unit_loops=True)
         vectorize_innermost(sch, acc, lanes)
         for info in epilogue:
@@ -434,7 +465,7 @@ class Matmul(CPURule):
         return sch
 
     @staticmethod
-    def _vector_axis_last(sch, block, j_var) -> None:
+    def _vector_axis_last(sch, block, j_var, merged: tuple = ()) -> None:
         """Lay the tile's accumulators out with the vector axis innermost. An output whose
         columns are not its last axis (a convolution's ``(batch, channels, h, w)``, the
         channels being the vector axis) otherwise gets a ``(channels, w)`` accumulator read
@@ -446,8 +477,15 @@ class Matmul(CPURule):
         if len(dims) != 1 or dims[0] == len(indices) - 1:
             return
         d = dims[0]
+        n = len(merged)  # trailing row axes merged into one (_merge_rows): one axis here too
 
         def last(*idx):
+            if n:
+                flat = idx[len(idx) - n]
+                for i, size in zip(range(len(idx) - n + 1, len(idx)), merged[1:], strict=True):
+                    flat = flat * size + idx[i]
+                rest = [x for i, x in enumerate(idx[: len(idx) - n]) if i != d]
+                return (*rest, flat, idx[d])
             return (*idx[:d], *idx[d + 1 :], idx[d])
 
         try:

@@ -1,0 +1,119 @@
+"""The multiply-accumulate the CPU GEMM rule (``Matmul``) matches, and the two forms of a
+convolution it schedules apart from a GEMM's: a window reduction (``x[c, h + ry, w + rx]``),
+whose reduction loops are kept, and a 1x1 convolution's rows ``(h, w)``, merged into one."""
+
+from __future__ import annotations
+
+import logging
+
+from tvm import tirx
+from tvm.ir.expr import TensorLoad
+
+from ...tir_util import vars_in
+
+logger = logging.getLogger(__name__)
+
+
+def is_mac(store) -> tuple | None:
+    """``Y[idx] = Y[idx] + A * B`` (with casts): returns (A load, B load) or None."""
+    if not isinstance(store, tirx.BufferStore):
+        return None
+    value = store.value
+    if not isinstance(value, tirx.Add):
+        return None
+    lhs, rhs = value.a, value.b
+    if isinstance(rhs, TensorLoad) and rhs.source.same_as(store.buffer):
+        lhs, rhs = rhs, lhs
+    if not (isinstance(lhs, TensorLoad) and lhs.source.same_as(store.buffer)):
+        return None
+    while isinstance(rhs, tirx.Cast):
+        rhs = rhs.value
+    if not isinstance(rhs, tirx.Mul):
+        return None
+    a, b = rhs.a, rhs.b
+    while isinstance(a, tirx.Cast):
+        a = a.value
+    while isinstance(b, tirx.Cast):
+        b = b.value
+    if isinstance(a, TensorLoad) and isinstance(b, TensorLoad):
+        return a, b
+    return None
+
+
+def is_window(block, n_red: int) -> bool:
+    """Several reduction iterators of which one is read by an operand beside a spatial one
+    (a convolution's ``x[n, rc, h + ry, w + rx]``): a window, whose reduction loops are kept."""
+    mac = is_mac(block.body)
+    if mac is None:
+        return False
+    ivs = [iv.var for iv in block.iter_vars]
+    red, spatial = set(ivs[len(ivs) - n_red :]), set(ivs[: len(ivs) - n_red])
+    for load in mac:
+        for index in load.indices:
+            used = vars_in(index)
+            if used & red and used & spatial:
+                return True
+    return False
+
+
+def merge_rows(sch, block, sizes: tuple = ()) -> tuple:
+    """Merge the row axes of a 1x1 convolution into one. In NCHW its input ``x[n, c, h, w]``
+    and output ``y[n, f, h, w]`` both end in the rows ``(h, w)``, which are contiguous in both:
+    one axis of ``h * w`` rows takes the GEMM's tile (ResNet's 14 x 14 images: 196 rows in tiles
+    of 4, where the width alone, 14, took tiles of 2 rows). Only where the rows are the trailing
+    axes of both (a GEMM's ``A[.., m, k]`` keeps its axes) and their extents are static.
+    Returns the merged extents (``(14, 14)``), ``()`` where nothing was merged. With ``sizes``,
+    merges a write-back block's trailing iterators of those extents instead."""
+    stmt = sch.get(block)
+    ivs = [iv.var for iv in stmt.iter_vars]
+    ext = {iv.var: iv.dom.extent for iv in stmt.iter_vars}
+    if sizes:
+        rows = ivs[len(ivs) - len(sizes) :]
+        if len(rows) != len(sizes) or any(
+            not isinstance(ext[v], tirx.IntImm) or int(ext[v]) != size
+            for v, size in zip(rows, sizes, strict=True)
+        ):
+            return ()
+    else:
+        mac = is_mac(stmt.body)
+        if mac is None:
+            return ()
+        a_load, b_load = mac
+        b_vars = set().union(*(vars_in(i) for i in b_load.indices))
+
+        def trailing(load, buffer_shape):
+            names = []
+            for index, dim in reversed(list(zip(load.indices, buffer_shape, strict=True))):
+                if not isinstance(index, tirx.Var) or index in b_vars:
+                    break
+                size = ext.get(index)
+                if not (isinstance(dim, tirx.IntImm) and isinstance(size, tirx.IntImm)):
+                    break
+                if int(dim) != int(size):
+                    break
+                names.append(index)
+            return names[::-1]
+
+        rows = trailing(a_load, a_load.source.shape)
+        out = trailing(stmt.body, stmt.body.buffer.shape)
+        if len(rows) < 2 or len(out) < len(rows):
+            return ()
+        if not all(a.same_as(b) for a, b in zip(rows, out[-len(rows) :], strict=True)):
+            return ()
+        sizes = tuple(int(ext[v]) for v in rows)
+    pos = [next(i for i, v in enumerate(ivs) if v.same_as(r)) for r in rows]
+    if pos != list(range(pos[0], pos[0] + len(rows))):
+        return ()
+
+    def merged(*idx):
+        flat = idx[pos[0]]
+        for i, size in zip(pos[1:], sizes[1:], strict=True):
+            flat = flat * size + idx[i]
+        return (*idx[: pos[0]], flat, *idx[pos[-1] + 1 :])
+
+    try:
+        sch.transform_block_layout(block, tirx.IndexMap.from_func(merged, ndim=len(ivs)))
+    except Exception as err:  # noqa: BLE001 - the rows stay apart
+        logger.debug("matmul: rows not merged: %s", err)
+        return ()
+    return tuple(sizes)
