@@ -265,7 +265,7 @@ def markdown(rows, machine, args) -> str:
         if "ours/ort" in row:
             ratios.append(row["ours/ort"])
         b3_cell = (
-            f"{b3['rel_err']:.1e}" if "rel_err" in b3 else ("skip" if "skipped" in b3 else "fail")
+            f"{b3['rel_err']:.1e}" if "rel_err" in b3 else ("skip" if "skipped" in b3 or not b3 else "fail")
         )
         lines.append(
             f"| {row['model']} | {_ms(row, 'tvm-fusion')} | {_ms(row, 'onnxruntime')} | "
