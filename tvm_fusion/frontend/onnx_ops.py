@@ -84,7 +84,7 @@ from .onnx_fixes import expand_to_runtime_shape
 from .onnx_known_shapes import KnownShapes
 from .onnx_op_gaps import CONVERTERS as _GAPS
 from .onnx_refusals import FIXES as _SUITE_FIXES
-from .onnx_reshape_check import checked_input, resolved_shape
+from .onnx_reshape_check import checked_input, computed_from_data, resolved_shape
 from .onnx_rnn import CONVERTERS as _RNN_CONVERTERS
 
 _NO_IGNORE = -100
@@ -175,14 +175,16 @@ class Reshape(_frontend.Reshape):
         dims = [tirx.Select(d == -1, inferred, d) for d in dims]
         # Not match_cast the target to these dims: VMShapeLower then checks the Selects under
         # the assumption that dims are >= 0 and rejects a -1 target (seen with flatten_tokens).
-        if checked is not data:
-            # a target from the data, checked at run time: its dims resolved by tensor ops and
-            # matched to fresh vars. The Selects above in the reshape's shape cost dlight and
-            # has_reshape_pattern 4-15 s a kernel (the fuzzer's signed targets); matched as a
-            # shape, TVM simplifies them under "dims >= 0" and loses the -1.
+        if checked is not data and computed_from_data(bb, target):
+            # a target computed from the data (tensor ops that stay kernels anyway), checked at
+            # run time: its dims resolved by tensor ops and matched to fresh vars. The Selects
+            # above in the reshape's shape cost dlight and has_reshape_pattern 4-15 s a kernel
+            # (the fuzzer's signed targets); matched as a shape, TVM simplifies them under
+            # "dims >= 0" and loses the -1. A target that is a model input or comes from shapes
+            # keeps the Selects: PlaceShapeOnHost reads it once and computes them on the host.
             shape = resolved_shape(bb, target, in_dims, bool(attr.get("allowzero", 0)))
             return relax.op.reshape(checked, shape)
-        return relax.op.reshape(data, relax.ShapeExpr(dims))
+        return relax.op.reshape(checked, relax.ShapeExpr(dims))
 
 
 def _fill_value(attr) -> np.ndarray:

@@ -54,6 +54,31 @@ def checked_input(
     return bb.emit(relax.call_tir_inplace(gv, args, 0, ty))
 
 
+def computed_from_data(bb, target: relax.Expr) -> bool:
+    """Whether ``target`` is computed by tensor ops from a model input's values (not a model
+    input itself, not constants or shapes only: ``Shape`` -> ``Gather`` -> ``Concat`` chains,
+    which PlaceShapeOnHost turns into symbolic shapes)."""
+    bound = bb.lookup_binding(target) if isinstance(target, relax.Var) else target
+    return isinstance(bound, relax.Call) and _reads_data(bb, bound, 0)
+
+
+def _reads_data(bb, expr, depth: int) -> bool:
+    if depth > 64:
+        return False  # unsure: the Selects (correct, slower to compile)
+    if isinstance(expr, relax.Var):
+        bound = bb.lookup_binding(expr)
+        if bound is None:  # a function parameter: data unless it is a shape or scalar
+            return isinstance(expr.ty, relax.TensorType)
+        return _reads_data(bb, bound, depth + 1)
+    if isinstance(expr, relax.Tuple):
+        return any(_reads_data(bb, f, depth + 1) for f in expr.fields)
+    if isinstance(expr, relax.Call):
+        if op_name(expr) in ("relax.shape_to_tensor", "relax.shape_of"):
+            return False
+        return any(_reads_data(bb, a, depth + 1) for a in expr.args)
+    return False
+
+
 def resolved_shape(bb, target: relax.Expr, in_dims: list, allowzero: bool) -> relax.ShapeExpr:
     """The dims of an ONNX Reshape of an input of ``in_dims`` to the run-time ``target`` (a
     1-D int64 tensor, checked by :func:`checked_input`): each 0 the input's dim at its position
