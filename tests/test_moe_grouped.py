@@ -21,35 +21,11 @@ from tvm_fusion.build import engine
 from tvm_fusion.errors import ModelError
 from tvm_fusion.frontend import load
 from tvm_fusion.target import host_target
+from tvm_fusion.testing.moe import define_grouped_mm, grouped_experts
 
 torch = pytest.importorskip("torch")
 
-SCHEMA = "(Tensor input, Tensor weight, Tensor offs) -> Tensor"
-
-
-def _fallback(input, weight, offs):  # transformers' eager body
-    output = torch.zeros(input.size(0), weight.size(2), dtype=input.dtype)
-    start = 0
-    for i, end in enumerate(offs.tolist()):
-        if start == end:
-            continue
-        torch.mm(input[start:end], weight[i], out=output[start:end])
-        start = end
-    return output
-
-
-def _fake(input, weight, offs):
-    return torch.empty(input.size(0), weight.size(2), dtype=input.dtype)
-
-
-def _define(namespace: str) -> None:
-    if not hasattr(getattr(torch.ops, namespace), "grouped_mm_fallback"):
-        name = f"{namespace}::grouped_mm_fallback"
-        torch.library.custom_op(name, _fallback, mutates_args=(), schema=SCHEMA)
-        torch.library.register_fake(name, _fake)
-
-
-_define("transformers")
+define_grouped_mm("transformers")
 
 
 class Grouped(torch.nn.Module):
@@ -63,39 +39,6 @@ class Grouped(torch.nn.Module):
         return torch.ops.transformers.grouped_mm_fallback(x, self.weight.transpose(-2, -1), offs)
 
 
-class GroupedExperts(torch.nn.Module):
-    """transformers' ``grouped_mm_experts_forward`` (gated, not transposed, SwiGLU)."""
-
-    def __init__(self, experts: int, hidden: int = 8, inter: int = 6):
-        super().__init__()
-        self.num_experts = experts
-        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inter, hidden) / 3)
-        self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, inter) / 3)
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        num_top_k = top_k_index.size(-1)
-        num_tokens = hidden_states.size(0)
-        sample_weights = top_k_weights.reshape(-1)
-        expert_ids = top_k_index.reshape(-1)
-        expert_ids_g, perm = torch.sort(expert_ids)
-        selected = hidden_states[perm // num_top_k]
-        sample_weights_g = sample_weights[perm]
-        counts = torch.histc(
-            expert_ids_g.float(), bins=self.num_experts, min=0, max=self.num_experts - 1
-        )
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        grouped = torch.ops.transformers.grouped_mm_fallback
-        proj = grouped(selected, self.gate_up_proj.transpose(-2, -1), offs=offsets)
-        gate, up = proj.chunk(2, dim=-1)
-        proj = torch.nn.functional.silu(gate) * up
-        proj = grouped(proj, self.down_proj.transpose(-2, -1), offs=offsets)
-        weighted = proj * sample_weights_g.unsqueeze(-1)
-        inv_perm = torch.empty_like(perm)
-        inv_perm[perm] = torch.arange(perm.size(0))
-        weighted = weighted[inv_perm]
-        return weighted.view(num_tokens, num_top_k, -1).sum(dim=1)
-
-
 def _run(compiled, *args):
     out = engine.TvmRunner(compiled, [np.asarray(a) for a in args]).outputs()
     return np.asarray(out[0] if isinstance(out, list | tuple) else out)
@@ -103,7 +46,7 @@ def _run(compiled, *args):
 
 def _saved_experts(tmp_path, experts: int):
     torch.manual_seed(experts)
-    model = GroupedExperts(experts).eval()
+    model = grouped_experts(experts).eval()
     tokens = torch.export.Dim("tokens", min=1, max=128)
     args = (torch.randn(7, 8), torch.randint(0, experts, (7, 2)), torch.rand(7, 2))
     program = torch.export.export(model, args, dynamic_shapes=({0: tokens},) * 3)
@@ -196,7 +139,7 @@ def test_op_registered_by_importing_its_library(tmp_path, monkeypatch):
     renamed = tmp_path / "renamed.pt2"
     _renamed(path, renamed, "torch.ops.transformers.", "torch.ops.tvmfusion_moe_test.")
     (tmp_path / "tvmfusion_moe_lib.py").write_text(
-        f"import {__name__} as t\nt._define('tvmfusion_moe_test')\n"
+        f"import {__name__} as t\nt.define_grouped_mm('tvmfusion_moe_test')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(
