@@ -184,7 +184,21 @@ class Reshape(_frontend.Reshape):
             # keeps the Selects: PlaceShapeOnHost reads it once and computes them on the host.
             shape = resolved_shape(bb, target, in_dims, bool(attr.get("allowzero", 0)))
             return relax.op.reshape(checked, shape)
-        return relax.op.reshape(checked, relax.ShapeExpr(dims))
+        # The Selects stay in this one view (the VM computes them on the host) and its output
+        # is matched to fresh dims: with the Selects in every consumer's shape, a relu after a
+        # model-input target took 170 s to compile (has_reshape_pattern, dlight, lowering).
+        # The view's type is left without a shape: R.reshape's own would be simplified under
+        # "dims >= 0" (losing the -1) and substituted for the fresh dims.
+        out = bb.emit(
+            relax.call_pure_packed(
+                "vm.builtin.reshape",
+                checked,
+                relax.ShapeExpr(dims),
+                ty_args=relax.TensorType(ndim=len(dims), dtype=data_sinfo.dtype),
+            )
+        )
+        fresh = [tirx.Var(f"reshape_to_{i}", "int64") for i in range(len(dims))]
+        return bb.match_cast(out, relax.TensorType(fresh, data_sinfo.dtype))
 
 
 def _fill_value(attr) -> np.ndarray:
