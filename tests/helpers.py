@@ -36,6 +36,19 @@ def compare_pipelines(mod, inputs, rtol=1e-5, atol=1e-5, reference=None, **optio
     return ours, stock
 
 
+def matches_reference(mod, cases, rtol=1e-5, atol=1e-5, pipeline="tvm_fusion", **options):
+    """Compile ``mod`` once (a symbolic dim serves every case) and compare its outputs on each
+    ``(inputs, reference outputs)`` of ``cases``. Returns the Compiled object."""
+    compiled = engine.compile_module(mod, options.pop("target", None) or host_target(),
+                                     pipeline, **options)  # fmt: skip
+    for inputs, reference in cases:
+        got = engine.TvmRunner(compiled, list(inputs)).outputs()
+        assert len(got) == len(reference)
+        for o, r in zip(got, reference, strict=True):
+            np.testing.assert_allclose(o, r, rtol=rtol, atol=atol)
+    return compiled
+
+
 def sequential(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     """``func`` with its thread loops serial and its buffers global: the scheduled program's
     meaning, runnable on llvm (the software pipeline's annotations dropped: its async copies
