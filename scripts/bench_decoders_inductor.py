@@ -19,7 +19,7 @@ JSON), Inductor's is its first call (tracing + compile). Every engine runs on ``
 threads (``TVM_NUM_THREADS`` and ``torch.set_num_threads``). A model, shape or engine that
 fails is one line in its row and the run goes on.
 
-    TVM_NUM_THREADS=2 PYTHONPATH=. python scripts/bench_decoders_inductor.py
+    PYTHONPATH=. python scripts/bench_decoders_inductor.py      # the whole grid, 2 threads
     PYTHONPATH=. python scripts/bench_decoders_inductor.py --models gpt2 --batch 1 --seq 8 \\
         --repeat 3 --json /tmp/dec.json
 
@@ -244,7 +244,6 @@ def main(argv=None) -> int:
             f"{prog}: error: --batch, --seq and --threads take positive integers", file=sys.stderr
         )
         return 2
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM's pool starts
     try:
         import torch
         import transformers
@@ -253,6 +252,7 @@ def main(argv=None) -> int:
             f"{prog}: error: needs torch and transformers ({err.name} is missing)", file=sys.stderr
         )
         return 2
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM's pool starts
     import logging
     import warnings
 
