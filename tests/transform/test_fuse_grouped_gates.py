@@ -209,3 +209,4 @@ def test_register_tile_of_several_rows_tokens_times_top_k(mcpu):
         gates = int(func.attrs["tvm_fusion.gate_fusion"]["gates"])
         tiles = _unrolled_around(func.body, "gemm0_update")
         assert tiles and min(tiles) >= 2 * gates, (name, gates, tiles)
+        assert max(tiles) <= 4 * gates, (name, gates, tiles)  # two pointers a row: 4 rows

@@ -323,6 +323,8 @@ class _Rewriter(PyExprMutator):
             "gates": sum(g.gates for g in group.gemms),
             "width": group.width,
         }
+        if pad is not None:  # the rule's tile: the rows the GEMMs were built padded to
+            hints["rows"] = pad
         self.builder_.update_func(gv, func.with_attrs({"op_pattern": 8, GATE_ATTR: hints}))
         self.count += 1
         if len(group.outputs) == 1:
@@ -347,7 +349,7 @@ def _pad_rows(group: _Group, target) -> int | None:
     if any(g.gathered_bias or g.addends for g in group.gemms):
         return None
     rows = _int(group.rows[0])
-    mr = gate_tile_rows(target, rows, max(g.gates for g in group.gemms), group.block)
+    mr = gate_tile_rows(target, rows, max(g.gates for g in group.gemms), group.block, True)
     if mr <= 1 or (rows is not None and rows % mr == 0):
         return None
     return mr
