@@ -399,6 +399,13 @@ def test_gate_tile_rows_fill_the_registers_left_by_the_weight_vectors():
     assert tile_rows(19, 3, 8, 8, 16) == 4  # a prime: padded to tiles of 4, not 1 row each
     assert tile_rows(21, 3, 8, 8, 16) == 3  # 3 divides and is at least half of 4
     assert tile_rows(3, 3, 8, 8, 16) == 3
+    # a gathered tile (W[ids[row]]: two pointers a row), padded: at most 4 rows on AVX2 too
+    assert tile_rows(None, 1, 8, 8, 16) == 14
+    assert tile_rows(None, 1, 8, 8, 16, gathered=True) == 4
+    assert tile_rows(None, 2, 8, 8, 16, gathered=True) == 4
+    assert tile_rows(19, 1, 8, 8, 16, gathered=True) == 4  # padded to 20 rows, not 28
+    assert tile_rows(64, 2, 8, 8, 16, gathered=True) == 4  # a divisor: not padded
+    assert tile_rows(2, 1, 8, 8, 16, gathered=True) == 2
     for gates in (1, 2, 3, 4, 6):
         for regs, lanes in ((16, 8), (32, 16)):
             mr = tile_rows(None, gates, lanes, lanes, regs)

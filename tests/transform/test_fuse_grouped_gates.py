@@ -181,3 +181,32 @@ def test_register_tile_of_several_rows(mcpu):
     (gates,) = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("fused_gates")]
     tiles = _unrolled_around(gates.body, "gemm0_update")
     assert tiles and min(tiles) >= 2 * 2, tiles  # at least 2 rows x 2 gates accumulators
+
+
+@pytest.mark.parametrize("mcpu", ["haswell", "skylake-avx512"])
+def test_register_tile_of_several_rows_tokens_times_top_k(mcpu):
+    """transformers' rows, ``tokens * top_k`` (a product of symbols), get a register tile of
+    several rows too: the kernel's rows are one variable of its own (over the product, TVM
+    0.27's compute_at refused the tile over the padded GEMM, and both kernels ran tiles of one
+    row: 2 and 1 accumulators). Numbers: test_grouped_experts_fused_match_torch."""
+    import tvm
+
+    from tvm_fusion.build.pipeline import build_pipeline
+
+    torch.manual_seed(0)
+    model = moe.grouped_experts(3, hidden=8, inter=6).eval()
+    tokens = torch.export.Dim("tokens", min=1, max=128)
+    args = (torch.randn(7, 8), torch.randint(0, 3, (7, 2)), torch.rand(7, 2))
+    program = torch.export.export(model, args, dynamic_shapes=({0: tokens},) * 3)
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    with target:
+        lowered = build_pipeline(target)(load.import_exported_program(program))
+    kernels = {
+        gv.name_hint: f for gv, f in lowered.functions_items() if "fused_gates" in gv.name_hint
+    }
+    assert len(kernels) == 2, list(kernels)  # gate_up with its gate, down with the weight
+    for name, func in kernels.items():
+        gates = int(func.attrs["tvm_fusion.gate_fusion"]["gates"])
+        tiles = _unrolled_around(func.body, "gemm0_update")
+        assert tiles and min(tiles) >= 2 * gates, (name, gates, tiles)
+        assert max(tiles) <= 4 * gates, (name, gates, tiles)  # two pointers a row: 4 rows

@@ -319,13 +319,15 @@ def gate_block(target: Target, width: int, gates: int, rows: int | None) -> int 
     return min(enumerate(fits), key=cost)[1]
 
 
-def gate_tile_rows(target: Target, rows: int | None, gates: int, block: int) -> int:
+def gate_tile_rows(
+    target: Target, rows: int | None, gates: int, block: int, gathered: bool = False
+) -> int:
     """Rows per register tile that the CPU gate rule gives a gate kernel of ``rows`` rows
     (None: symbolic), ``gates`` gates of the widest GEMM and vector block ``block``
     (``cpu/gate_fusion.tile_rows``, sized from the target's lanes and registers). A kernel
-    that ``pad_einsum`` cannot pad (a gathered expert weight, read at ``W[ids[row]]``) is built
-    with its GEMM rows padded to a multiple of it."""
+    that ``pad_einsum`` cannot pad (``gathered``: an expert weight read at ``W[ids[row]]``) is
+    built with its GEMM rows padded to a multiple of it, named in its ``rows`` hint."""
     from .cpu.gate_fusion import tile_rows
 
     lanes = _target.vector_lanes(target, "float32")
-    return tile_rows(rows, gates, block, lanes, _target.vector_registers(target))
+    return tile_rows(rows, gates, block, lanes, _target.vector_registers(target), gathered)

@@ -16,8 +16,8 @@ no expert). This pass matches, in a dataflow block, such a call whose weight is 
 and hands it to FuseSplitGates' emitter as a gathered GEMM (FuseGatheredGates' kernel): each
 row reads the weight of its expert in place, blocked at compile time per expert, and the gate
 rule (``schedule/cpu/gate_fusion.py``) tiles rows x units in registers sized from the target
-(rows of a plain symbolic count padded to the tile; transformers' ``tokens * top_k`` rows get
-tiles of one row, see ``fuse_split_gates/emit._tile_rows``). Each row reads its own expert's
+(symbolic rows padded to the tile; transformers' ``tokens * top_k`` rows become one variable
+of the kernel, see ``fuse_split_gates/emit._call_on_rows``). Each row reads its own expert's
 weight vectors (one expert per tile where the tile's rows share it was tried: slower, see the
 branch history).
 The expert of each row is one small kernel before it (:func:`expert_of_rows`, ``E``

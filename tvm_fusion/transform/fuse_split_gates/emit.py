@@ -7,7 +7,7 @@ group of a dataflow block by ONE ``call_tir`` of that kernel, marked opaque (``o
 
 from __future__ import annotations
 
-from tvm import IRModule, relax, te, tirx, topi
+from tvm import IRModule, relax, sym, te, tirx, topi
 from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -304,10 +304,18 @@ class _Rewriter(PyExprMutator):
                 args.append(self.visit_expr(gemm.bias))
             args += [self.visit_expr(a) for a in gemm.addends]
         args += [self.visit_expr(e) for e in group.externals]
-        fn = _compute(
-            group, self._blk, group.block, fast_math, layouts, _pad_rows(group, self.target)
-        )
-        call = self.builder_.call_te(fn, *args, primfunc_name_hint=_name(group))
+        pad = _pad_rows(group, self.target)  # not None: one row axis
+        rows = group.rows[0] if pad is not None else None
+        call = None
+        if rows is not None and _int(rows) is None and not isinstance(rows, tirx.Var):
+            # rows such as tokens * top_k: the kernel's rows one variable of its own
+            fn = _compute(group, self._blk, group.block, fast_math, layouts, pad)
+            call = _call_on_rows(self.builder_, fn, args, rows, _name(group))
+            if call is None:  # unpadded: the gate rule takes it with tiles of one row
+                pad = None
+        if call is None:
+            fn = _compute(group, self._blk, group.block, fast_math, layouts, pad)
+            call = self.builder_.call_te(fn, *args, primfunc_name_hint=_name(group))
         gv = call.args[0]
         func = self.builder_.get()[gv]
         hints = {
@@ -315,6 +323,8 @@ class _Rewriter(PyExprMutator):
             "gates": sum(g.gates for g in group.gemms),
             "width": group.width,
         }
+        if pad is not None:  # the rule's tile: the rows the GEMMs were built padded to
+            hints["rows"] = pad
         self.builder_.update_func(gv, func.with_attrs({"op_pattern": 8, GATE_ATTR: hints}))
         self.count += 1
         if len(group.outputs) == 1:
@@ -339,15 +349,47 @@ def _pad_rows(group: _Group, target) -> int | None:
     if any(g.gathered_bias or g.addends for g in group.gemms):
         return None
     rows = _int(group.rows[0])
-    if rows is None and not isinstance(group.rows[0], tirx.Var):
-        # rows such as tokens * top_k: TVM 0.27's compute_at then refuses the results' tile
-        # over the padded GEMM ("not a stage pipeline"), and the kernel would fall to the
-        # Fallback rule; unpadded, the gate rule takes it with tiles of one row
-        return None
-    mr = gate_tile_rows(target, rows, max(g.gates for g in group.gemms), group.block)
+    mr = gate_tile_rows(target, rows, max(g.gates for g in group.gemms), group.block, True)
     if mr <= 1 or (rows is not None and rows % mr == 0):
         return None
     return mr
+
+
+def _call_on_rows(builder, fn, args: list, rows, name: str):
+    """``call_te(fn, *args)`` with the kernel's row count ``rows`` (an expression such as
+    transformers' ``tokens * top_k``) one fresh variable of the kernel, bound by the rows of
+    its first argument: with rows a product of symbols, TVM 0.27's ``compute_at`` refuses the
+    results' tile over a GEMM built with padded rows ("not a stage pipeline"), and the gate
+    rule fell to tiles of one row; over a plain variable it takes the tile. The call keeps the
+    Relax shapes (``rows``); None where an argument or result has another symbolic dim."""
+    n = tirx.Var("rows", "int64")
+    analyzer = sym.Analyzer()
+
+    def rebind(shape):
+        return [n if analyzer.can_prove_equal(d, rows) else d for d in shape]
+
+    inputs = []
+    for i, arg in enumerate(args):
+        ty = arg.ty
+        if not isinstance(ty, relax.TensorType) or ty.shape is None:
+            return None
+        hint = arg.name if isinstance(arg, relax.Var) else f"const{i}"
+        inputs.append(te.placeholder(rebind(ty.shape.values), ty.dtype, hint))
+    outs = fn(*inputs)
+    outs = [outs] if isinstance(outs, te.Tensor) else list(outs)
+    dims = [d for t in [*inputs, *outs] for d in t.shape]
+    if any(not v.same_as(n) for d in dims for v in tirx.analysis.undefined_vars(d)):
+        return None
+    if not any(d.same_as(n) for d in inputs[0].shape):
+        return None
+    func = te.create_prim_func([*inputs, *outs], "int64").without_attr("global_symbol")
+    gv = builder.add_func(func, name)
+    vdevice = args[0].ty.vdevice
+    out_ty = [
+        relax.TensorType([rows if d.same_as(n) else d for d in t.shape], t.dtype, vdevice)
+        for t in outs
+    ]
+    return relax.call_tir(gv, args, out_ty[0] if len(out_ty) == 1 else out_ty)
 
 
 def _name(group: _Group) -> str:
