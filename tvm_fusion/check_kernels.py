@@ -14,6 +14,7 @@ depends on the check.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from tvm import tirx
@@ -49,7 +50,7 @@ def assert_kernel(
     ``condition`` (TVMScript over the buffers' shape variables and the scalars)."""
     lines = _head(name, bufs, scalars)
     lines.append(f"        T.Assert({condition}, {message!r}, {kind!r})")
-    return tvm_script_parse("\n".join(lines), {"T": T})
+    return parse_kernel("\n".join(lines))
 
 
 def flag_kernel(
@@ -77,7 +78,14 @@ def flag_kernel(
     lines += [f"{indent}{let}" for let in lets]
     lines += [f'{indent}bad[0] = T.max(bad[0], T.Cast("int64", {c}))' for c in conditions]
     lines.append(f"        T.Assert(bad[0] == T.int64(0), {message!r}, {kind!r})")
-    return tvm_script_parse("\n".join(lines), {"T": T})
+    return parse_kernel("\n".join(lines))
+
+
+@functools.lru_cache(maxsize=512)
+def parse_kernel(text: str) -> tirx.PrimFunc:
+    """The PrimFunc of TVMScript ``text`` (``T`` in scope), parsed once per distinct text (the
+    parser takes 0.1-0.5 s; a model's checks of one form share it)."""
+    return tvm_script_parse(text, {"T": T})
 
 
 def _head(name: str, bufs: list[Buf], scalars: list[str]) -> list[str]:

@@ -33,10 +33,8 @@ from __future__ import annotations
 from tvm import relax, te, tirx
 from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
-from tvm.script import tirx as T
-from tvm.script.parser import parse as tvm_script_parse
 
-from ..check_kernels import Buf, flag_kernel, indices, shape_vars
+from ..check_kernels import Buf, flag_kernel, indices, parse_kernel, shape_vars
 from ..errors import ModelError
 
 
@@ -199,7 +197,7 @@ def _int_pow_kernel(bdt: str, edt: str, message: str) -> tirx.PrimFunc:
         f'            bad[0] = T.max(bad[0], T.Cast("int64", b[i] < T.Cast({edt!r}, 0)))',
         f'        T.Assert(bad[0] == T.int64(0), {message!r}, "ValueError")',
     ]
-    return tvm_script_parse("\n".join(lines), {"T": T})
+    return parse_kernel("\n".join(lines))
 
 
 def _flat(bb, tensor, shape, count) -> relax.Expr:

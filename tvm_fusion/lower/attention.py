@@ -44,6 +44,8 @@ below -87 it gives 1.6e-38, not 0, as the legalised softmax does). A row whose e
 
 from __future__ import annotations
 
+import functools
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -94,6 +96,31 @@ def _columns(dv: int, width: int) -> int:
 
 
 def attention_kernel(
+    d: int,
+    dv: int,
+    scale: float,
+    mask_dims,
+    empty_rows: str = "nan",
+    where_fill=None,
+    vector_registers: int = 16,
+    lanes: int = 8,
+) -> tirx.PrimFunc:
+    """The scheduled PrimFunc of :func:`_attention_kernel`, parsed once per distinct arguments
+    (TVMScript's parser takes 1-2 s a kernel; a model's layers share theirs)."""
+    return _attention_kernel(
+        int(d),
+        int(dv),
+        float(scale),
+        None if mask_dims is None else tuple(bool(m) for m in mask_dims),
+        empty_rows,
+        None if where_fill is None else (float(where_fill[0]), bool(where_fill[1])),
+        int(vector_registers),
+        int(lanes),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _attention_kernel(
     d: int,
     dv: int,
     scale: float,

@@ -34,6 +34,8 @@ vector loops, no GPU thread bindings).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from tvm import relax, tirx
 from tvm.script import tirx as T
@@ -138,6 +140,25 @@ def loop_kernel(
     zero_init: bool = False,
     batch_major: bool = False,
 ) -> tirx.PrimFunc:
+    """:func:`_loop_kernel`, parsed once per distinct arguments (TVMScript's parser takes about
+    0.7 s a kernel; a model's layers and directions share theirs)."""
+    clip = None if clip is None else float(clip)
+    # a step of little work runs on one thread: a parallel launch and join per step costs more
+    parallel = GATES[kind] * hidden * hidden >= PARALLEL_MIN_MACS
+    return _loop_kernel(str(kind), int(hidden), bool(reverse), clip, bool(zero_init),
+                        bool(batch_major), parallel)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _loop_kernel(
+    kind: str,
+    hidden: int,
+    reverse: bool,
+    clip: float | None,
+    zero_init: bool,
+    batch_major: bool,
+    parallel: bool,
+) -> tirx.PrimFunc:
     """The scheduled PrimFunc of one direction: (proj, w, b, h0[, c0]) -> (y, h_T[, c_T]);
     with ``zero_init`` (proj, w, b) -> (y, h_T[, c_T]), the initial states zeros. ``proj`` is
     (seq, batch, gates * H), or (batch, seq, gates * H) with ``batch_major``."""
@@ -145,8 +166,7 @@ def loop_kernel(
     blocks = -(-hidden // lanes)
     padded, width = blocks * lanes, gates * hidden
     rev = int(reverse)
-    # a step of little work runs on one thread: a parallel launch and join per step costs more
-    blocks_loop = T.parallel if gates * hidden * hidden >= PARALLEL_MIN_MACS else T.serial
+    blocks_loop = T.parallel if parallel else T.serial
 
     def clipped(x):
         if clip is None:
