@@ -111,6 +111,16 @@ class _Progress(ms.measure_callback.PyMeasureCallback):
         )
 
 
+def _search_strategy(trials: int):
+    """The stock population (512 candidates, 50 unmeasured to start) costs minutes of search
+    per iteration on a small machine; a small budget gets a smaller population (the dry run
+    the same as the run it stands for)."""
+    population = max(32, min(512, 4 * trials))
+    return ms.search_strategy.EvolutionarySearch(
+        population_size=population, init_min_unmeasured=min(50, population // 2)
+    )
+
+
 def dry_run(
     mod, target: Target, per_task, build_timeout, seed, say, pipeline="tvm_fusion", **flags
 ):
@@ -126,7 +136,7 @@ def dry_run(
         raise UsageError("nothing to tune: the module has no kernels")
     drop_unnamed_handlers()
     with tempfile.TemporaryDirectory() as work:
-        strategy = ms.search_strategy.EvolutionarySearch(population_size=32)
+        strategy = _search_strategy(per_task)
         contexts, _ = tune_contexts(tasks, target, work, strategy, num_cores(target), seed)
         candidates = sample_candidates(contexts, per_task)
     inputs = [
@@ -220,13 +230,8 @@ def tune(
     builder = ms.builder.LocalBuilder(timeout_sec=build_timeout, f_build=build_candidate)
     if remaining > 0:
         say(f"tuning {len(tasks)} task(s), {remaining} trial(s) ({before} already recorded)")
-        # The stock population (512 candidates, 50 unmeasured to start) costs minutes of
-        # search per iteration on a small machine; a small budget gets a smaller population.
         drop_unnamed_handlers()
-        population = max(32, min(512, 4 * trials))
-        strategy = ms.search_strategy.EvolutionarySearch(
-            population_size=population, init_min_unmeasured=min(50, population // 2)
-        )
+        strategy = _search_strategy(trials)
         contexts, weights = tune_contexts(
             tasks, tgt, work_dir, strategy, num_threads=num_cores(tgt), seed=seed
         )
