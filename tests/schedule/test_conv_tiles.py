@@ -151,12 +151,18 @@ def test_conv1x1_merged_rows_full_tile(hw, batch, cpu_target):
 
 
 @pytest.mark.parametrize("hw", [1, 5, 7, 13, 14])
-def test_conv1x1_merged_rows_numbers(hw, target):
-    mod = _module(_conv1x1_relu, (tvm.tirx.Var("batch", "int64"), 8, hw, hw))
+@pytest.mark.parametrize("channels", [32, 20])  # 20: the columns padded too
+def test_conv1x1_merged_rows_numbers(hw, channels, target):
+    w, bias = W1X1[:channels], BIAS1X1[:channels].reshape(1, channels, 1, 1)
+
+    def conv(bb, x):
+        return R.nn.relu(R.add(R.nn.conv2d(x, relax.const(w)), relax.const(bias)))
+
+    mod = _module(conv, (tvm.tirx.Var("batch", "int64"), 8, hw, hw))
     cases = []
     for batch in (1, 3):
         x = RNG.standard_normal((batch, 8, hw, hw)).astype("float32")
-        y = np.einsum("fc,nchw->nfhw", W1X1[:, :, 0, 0], x) + BIAS1X1.reshape(1, 32, 1, 1)
+        y = np.einsum("fc,nchw->nfhw", w[:, :, 0, 0], x) + bias
         cases.append(([x], [np.maximum(y, 0)]))
     compiled = matches_reference(mod, cases, rtol=1e-5, atol=1e-5)
     rules = {i.name: i.rule for i in analysis.schedule_info(compiled.lowered) if "conv" in i.name}
