@@ -35,7 +35,8 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
 - a convolution (_conv.py): a k x k window keeps its reduction loops (channels, kh, kw; B
   packed as ``[cols / NR, c, kh, kw, NR]``), where one flat ``k`` read its input at
   ``k // 9, h + k % 9 // 3, w + k % 3``; a 1x1 convolution's rows ``(h, w)`` become one axis
-  (its accumulators and write-back too), tiled as a GEMM's rows.
+  (its accumulators and write-back too), tiled as a GEMM's rows, padded through flat copies
+  where the tile's height does not divide them (7 x 7: 49 rows in tiles of 4 on AVX2).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from .._common import (
     vectorize_innermost,
     write_order,
 )
-from ._conv import is_mac, is_window, merge_rows
+from ._conv import flatten_rows, is_mac, is_window, merge_rows
 from ._tiles import K_BLOCK_MIN, dividing_width, standard_tile, unpadded_tile, wide_tile
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class Matmul(CPURule):
         window = n_red > 1 and is_window(sch.get(red.block_rv), n_red)
         if n_red > 1 and not window and not self._fuse_reduction(sch, red.block_rv, n_red):
             return None
+        flat = None  # merged rows padded through flat buffers (flatten_rows)
         if not window and merge_ok:
             merged = merge_rows(sch, red.block_rv)
         else:
@@ -254,6 +256,18 @@ class Matmul(CPURule):
             if pad_cols:
                 factors[j_var] = nr
             padded = self._pad(sch, block, iters, factors, epilogue)
+            nr_u, mr_u = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates) if merged else (0, 0)
+            if padded is None and pad_rows and is_static(m_ext) and mr_u * nr_u < mr * nr:
+                # 49 rows: 13 tiles of 4 x 2 vectors on AVX2, not 7 tiles of 7 x 1 vector
+                flat = flatten_rows(sch, block, merged)
+                padded = self._pad(flat[0], block, iters, factors, epilogue) if flat else None
+                if padded:
+                    sch = flat[0]
+                    try:
+                        sch.compute_inline(flat[1])  # the padded copy reads the input itself
+                    except Exception as err:  # noqa: BLE001 - the flat copy stays
+                        logger.debug("matmul: flat copy kept: %s", err)
+                padded, flat = (padded, flat) if padded else (None, None)
             if padded is None and pad_cols and static_cols and wide is None:
                 # pad_einsum refuses reads that are not an einsum's (a convolution's
                 # x[.., w + k % 3]): static columns then take a tile width that divides them
@@ -396,7 +410,7 @@ class Matmul(CPURule):
         else:
             outer += [io] if io is not None else []
         acc = sch.cache_write(block, 0, "local")
-        self._vector_axis_last(sch, block, j_var, merged)
+        self._vector_axis_last(sch, block, j_var, () if flat else merged)
         # Epilogue on the tile: elementwise consumers fold into the write-back, the rest are
         # computed under the tile loop.
         for info in epilogue:
@@ -416,6 +430,8 @@ class Matmul(CPURule):
                 try:
                     if later is not acc:
                         sch.get(later_rv)
+                    elif flat:
+                        continue  # it writes the flat padded rows
                 except Exception:  # noqa: BLE001 - inlined above
                     continue
                 if not merge_rows(sch, later_rv, merged):
@@ -429,9 +445,9 @@ class Matmul(CPURule):
                 continue
             sch.reverse_compute_at(info.block_rv, tile_loop, preserve_unit_loops=True)
             vectorize_innermost(sch, info.block_rv, lanes)
-        if pad_cols and static_cols:
-            # the cut back to the real columns reads the tile's accumulators, not a (rows,
-            # padded columns) copy of them in memory
+        if (pad_cols and static_cols) or flat:
+            # the cut back to the real columns (or flat rows) reads the tile's accumulators,
+            # not a (rows, padded columns) copy of them in memory
             try:
                 sch.compute_inline(acc)
             except Exception as err:  # noqa: BLE001 - the copy stays
