@@ -14,30 +14,39 @@ from ...tir_util import vars_in
 logger = logging.getLogger(__name__)
 
 
-def is_mac(store) -> tuple | None:
-    """``Y[idx] = Y[idx] + A * B`` (with casts): returns (A load, B load) or None."""
+def _strip_casts(expr):
+    while isinstance(expr, tirx.Cast):
+        expr = expr.value
+    return expr
+
+
+def update_operands(store) -> list | None:
+    """The loads that ``Y = Y + X * W``, ``Y = Y + X``, ``Y = max(Y, X)`` or ``min`` combine
+    into ``Y`` (casts allowed), or None for another form."""
     if not isinstance(store, tirx.BufferStore):
         return None
     value = store.value
-    if not isinstance(value, tirx.Add):
+    if not isinstance(value, tirx.Add | tirx.Max | tirx.Min):
         return None
     lhs, rhs = value.a, value.b
     if isinstance(rhs, TensorLoad) and rhs.source.same_as(store.buffer):
         lhs, rhs = rhs, lhs
     if not (isinstance(lhs, TensorLoad) and lhs.source.same_as(store.buffer)):
         return None
-    while isinstance(rhs, tirx.Cast):
-        rhs = rhs.value
-    if not isinstance(rhs, tirx.Mul):
-        return None
-    a, b = rhs.a, rhs.b
-    while isinstance(a, tirx.Cast):
-        a = a.value
-    while isinstance(b, tirx.Cast):
-        b = b.value
-    if isinstance(a, TensorLoad) and isinstance(b, TensorLoad):
-        return a, b
+    rhs = _strip_casts(rhs)
+    if isinstance(rhs, TensorLoad):
+        return [rhs]
+    if isinstance(value, tirx.Add) and isinstance(rhs, tirx.Mul):
+        a, b = _strip_casts(rhs.a), _strip_casts(rhs.b)
+        if isinstance(a, TensorLoad) and isinstance(b, TensorLoad):
+            return [a, b]
     return None
+
+
+def is_mac(store) -> tuple | None:
+    """``Y[idx] = Y[idx] + A * B`` (with casts): returns (A load, B load) or None."""
+    operands = update_operands(store)
+    return tuple(operands) if operands is not None and len(operands) == 2 else None
 
 
 def is_window(block, n_red: int) -> bool:

@@ -57,7 +57,7 @@ from .._common import (
     sole_consumer,
     vectorize_innermost,
 )
-from .window import _update_operands
+from ._conv import update_operands
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def grouped_conv(stmt) -> tuple | None:
         return None
     if str(stmt.writes[0].source.dtype) not in ("float32", "float64", "float16"):
         return None
-    operands = _update_operands(stmt.body)
+    operands = update_operands(stmt.body)
     if operands is None or len(operands) != 2:
         return None
     spatial = {iv.var for iv in iters[:n_spatial]}

@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 
 from tvm import s_tir, tirx
-from tvm.ir.expr import Call, TensorLoad
+from tvm.ir.expr import Call
 from tvm.target import Target
 
 from ... import target as _target
@@ -61,37 +61,9 @@ from .._common import (
     single_reduction,
     vectorize_innermost,
 )
+from ._conv import update_operands
 
 logger = logging.getLogger(__name__)
-
-
-def _strip_casts(expr):
-    while isinstance(expr, tirx.Cast):
-        expr = expr.value
-    return expr
-
-
-def _update_operands(store) -> list | None:
-    """The loads that ``Y = Y + X * W``, ``Y = Y + X``, ``Y = max(Y, X)`` or ``min`` combine
-    into ``Y`` (casts allowed), or None for another form."""
-    if not isinstance(store, tirx.BufferStore):
-        return None
-    value = store.value
-    if not isinstance(value, tirx.Add | tirx.Max | tirx.Min):
-        return None
-    lhs, rhs = value.a, value.b
-    if isinstance(rhs, TensorLoad) and rhs.source.same_as(store.buffer):
-        lhs, rhs = rhs, lhs
-    if not (isinstance(lhs, TensorLoad) and lhs.source.same_as(store.buffer)):
-        return None
-    rhs = _strip_casts(rhs)
-    if isinstance(rhs, TensorLoad):
-        return [rhs]
-    if isinstance(value, tirx.Add) and isinstance(rhs, tirx.Mul):
-        a, b = _strip_casts(rhs.a), _strip_casts(rhs.b)
-        if isinstance(a, TensorLoad) and isinstance(b, TensorLoad):
-            return [a, b]
-    return None
 
 
 def window_reduction(sch: s_tir.Schedule, block) -> str | None:
@@ -104,7 +76,7 @@ def window_reduction(sch: s_tir.Schedule, block) -> str | None:
         return "not spatial axes then reduction axes"
     if str(stmt.writes[0].source.dtype) not in ("float32", "float64", "float16"):
         return "not a float reduction"
-    operands = _update_operands(stmt.body)
+    operands = update_operands(stmt.body)
     if operands is None:
         return "update is not a sum, a sum of products or a max / min"
     spatial = {iv.var for iv in iters[:n_spatial]}
@@ -157,7 +129,7 @@ def vector_stride(stmt) -> int | None:
     spatial = [iv for iv in iters if iv.iter_type != iv.CommReduce]
     inner = spatial[-1].var
     strides = set()
-    for load in _update_operands(stmt.body) or []:
+    for load in update_operands(stmt.body) or []:
         for index in load.indices:
             if inner in vars_in(index):
                 one, zero = _evaluate(index, {inner: 1}), _evaluate(index, {})
