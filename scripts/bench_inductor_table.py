@@ -166,9 +166,12 @@ def _flat(out) -> list[np.ndarray]:
     return [t.detach().numpy() for t in items]
 
 
-def bench_row(name, desc, module, args, *, target, threads, repeat, budget) -> dict:
+def bench_row(
+    name, desc, module, args, *, target, threads, repeat, budget, inductor=None, min_time=2.0
+) -> dict:
     """One row: export, import, compile, check against eager, then ours / Inductor / eager
-    alternating (``engine.time_interleaved``)."""
+    alternating (``engine.time_interleaved``). ``inductor``: the runner maker,
+    ``engine.inductor_runner`` unless given (a test's stand-in)."""
     import torch
 
     from tvm_fusion.build import engine
@@ -196,7 +199,7 @@ def bench_row(name, desc, module, args, *, target, threads, repeat, budget) -> d
         return row
     runs = {"ours": ours}
     try:
-        run, outputs, row["compile_s_inductor"] = engine.inductor_runner(
+        run, outputs, row["compile_s_inductor"] = (inductor or engine.inductor_runner)(
             lambda _torch: lambda *a: tuple(torch.from_numpy(o) for o in _flat(module(*a))),
             feeds,
             threads,
@@ -213,7 +216,7 @@ def bench_row(name, desc, module, args, *, target, threads, repeat, budget) -> d
 
     runs["eager"] = eager
     load_before = os.getloadavg()
-    times = engine.time_interleaved(runs, repeat=repeat, budget_s=budget, min_time_s=2.0)
+    times = engine.time_interleaved(runs, repeat=repeat, budget_s=budget, min_time_s=min_time)
     row["load"] = [round(v, 2) for v in (*load_before, os.getloadavg()[0])]
     for key, value in times.items():
         row[f"{key}_ms"] = value["median_ms"]
