@@ -92,11 +92,12 @@ def _cycled(compiled, tokens: list):
 
 
 def _first(run):
-    """The first output of a TvmRunner or an onnxruntime runner, as an array."""
+    """The output of a TvmRunner, an onnxruntime runner (a list: its first) or a torch
+    function (one tensor), as an array."""
     import numpy as np
 
     out = run.outputs() if hasattr(run, "outputs") else run()
-    return np.asarray(out[0])
+    return np.asarray(out[0] if isinstance(out, list | tuple) else out)
 
 
 def _parse(argv):
