@@ -15,30 +15,6 @@ from __future__ import annotations
 import argparse
 
 
-def moe_block(torch, hidden: int, inner: int, experts: int, top: int):
-    fn = torch.nn.functional
-
-    class MoE(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.router = torch.nn.Linear(hidden, experts, bias=False)
-            self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inner, hidden) * 0.02)
-            self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, inner) * 0.02)
-
-        def forward(self, x):
-            w, ids = torch.topk(fn.softmax(self.router(x), dim=-1), top, dim=-1)
-            w = w / w.sum(-1, keepdim=True)
-            t = x.shape[0]
-            flat = ids.reshape(-1)
-            xs = x.unsqueeze(1).expand(t, top, hidden).reshape(-1, hidden)
-            gu = torch.bmm(self.gate_up_proj[flat], xs.unsqueeze(-1)).squeeze(-1)
-            g, u = gu.chunk(2, dim=-1)
-            h = torch.bmm(self.down_proj[flat], (fn.silu(g) * u).unsqueeze(-1)).squeeze(-1)
-            return (h * w.reshape(-1, 1)).view(t, top, hidden).sum(1)
-
-    return MoE().eval()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
@@ -54,10 +30,11 @@ def main() -> None:
     from tvm_fusion import analysis
     from tvm_fusion.build import engine
     from tvm_fusion.frontend.load import import_exported_program
+    from tvm_fusion.testing.moe import batched_mm_moe
     from tvm_fusion.transform import collect_rewrites
 
     torch.manual_seed(0)
-    model = moe_block(torch, args.hidden, args.inner, args.experts, args.top)
+    model = batched_mm_moe(args.hidden, args.inner, args.experts, args.top)
     program = torch.export.export(model, (torch.randn(args.tokens, args.hidden),))
     mod = import_exported_program(program)
     target = tvm_fusion.host_target()

@@ -121,6 +121,50 @@ class TestConstantNDInRange(BoundsBase):
     Expected = Before
 
 
+class TestTopkNDInRange(BoundsBase):
+    """gather_nd of (E, N, K) expert weights by topk ids over E scores, as ``(s, 1)`` (the
+    dynamo ONNX export of ``W[ids]``): the ids are proven inside axis 0, no check."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(w: R.Tensor((3, 5, 4), "float32"), scores: R.Tensor(("s", 3), "float32")):
+            s = T.int64()
+            with R.dataflow():
+                top = R.topk(scores, k=1, axis=-1, ret_type="indices", dtype="int64")
+                ids = R.reshape(top, R.shape([s, 1]))
+                y = R.gather_nd(w, ids, batch_dims=0)
+                R.output(y)
+            return y
+
+    Expected = Before
+
+
+class TestTopkNDOutside(BoundsBase):
+    """The same gather_nd by topk ids over 4 scores into 3 experts: checked, and the check
+    kernel says which axis bounds its one id (CHECKED_AXIS, for FuseGatheredGates)."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(w: R.Tensor((3, 5, 4), "float32"), scores: R.Tensor(("s", 4), "float32")):
+            s = T.int64()
+            with R.dataflow():
+                top = R.topk(scores, k=1, axis=-1, ret_type="indices", dtype="int64")
+                ids = R.reshape(top, R.shape([s, 1]))
+                y = R.gather_nd(w, ids, batch_dims=0)
+                R.output(y)
+            return y
+
+    def test_compare(self):
+        from tvm_fusion.transform.check_gather_bounds import CHECKED_AXIS, CHECKED_SIGNED
+
+        after = self.transform(self.Before)
+        assert [k for k, _ in _checks(after)] == ["check_bounds"]
+        kernel = after["check_bounds"]
+        assert int(kernel.attrs[CHECKED_AXIS]) == 0 and not bool(kernel.attrs[CHECKED_SIGNED])
+
+
 class TestConstantNDOutside(BoundsBase):
     """A constant gather_nd id past its axis (3 into an axis of 3) is checked."""
 

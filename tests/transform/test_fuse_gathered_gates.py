@@ -23,9 +23,17 @@ H, INNER, E = 16, 12, 3  # hidden, expert inner width, experts
 
 
 def _expert_module(
-    *, const_weight=True, ids="topk", logits=E, transposed=False, symbolic=True, dtype="float32"
+    *,
+    const_weight=True,
+    ids="topk",
+    logits=E,
+    transposed=False,
+    symbolic=True,
+    dtype="float32",
+    nd=False,
 ) -> tvm.IRModule:
-    """``silu(g) * u`` of ``squeeze(bmm(take(W, ids), x[..., None]))`` split in two."""
+    """``silu(g) * u`` of ``squeeze(bmm(take(W, ids), x[..., None]))`` split in two; ``nd``:
+    ``gather_nd(W, ids (s, 1))`` (ONNX GatherND, the dynamo export of ``W[ids]``) instead."""
     rng = np.random.default_rng(0)
     s = tirx.Var("s", "int64") if symbolic else 5
     w_shape = (E, H, 2 * INNER) if transposed else (E, 2 * INNER, H)
@@ -50,7 +58,10 @@ def _expert_module(
             else:
                 top = bb.emit(relax.op.topk(scores, 1, -1, "indices", True, "int64"))
                 index = bb.emit(relax.op.reshape(top, (s,) if ids == "topk" else (s, 1)))
-            gathered = bb.emit(relax.op.take(weight, index, axis=0))
+            if nd:
+                gathered = bb.emit(relax.op.gather_nd(weight, index, batch_dims=0))
+            else:
+                gathered = bb.emit(relax.op.take(weight, index, axis=0))
             if transposed:
                 xe = bb.emit(relax.op.expand_dims(x, [1]))
                 y = bb.emit(relax.op.squeeze(relax.op.matmul(xe, gathered), [1]))
@@ -78,12 +89,14 @@ def _gate_kernels(mod):
     ]
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_fires_symbolic_tokens_weight_read_in_place(transposed):
-    count, out = _fuse(_expert_module(transposed=transposed))
+@pytest.mark.parametrize("transposed, nd", [(False, False), (True, False), (False, True)])
+def test_fires_symbolic_tokens_weight_read_in_place(transposed, nd):
+    ids = "rank2" if nd else "topk"  # gather_nd's index is (s, 1)
+    count, out = _fuse(_expert_module(transposed=transposed, ids=ids, nd=nd))
     assert count == 1
     text = out["main"].script()
-    assert "R.take" not in text and "R.matmul" not in text and "R.split" not in text
+    assert "R.take" not in text and "R.gather_nd" not in text
+    assert "R.matmul" not in text and "R.split" not in text
     (kernel,) = _gate_kernels(out)
     buffers = [p.ty for p in kernel.params if hasattr(p.ty, "shape")]
     shapes = [tuple(int(d) for d in b.shape) for b in buffers if len(b.shape) == 5]
@@ -100,6 +113,7 @@ def test_fires_symbolic_tokens_weight_read_in_place(transposed):
         dict(const_weight=False),  # expert weights a runtime input
         dict(ids="rank2"),  # ids (s, 1): the gathered weight is (s, 1, N, K)
         dict(ids="input"),  # ids the graph does not bound
+        dict(ids="topk", nd=True),  # gather_nd of (s,) ids: one (N, K) row per id, not W[ids]
         dict(logits=E + 1),  # topk over more scores than experts: ids may reach E
     ],
 )
@@ -110,11 +124,13 @@ def test_must_not_fire(case):
     assert out.same_as(mod)
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("float16", 2e-2)])
-def test_static_tokens_match_numpy(dtype, tol):
+@pytest.mark.parametrize(
+    "dtype, tol, nd", [("float32", 1e-4, False), ("float16", 2e-2, False), ("float32", 1e-4, True)]
+)
+def test_static_tokens_match_numpy(dtype, tol, nd):
     """5 tokens, static: the CPU rule tiles several rows, each reading its own expert; float16
-    accumulates in float32 and rounds once."""
-    mod = _expert_module(symbolic=False, dtype=dtype)
+    accumulates in float32 and rounds once; ``nd``: the weight gathered by gather_nd."""
+    mod = _expert_module(symbolic=False, dtype=dtype, nd=nd, ids="rank2" if nd else "topk")
     rng = np.random.default_rng(2)
     x = (rng.standard_normal((5, H)) * 0.3).astype(dtype)
     scores = rng.standard_normal((5, E)).astype("float32")
@@ -233,3 +249,35 @@ def test_moe_block_matches_torch(act, transposed, bias):
         with torch.no_grad():
             want = model(x).numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_moe_block_dynamo_onnx_matches_torch():
+    """The dynamo ONNX export gathers ``W[ids]`` by GatherND with an ``(S, 1)`` index (checked
+    at run time by CheckGatherBounds, the topk being a library call by then): both projections
+    fuse, and the numbers match torch and onnxruntime at a symbolic token count."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    ort = pytest.importorskip("onnxruntime")
+
+    torch.manual_seed(0)
+    model = _MoE.make(torch)
+    tokens = torch.export.Dim("tokens", min=1, max=64)
+    program = torch.onnx.export(
+        model, (torch.randn(7, H),), dynamo=True, dynamic_shapes=({0: tokens},), verbose=False
+    )
+    onnx_model = program.model_proto
+    assert "GatherND" in [n.op_type for n in onnx_model.graph.node]
+    with collect_rewrites() as counts:
+        compiled = engine.compile_module(
+            tvm_fusion.load_onnx(onnx_model), tvm_fusion.host_target(), "tvm_fusion"
+        )
+    assert counts["FuseGatheredGates"] == 2  # gate-up and down projections
+    session = ort.InferenceSession(onnx_model.SerializeToString())
+    name = session.get_inputs()[0].name
+    for n in (1, 7):
+        x = torch.randn(n, H)
+        got = engine.TvmRunner(compiled, [x.numpy()]).outputs()[0]
+        with torch.no_grad():
+            want = model(x).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got, session.run(None, {name: x.numpy()})[0], 1e-4, 1e-4)

@@ -5,8 +5,10 @@ in ``transformers/integrations/moe.py`` (schema and eager body copied), so that 
 it can be exported, saved and run eagerly; :func:`grouped_experts` is transformers'
 ``grouped_mm_experts_forward`` (sort the ``(token, expert)`` pairs, ``histc`` counts, ``cumsum``
 offsets, a grouped GEMM, ``chunk(2)``, ``silu(g) * u``, the down grouped GEMM, the routing
-weight, the top-k sum). Used by ``tests/test_moe_grouped.py`` and ``scripts/bench_moe_grouped.py``;
-torch is imported on first use.
+weight, the top-k sum). :func:`batched_mm_moe` is a whole Mixtral-style layer in the
+``batched_mm`` form (the export-friendly one), :func:`routed_grouped` the same layer with the
+grouped experts. Used by ``tests/test_moe_grouped.py``, ``scripts/bench_moe_grouped.py``,
+``scripts/bench_moe.py`` and ``scripts/moe_memory.py``; torch is imported on first use.
 """
 
 from __future__ import annotations
@@ -83,3 +85,59 @@ def grouped_experts(experts: int, hidden: int = 8, inter: int = 6, gate: str = "
             return weighted.view(num_tokens, num_top_k, -1).sum(dim=1)
 
     return GroupedExperts()
+
+
+def batched_mm_moe(hidden: int, inner: int, experts: int, top: int, scale: float = 0.02):
+    """A Mixtral-style sparse MoE block in transformers' ``batched_mm`` form, a module of
+    ``x (T, H)``: router ``Linear``, softmax, top-k, the weights renormalised,
+    ``gate_up_proj[ids]`` bmm, ``chunk(2)``, ``silu(g) * u``, ``down_proj[ids]`` bmm, times the
+    routing weight, ``view(T, k, H).sum(1)``; random weights times ``scale``."""
+    import torch
+
+    fn = torch.nn.functional
+
+    class MoE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.top = top
+            self.router = torch.nn.Linear(hidden, experts, bias=False)
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inner, hidden) * scale)
+            self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, inner) * scale)
+
+        def route(self, x):
+            w, ids = torch.topk(fn.softmax(self.router(x), dim=-1), top, dim=-1)
+            return w / w.sum(-1, keepdim=True), ids
+
+        def forward(self, x):
+            w, ids = self.route(x)
+            t = x.shape[0]
+            flat = ids.reshape(-1)
+            xs = x.unsqueeze(1).expand(t, top, hidden).reshape(-1, hidden)
+            gu = torch.bmm(self.gate_up_proj[flat], xs.unsqueeze(-1)).squeeze(-1)
+            g, u = gu.chunk(2, dim=-1)
+            h = torch.bmm(self.down_proj[flat], (fn.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+            return (h * w.reshape(-1, 1)).view(t, top, hidden).sum(1)
+
+    return MoE().eval()
+
+
+def routed_grouped(moe):
+    """``moe`` (:func:`batched_mm_moe`) with transformers' default experts instead: the same
+    router and weights (shared, not copied), the experts of :func:`grouped_experts`."""
+    import torch
+
+    experts, inner2, hidden = moe.gate_up_proj.shape
+    grouped = grouped_experts(experts, hidden, inner2 // 2)
+    grouped.gate_up_proj = moe.gate_up_proj
+    grouped.down_proj = moe.down_proj
+
+    class Routed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe, self.experts = moe, grouped
+
+        def forward(self, x):
+            w, ids = self.moe.route(x)
+            return self.experts(x, ids, w)
+
+    return Routed().eval()

@@ -29,7 +29,9 @@ indices from the end) against ``[-n, n)`` (one unsigned compare of ``id + n`` wi
 their kernels read and write wherever an id points, negative ones included): every id of the
 index's last dimension is checked against its own data axis (``batch_dims + j`` for
 gather_nd, ``j`` for scatter_nd), ``IndexError: GatherND of <table> at <index> (batch_dims
-1): index out of range [0, 3) x [0, 4)``; left alone only for constant ids inside their axes.
+1): index out of range [0, 3) x [0, 4)``; left alone for ids proven inside every axis they
+index (constants; argmax/topk indices through views and the importer's ``where``, as for take:
+the dynamo ONNX export of a mixture of experts gathers ``W[ids]`` by GatherND).
 
 ``dynamic_strided_slice`` (ONNX Slice with starts / ends / steps from the data): its shape
 function and TOPI kernel clamp the bounds into the axis as ONNX does (out-of-range bounds
@@ -46,9 +48,10 @@ ids past a table of ``max_pos`` rows) is checked by its first and last value onl
 one scalar assert, no index tensor read; the take stays a take of an arange, which
 GatherToSlice turns into a slice as before.
 
-The ``check_bounds`` kernel of a take with an axis carries what it guarantees, for later
-passes' range proofs (FuseGatheredGates): ``CHECKED_AXIS`` (the axis of ``x`` whose extent
-bounds the ids) and ``CHECKED_SIGNED`` (ids in ``[-n, n)`` rather than ``[0, n)``).
+The ``check_bounds`` kernel of a take with an axis, or of a gather_nd / scatter_nd whose ids
+index one axis, carries what it guarantees, for later passes' range proofs
+(FuseGatheredGates): ``CHECKED_AXIS`` (the axis of ``x`` whose extent bounds the ids) and
+``CHECKED_SIGNED`` (ids in ``[-n, n)`` rather than ``[0, n)``).
 
 CUDA: no check (a warning at compile time). The kernel above has no thread binding and would
 run on the host against device pointers; a device-side flag would need a copy to the host and
@@ -252,6 +255,13 @@ class _Rewriter(PyExprMutator):
         if self._constant_inside(idx, extents):
             _proved(what, "constant index values inside their axes")
             return None
+        analyzer = tvm.sym.Analyzer()
+        found = self._range(idx, analyzer)  # every id, whichever axis it indexes
+        if found is not None and all(
+            analyzer.can_prove(c) for c in (found[0] >= 0, *(found[1] <= e for e in extents))
+        ):
+            _proved(what, "index values (constants, argmax/topk) inside every axis")
+            return None
         if self.skip_reason:
             logger.warning("%s: left unchecked: %s", what, self.skip_reason)
             return None
@@ -260,7 +270,10 @@ class _Rewriter(PyExprMutator):
         message = (
             f"{label} of {_name(x)} at {self._source(idx)}{batch}: index out of range {ranges}"
         )
-        gv = self.builder_.add_func(nd_kernel(x_ty, start, idx_ty, message), "check_bounds")
+        kernel = nd_kernel(x_ty, start, idx_ty, message)
+        if width == 1:  # ids in [0, n) of the one axis they index, as a take's check
+            kernel = kernel.with_attr(CHECKED_AXIS, start).with_attr(CHECKED_SIGNED, False)
+        gv = self.builder_.add_func(kernel, "check_bounds")
         return x, self.builder_.emit(relax.call_tir_inplace(gv, (x, idx), 1, idx_ty))
 
     def _checked_steps(self, call: relax.Call) -> relax.Call:

@@ -4,7 +4,9 @@ that reads each row's expert weight in place (issue #38, part 1).
 Matches, inside a dataflow block, the routed experts of transformers' ``batched_mm`` form as
 torch.export -> TVM's PyTorch frontend writes them:
 
-- ``g = take(W, ids, axis=0)`` of a constant expert weight ``W`` of shape ``(E, k*D, K)``, then
+- ``g = take(W, ids, axis=0)`` of a constant expert weight ``W`` of shape ``(E, k*D, K)`` (or
+  ``gather_nd(W, ids[:, None], batch_dims=0)``, ONNX GatherND with an ``(S, 1)`` index: the
+  dynamo ONNX export of ``W[ids]``; the kernel reads the index viewed as ``(S,)``), then
   ``squeeze(matmul(g, expand_dims(x, -1)), -1)`` (``bmm(W[ids], x.unsqueeze(-1))``), or of
   shape ``(E, K, k*D)`` with ``squeeze(matmul(expand_dims(x, 1), g), 1)`` (the transposed
   experts); ``reshape`` to ``(S, K, 1)`` / ``(S, 1, K)`` and back to ``(S, k*D)`` is accepted
@@ -66,6 +68,7 @@ logger = get_logger(__name__)
 NAME = "FuseGatheredGates"
 _VIEWS = ("relax.reshape", "relax.expand_dims", "relax.squeeze", "relax.flatten")
 _INDEX_DTYPES = ("int32", "int64")
+_GATHERS = {"relax.take", "relax.gather_nd"}
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -80,10 +83,24 @@ class FuseGatheredGates:
         if not _target.is_cpu(target):  # CPU first: the GPU gate rule has no expert axis yet
             skip(logger, "gathered gate GEMMs", f"target {target.kind.name} is not a CPU")
             return mod
-        rewriter = _Rewriter(mod, target, find=lambda blk: _find_gathered(blk, mod))
+        rewriter = _Rewriter(
+            mod,
+            target,
+            find=lambda blk: _find_gathered(blk, mod),
+            prepare=lambda bb, group, _blk: _flat_ids(bb, group, rewriter),
+        )
         out = rewriter.transform()
         record_rewrite(NAME, rewriter.count)
         return out if rewriter.count else mod
+
+
+def _flat_ids(bb: relax.BlockBuilder, group, rewriter) -> None:
+    """GatherND's ``(S, 1)`` ids (see :func:`_gathered_weight`) viewed as the ``(S,)`` that the
+    kernel reads, emitted before the group."""
+    for gemm in group.gemms:
+        shape = _shape(gemm.ids) if gemm.ids is not None else None
+        if shape is not None and len(shape) == 2:
+            gemm.ids = bb.emit(relax.op.reshape(rewriter.visit_expr(gemm.ids), [shape[0]]))
 
 
 def _find_gathered(blk: _Block, mod: IRModule) -> list[_Gemm]:
@@ -108,7 +125,7 @@ def _find_gathered(blk: _Block, mod: IRModule) -> list[_Gemm]:
 
 
 def _unsplit(blk: _Block, binding) -> bool:
-    """A 2-D view of a matmul of a ``take``, read only by gate-table ops (the down
+    """A 2-D view of a matmul of a ``take`` / ``gather_nd``, read only by gate-table ops (the down
     projection times the routing weight), not split."""
     shape = _shape(binding.var)
     if _op(binding.value) not in _VIEWS or shape is None or len(shape) != 2:
@@ -116,7 +133,7 @@ def _unsplit(blk: _Block, binding) -> bool:
     if _int(shape[-1]) is None or binding.var in blk.outputs:
         return False
     mm = _bound(blk, binding.value.args[0])
-    if _op(mm) != "relax.matmul" or "relax.take" not in [_op(_bound(blk, a)) for a in mm.args]:
+    if _op(mm) != "relax.matmul" or not {_op(_bound(blk, a)) for a in mm.args} & _GATHERS:
         return False
     users = blk.users.get(binding.var, [])
     return bool(users) and all(_op(blk.value.get(u)) in _ELEMENTWISE for u in users)
@@ -157,9 +174,9 @@ def _gathered_gemm(blk: _Block, y, pieces, chain, width, aliases) -> _Gemm | Non
     chain.insert(0, mm)
     a, b = blk.value[mm].args
     # (S, N, K) @ (S, K, 1) or (S, 1, K) @ (S, K, N)
-    transposed = _op(_bound(blk, a)) == "relax.take"
+    transposed = _op(_bound(blk, a)) in _GATHERS
     take, vec = (a, b) if transposed else (b, a)
-    if _op(_bound(blk, take)) != "relax.take":
+    if _op(_bound(blk, take)) not in _GATHERS:
         return None
     found = _gathered_weight(blk, take, what)
     if found is None:
@@ -178,7 +195,13 @@ def _gathered_gemm(blk: _Block, y, pieces, chain, width, aliases) -> _Gemm | Non
     k_dim = w_shape[2] if transposed else w_shape[1]
     if (w_shape[1] if transposed else w_shape[2]) != n_feat or _int(x_shape[1]) != k_dim:
         return skip(logger, what, "weight shape does not match the split and rows") or None
-    if ids_shape is None or len(ids_shape) != 1 or str(ids_shape[0]) != str(x_shape[0]):
+    rank = 2 if _op(_bound(blk, take)) == "relax.gather_nd" else 1  # (S, 1) / (S,)
+    if (
+        ids_shape is None
+        or len(ids_shape) != rank
+        or str(ids_shape[0]) != str(x_shape[0])
+        or (rank == 2 and _int(ids_shape[1]) != 1)
+    ):
         return skip(logger, what, "ids are not one per row") or None
     out_shape = _shape(y)
     if (
@@ -208,7 +231,8 @@ def _gathered_gemm(blk: _Block, y, pieces, chain, width, aliases) -> _Gemm | Non
 
 
 def _gathered_weight(blk: _Block, take, what: str) -> tuple | None:
-    """(constant 3-D weight, ids) of ``take(W, ids, axis=0)``, else None."""
+    """(constant 3-D weight, ids) of ``take(W, ids, axis=0)`` or ``gather_nd(W, ids,
+    batch_dims=0)`` (ids ``(S, 1)``, checked by the caller), else None."""
     call = blk.value[take]
     weight, ids = call.args
     if not isinstance(weight, GenericConst):
@@ -216,8 +240,9 @@ def _gathered_weight(blk: _Block, take, what: str) -> tuple | None:
     shape = _shape(weight)
     if shape is None or len(shape) != 3 or any(_int(d) is None for d in shape):
         return skip(logger, what, "the expert weight is not (E, N, K)") or None
-    if int(call.attrs.axis) != 0:
-        return skip(logger, what, "take not along the expert axis") or None
+    nd = _op(call) == "relax.gather_nd"
+    if int(call.attrs.batch_dims if nd else call.attrs.axis) != 0:
+        return skip(logger, what, "gather not along the expert axis") or None
     if str(getattr(ids.ty, "dtype", "")) not in _INDEX_DTYPES:
         return skip(logger, what, "ids are not integers") or None
     return weight, ids
