@@ -7,6 +7,7 @@ from __future__ import annotations
 from .._common import is_static
 
 K_BLOCK_MIN = 1024  # shorter reductions keep a panel's whole K x NR block in L1/L2
+K_WIDE_MIN = 256  # shorter reductions keep standard_tile's tile (the wide one is not measured)
 
 
 def padded(extent: int, tile: int) -> int:
@@ -47,30 +48,45 @@ def unpadded_tile(m_ext: int, j_ext: int, nr: int, lanes: int, regs: int, gates:
     return best[1], best[2]
 
 
-def wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates, is_const_b) -> tuple | None:
-    """(NR, MR) = (3 vectors, 4 rows) for a long GEMM on AVX2, or None (keep ``standard_tile``'s).
+def wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates) -> tuple | None:
+    """(NR, MR) = (3 vectors, 4 rows) for a GEMM on AVX2, or None (keep ``standard_tile``'s).
 
-    ``standard_tile`` gives 8 accumulators (4 rows x 2 vectors), as many as the FMAs in flight (2
-    ports x 4 cycles of latency on Zen 3): no slack, and each ``k`` is 2 weight loads + 4
-    broadcasts per 8 FMAs. 4 rows x 3 vectors is MLAS's register budget (12 accumulators +
-    3 weight vectors + the broadcast = the 16 registers; MLAS's FMA3 kernel is 6 x 16). Only
-    where it is measured to pay: a reduction of K >= 1024 (compute-bound, K-blocked), static
-    rows in tiles of 4, a single output axis of static columns, and a constant B, whose
-    columns are padded to a multiple of 3 vectors at compile time (the packing takes the
-    zeros) when they are not one already (at most 1/16 of them padding). SwiGLU's down
-    projection (64 x 5632 @ 5632 x 2048, columns padded to 2064): 8.85-8.98 -> 8.58 ms in
-    paired runs (builds alternating in one process), ONNX Runtime's Gemm 8.5-8.9."""
-    if regs != 16 or n_gates != 1 or not is_const_b:
+    4 rows x 2 vectors are 8 accumulators, as many as the FMAs in flight (2 ports x 4 cycles of
+    latency on Zen 3): no slack, and each ``k`` is 2 weight loads + 4 broadcasts per 8 FMAs.
+    4 rows x 3 vectors is MLAS's register budget (12 accumulators + 3 weight vectors + the
+    broadcast = the 16 registers). Where: a reduction of K >= ``K_WIDE_MIN``, static rows in
+    tiles of 4 (other rows get ``standard_tile``'s 12 accumulators, 6 x 2 vectors or a divisor
+    of the rows), a single output axis of static columns padded to a multiple of 3 vectors
+    when they are not one already (at most 1/16 of them padding: the zeros join B's packing,
+    at compile time for a constant B, in the per-panel packing for a run-time one). SwiGLU's
+    down projection (64 x 5632 @ 5632 x 2048, constant B): 8.85-8.98 -> 8.58 ms in paired
+    runs, ONNX Runtime's Gemm 8.5-8.9; a run-time B (136 x 1021 @ 1021 x 2039, single thread,
+    CPU time, alternating): 1.24 -> 1.09x ONNX Runtime's; 128 x 1000 @ 1000 x 999 1.00 ->
+    0.91x (Zen 3, load average 3-4)."""
+    if regs != 16 or n_gates != 1:
         return None
     if not (is_static(m_ext) and is_static(j_ext) and is_static(k_ext)):
         return None
     nr, mr = 3 * lanes, 4
-    if k_ext < K_BLOCK_MIN or m_ext < 16 or m_ext % mr:
+    if k_ext < K_WIDE_MIN or m_ext < 16 or m_ext % mr:
         return None
     padded = -(-j_ext // nr) * nr
     if (padded - j_ext) * 16 > j_ext:
         return None
     return nr, mr
+
+
+def accumulator_budget(m_ext, regs: int, n_gates: int) -> int:
+    """How many vector accumulators ``standard_tile`` fills: half the registers, but on 16 of
+    them (AVX2) 12 for static rows without gates, MLAS's budget (6 rows x 2 vectors + 2 weight
+    vectors + the broadcast = 15 registers): 8 accumulators are just the FMAs in flight on Zen 3
+    (2 ports x 4 cycles). 165 x 2914 @ 2914 x 99 in tiles of 5 x 2 vectors, not 3 x 2:
+    1.20 -> 0.90x ONNX Runtime's; 258 x 509 @ 509 x 389 (6 x 2, not 3 x 2): 1.28 -> 0.98x
+    (single thread, CPU time, alternating, Zen 3, load average 3-4). Symbolic rows keep 8 (they
+    are padded to the tile's height: not measured)."""
+    if regs == 16 and n_gates == 1 and is_static(m_ext):
+        return 12
+    return regs // 2
 
 
 def standard_tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[int, int]:
@@ -83,7 +99,7 @@ def standard_tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[in
     fewer rows. Padded columns take a tile of one vector where wider tiles pad far more
     (CLIP's 77 x 64 @ 64 x 77 scores: 1.32 -> 1.14x ONNX Runtime, 19 x 97 x 155 x 97
     1.30 -> 1.05x, AMD EPYC, AVX-512)."""
-    budget = regs // 2
+    budget = accumulator_budget(m_ext, regs, n_gates)
     if not is_static(j_ext):
         vecs = 2 if n_gates * 2 <= budget else 1
         nr = vecs * lanes
@@ -109,7 +125,8 @@ def standard_tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[in
                     vecs = 1
                 nr = vecs * lanes
     per_row = n_gates * max(vecs, 1)
-    mr = max(1, budget // per_row)
+    # the accumulators, one row's weight vectors and the broadcast fit the registers
+    mr = max(1, min(budget, regs - 1 - per_row) // per_row)
     if is_static(m_ext):
         if m_ext <= mr:
             return nr, m_ext

@@ -23,8 +23,8 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
   elementwise, else computed at the tile loop, so the full GEMM output never exists in memory;
 - a long reduction (K >= 1024, B packed) runs in blocks of 256 (as MLAS): ``panel, k block,
   row tile, k``, so a panel's KC x NR block of B is read from L1 by every row tile; on AVX2,
-  with static rows and a constant B, its tile is 4 rows x 3 vectors (12 accumulators), B's
-  columns padded at compile time when needed (``_wide_tile``);
+  static rows get 12 accumulators: 4 rows x 3 vectors for K >= 256 (B's columns padded in its
+  packing when needed, ``wide_tile``), else 6 x 2 or a divisor of the rows (``_tiles.py``);
 - the loop over (column panels, row tiles) is parallel (column panels alone when K is blocked);
 - symbolic rows (``batch * seq``) and a symbolic vector axis (attention's ``seq`` columns) are
   padded to a multiple of the tile (``pad_einsum``: operands copied into padded buffers, the
@@ -238,7 +238,7 @@ class Matmul(CPURule):
         k_ext = 1
         for k in k_vars:
             k_ext = k_ext * extent(sch, loop_of[k])
-        wide = wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates, is_const_b) if wide_ok else None
+        wide = wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates) if wide_ok else None
         if wide is not None:
             nr, mr = wide
             logger.debug("matmul: %s rows x %s columns in tiles of %s x %s", m_ext, j_ext, mr, nr)

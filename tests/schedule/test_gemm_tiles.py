@@ -1,0 +1,110 @@
+"""Register tiles of the CPU Matmul rule on AVX2 (16 vector registers): 12 accumulators, as
+MLAS's kernels hold, where 8 are just the FMAs in flight on two FMA ports of 4 cycles' latency.
+4 rows x 3 vectors for a GEMM of K >= 256 whose B is a constant or a model input; 6 x 2 vectors
+or a divisor of the rows (165 rows: 5) otherwise. AVX-512 (32 registers) keeps its tiles. The
+tiles follow the named targets' lanes and registers (compile-only); the numbers are checked
+against numpy on AVX2 builds at odd shapes."""
+
+import numpy as np
+import pytest
+import tvm
+from helpers import run
+from tvm import relax, tirx
+from tvm.relax import op as R
+
+from tvm_fusion import target as _target
+from tvm_fusion import tir_util
+from tvm_fusion.build import pipeline
+from tvm_fusion.schedule import cpu
+from tvm_fusion.schedule.cpu._tiles import standard_tile, wide_tile
+
+AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
+ZEN3 = {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}
+AVX512 = {"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2}
+
+
+def _isa(spec):
+    target = tvm.target.Target(spec)
+    return _target.vector_lanes(target, "float32"), _target.vector_registers(target)
+
+
+@pytest.mark.parametrize("spec", [AVX2, ZEN3])
+def test_avx2_tiles_hold_12_accumulators(spec):
+    """Static rows on 16 registers: 6 rows x 2 vectors, or the divisor of the rows that fills
+    most of 12 accumulators (165 and 55 rows: 5; 258: 6), where 8 accumulators gave 165 rows
+    tiles of 3 (6 accumulators, latency-bound); 4 x 3 vectors for K >= 256, a run-time B
+    included (136 x 1021 @ 1021 x 2039: 2039 columns padded to 2040). Symbolic rows keep 4 x 2
+    vectors; K = 128 keeps the standard tile."""
+    lanes, regs = _isa(spec)
+    assert (lanes, regs) == (8, 16)
+    assert standard_tile(165, 99, lanes, regs, 1) == (16, 5)
+    assert standard_tile(55, 99, lanes, regs, 1) == (16, 5)
+    assert standard_tile(258, 389, lanes, regs, 1) == (16, 6)
+    assert standard_tile(136, 2039, lanes, regs, 1) == (16, 4)  # 136 = 4 x 34
+    assert standard_tile(tirx.Var("m", "int64"), 512, lanes, regs, 1) == (16, 4)
+    assert wide_tile(136, 2039, 1021, lanes, regs, 1) == (24, 4)
+    assert wide_tile(136, 2039, 128, lanes, regs, 1) is None
+    assert wide_tile(165, 99, 2914, lanes, regs, 1) is None  # rows not in 4s, 21 of 120 padding
+
+
+def test_avx512_tiles_unchanged():
+    """32 registers: half of them accumulators, no wide tile (as before the AVX2 change)."""
+    lanes, regs = _isa(AVX512)
+    assert (lanes, regs) == (16, 32)
+    assert standard_tile(165, 99, lanes, regs, 1) == (16, 15)
+    assert standard_tile(55, 99, lanes, regs, 1) == (16, 11)
+    assert standard_tile(258, 389, lanes, regs, 1) == (32, 6)
+    assert standard_tile(136, 2039, lanes, regs, 1) == (32, 8)
+    assert wide_tile(136, 2039, 1021, lanes, regs, 1) is None
+
+
+def _runtime_matmul(m, k, n):
+    x = relax.Var("x", relax.TensorType((m, k), "float32"))
+    w = relax.Var("w", relax.TensorType((k, n), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(R.matmul(x, w))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _update_extents(mod, target):
+    with target:
+        lowered = tvm.transform.Sequential(
+            pipeline.lowering_passes(fast_math=True)
+            + pipeline.fuse_tir_passes()
+            + [relax.transform.AttachAttrLayoutFreeBuffers()]
+        )(mod)
+    (func,) = [f for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    sch = cpu.Matmul().apply(func, target, False)
+    assert sch is not None
+    main = sch.mod["main"]
+    (update,) = [b for b in tir_util.block_names(main) if b.endswith("_update")]
+    extents = [int(sch.get(loop).extent) for loop in sch.get_loops(sch.get_sblock(update))]
+    return extents, main
+
+
+@pytest.mark.parametrize(
+    "shape,tile",
+    [
+        ((36, 300, 95), [4, 3]),  # K >= 256: 4 x 3 vectors, 95 columns packed as 96
+        ((55, 64, 99), [5, 2]),  # 55 rows: tiles of 5 x 2 vectors, no padded rows
+    ],
+)
+def test_runtime_weight_tiles_on_avx2(shape, tile):
+    """B a model input (no compile-time packing): the AVX2 tiles above, B's padded columns
+    packed per call; the numbers equal numpy's. On AVX-512 the same GEMMs keep half the
+    registers in accumulators (not 4 x 3, not 5 x 2)."""
+    m, k, n = shape
+    mod = _runtime_matmul(m, k, n)
+    avx2 = tvm.target.Target(AVX2)
+    extents, _ = _update_extents(mod, avx2)
+    assert extents[-3:] == [*tile, 8], extents
+    avx512_extents, _ = _update_extents(mod, tvm.target.Target(AVX512))
+    assert avx512_extents[-3:-1] != tile and avx512_extents[-1] == 16, avx512_extents
+    rng = np.random.default_rng(37)
+    x = rng.standard_normal((m, k)).astype("float32")
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype("float32")
+    out, _ = run(mod, [x, w], "tvm_fusion", target=avx2)
+    np.testing.assert_allclose(out[0], x @ w, rtol=1e-4, atol=1e-4)
