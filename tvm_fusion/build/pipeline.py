@@ -37,6 +37,7 @@ from tvm.tirx.buffer import BufferType
 from .. import target as _target
 from ..errors import UsageError
 from ..transform import GRAPH_PASSES, POST_FUSION_PASSES
+from ..transform.mark_topk import MarkDispatchedTopK
 from .database import apply_database_pass
 
 logger = logging.getLogger(__name__)
@@ -325,8 +326,8 @@ def fused_passes(target: Target, fast_math: bool = True, dump=None, **flags: boo
 
     dump = dump or nothing
     return [
-        # Phase 0: library dispatch
-        *_backend(target).library_dispatch_passes(target),
+        # Phase 0: library dispatch (GPU topk kernels tagged with what they compute)
+        MarkDispatchedTopK(_backend(target).library_dispatch_passes(target)),
         # Phase 1: graph rewrites on Relax ops
         *_graph_passes(target, flags),
         dump(1, "graph_rewrites"),

@@ -64,7 +64,7 @@ from tvm.target import Target
 from ... import target as _target
 from .._common import GATE_ATTR, extent, gate_blocks, is_static
 from . import gate_tensor_core
-from .gate_gemv import ACC_BUDGET, TU, gemv_or_none, sample, vector
+from .gate_gemv import ACC_BUDGET, TU, gathered, gemv_or_none, sample, vector
 from .gate_gemv import elem_bytes as _elem_bytes
 
 logger = logging.getLogger(__name__)
@@ -256,6 +256,15 @@ class GateFusion(ScheduleRule):
         if not finals:
             return None
         *row_loops, _ = sch.get_loops(finals[0])
+        if gathered(sch, reductions):
+            # each row reads its own expert's weight: no slab shared by a tile of rows; the
+            # split-K GEMV per row (FuseGatheredGates gives such kernels 4-unit blocks), any
+            # row count, symbolic too
+            if block % TU == 0:
+                gemv = gemv_or_none(func, params, tunable)
+                if gemv is not None:
+                    return gemv
+            return _few_rows(sch, block, reductions, finals, inner)
         if row_loops:
             rows = 1
             for loop in row_loops:
