@@ -300,13 +300,26 @@ def _cuda_kernel(mod):
     return counts["FuseGatheredGates"], kernel, tgt
 
 
-def _kernel_args(func, rows: int) -> list[np.ndarray]:
-    """Arguments for ``func``: floats drawn normal, integer ids in ``[0, E)``, symbolic dims at
-    ``rows``."""
+def _kernel_args(func, n: int) -> list:
+    """Arguments for ``func``: floats drawn normal, integer ids in ``[0, E)``, every symbolic
+    dim variable (and a scalar parameter of one) at ``n``."""
+    from tvm import sym
+
     rng = np.random.default_rng(3)
+    analyzer = sym.Analyzer()
+    for param in func.params:
+        if not hasattr(param.ty, "shape"):
+            analyzer.bind(param, n)
+    for param in func.params:
+        for d in getattr(param.ty, "shape", []):
+            for var in tvm.tirx.analysis.undefined_vars(d):
+                analyzer.bind(var, n)
     args = []
     for param in func.params:
-        shape = [int(d) if isinstance(d, tvm.tirx.IntImm) else rows for d in param.shape]
+        if not hasattr(param.ty, "shape"):
+            args.append(n)
+            continue
+        shape = [int(analyzer.simplify(d)) for d in param.shape]
         dtype = str(param.ty.dtype)
         if "int" in dtype:
             args.append(rng.integers(0, E, size=shape).astype(dtype))
@@ -315,40 +328,68 @@ def _kernel_args(func, rows: int) -> list[np.ndarray]:
     return args
 
 
+def _run(func, args: list) -> np.ndarray:
+    """``func``'s last argument (its result) after a run on llvm."""
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), "llvm")
+    values = [tvm.runtime.tensor(a.copy()) if isinstance(a, np.ndarray) else a for a in args]
+    lib["main"](*values)
+    return values[-1].numpy()
+
+
+def _torch_moe_bias():
+    """The torch MoE block with transposed experts and a gathered bias, symbolic tokens (its
+    gate kernels: gate-up with the bias of each row's expert, and the down projection)."""
+    torch = pytest.importorskip("torch")
+    from tvm_fusion.frontend.load import import_exported_program
+
+    torch.manual_seed(0)
+    model = _MoE.make(torch, "gelu_tanh", True, True)
+    tokens = torch.export.Dim("tokens", min=1, max=64)
+    program = torch.export.export(model, (torch.randn(7, H),), dynamic_shapes={"x": {0: tokens}})
+    return import_exported_program(program)
+
+
 @pytest.mark.parametrize(
-    "build, rows",
+    "build, kernels",
     [
-        (lambda: _expert_module(), 7),  # symbolic tokens
-        (lambda: _expert_module(transposed=True, symbolic=False), None),  # 5 static tokens
-        (lambda: _down_module(), 6),  # the down projection: one "gate"
+        (lambda: _expert_module(), 1),  # symbolic tokens
+        (lambda: _expert_module(transposed=True, symbolic=False), 1),  # 5 static tokens
+        (lambda: _down_module(), 1),  # the down projection: one "gate"
+        (lambda: _torch_moe_bias(), 2),  # torch.export: a gathered bias; tokens * top_k rows
     ],
 )
-def test_cuda_fires_and_gemv_computes_the_same(build, rows):
+def test_cuda_fires_and_gemv_computes_the_same(build, kernels):
     """On a CUDA target the pass fires (the old code left CUDA graphs alone: the (S, N, K)
-    gathered copy stayed), the rule schedules the kernel as the split-K GEMV (partial sums in
-    registers, rfactor; the expert weight in 4-unit blocks), and the schedule, its thread
-    loops run serially on llvm, computes what the unscheduled kernel computes."""
-    from helpers import run_kernel, sequential
+    gathered copy stayed), the rule schedules each kernel as the split-K GEMV (partial sums in
+    registers, rfactor; the expert weight in 4-unit blocks, read in place: no local copy,
+    which would span every expert), and the schedule, its thread loops run serially on llvm,
+    computes what the unscheduled kernel computes."""
+    from helpers import sequential
 
+    from tvm_fusion import target as _target
     from tvm_fusion import tir_util
+    from tvm_fusion.build import pipeline
     from tvm_fusion.schedule import cuda
 
-    count, kernel, tgt = _cuda_kernel(build())
-    assert count == 1
-    weight = next(p for p in kernel.params if len(p.shape) == 5)
-    assert int(weight.shape[-1]) == 4  # (E, D/4, K, gates, 4)
-    sch = cuda.GateFusion().apply(kernel, tgt, False)
-    assert sch is not None
-    scheduled = sch.mod["main"]
-    buffers = tir_util.allocated_buffers(scheduled)
-    assert {b.scope() for b in buffers} == {"local"}
-    assert any("rf" in b.name for b in buffers)
-    # no local copy of the weight: it would span every expert
-    assert not any(b.name.startswith(weight.name) for b in buffers), [b.name for b in buffers]
-    args = _kernel_args(kernel, rows or 5)
-    ours = run_kernel(sequential(scheduled), [a.copy() for a in args])
-    plain = run_kernel(kernel, [a.copy() for a in args])
-    np.testing.assert_allclose(ours[-1], plain[-1], rtol=1e-5, atol=1e-5)
+    tgt = _target.cuda_target()
+    with collect_rewrites() as counts, tgt:
+        fused = tvm.transform.Sequential(pipeline.fused_passes(tgt))(build())
+    assert counts["FuseGatheredGates"] == kernels
+    found = _gate_kernels(fused)
+    assert len(found) == kernels
+    for kernel in found:
+        weight = next(p for p in kernel.params if len(getattr(p.ty, "shape", [])) == 5)
+        assert int(weight.shape[-1]) == 4  # (E, D/4, K, gates, 4)
+        sch = cuda.GateFusion().apply(kernel, tgt, False)
+        assert sch is not None
+        scheduled = sch.mod["main"]
+        buffers = tir_util.allocated_buffers(scheduled)
+        assert {b.scope() for b in buffers} == {"local"}
+        assert any("rf" in b.name for b in buffers)
+        assert not any(b.name.startswith(weight.name) for b in buffers), [b.name for b in buffers]
+        args = _kernel_args(kernel, 7)
+        want = _run(kernel, args)
+        np.testing.assert_allclose(_run(sequential(scheduled), args), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
