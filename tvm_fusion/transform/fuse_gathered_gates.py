@@ -22,9 +22,12 @@ Emits ONE ``call_tir`` per group through FuseSplitGates' emitter: per tile
 ``out[s, j] = gate_math(sum_k x[s, k] * W[ids[s], j, k], ...)``; the ``(S, k*D, K)`` gathered
 copy and the ``(S, k*D)`` GEMM output never exist. The expert weight is laid out at compile
 time per expert in FuseSplitGates' vector blocks, ``(E, D/V, K, k, V)``, and scheduled by the
-same CPU rule (``schedule/cpu/gate_fusion.py``). CPU targets only for now (the CUDA gate rule
-knows no expert axis): on others the pass changes nothing. Runs before FuseSplitGates (which
-leaves a gathered GEMM alone: its weight is not 2-D).
+same CPU rule (``schedule/cpu/gate_fusion.py``). On CUDA (GPU targets) the blocks are 4 units
+(``V = 4``) at any row count and the CUDA gate rule runs its split-K GEMV per row
+(``schedule/cuda/gate_gemv.py``: each row reads its own expert's weight, so no tile of rows
+shares a staged slab), symbolic rows too; the topk that proves the ids in range is a sorting
+kernel there, tagged by MarkDispatchedTopK. Runs before FuseSplitGates (which leaves a
+gathered GEMM alone: its weight is not 2-D).
 
 The down projection, the same gathered GEMM not split (``squeeze(bmm(W_down[ids], h))``) and
 read only by ops of FuseSplitGates' table (the multiply by the routing weight), becomes one

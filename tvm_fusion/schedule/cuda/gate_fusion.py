@@ -44,6 +44,12 @@ partial sums with ``float4`` weight loads; a cross-thread reduction (warp shuffl
 memory across warps) per sum; then the gate math on the block's units, in the same kernel (both
 GRU GEMMs too). ``K`` that ``KS`` does not divide is padded with zeros, read in place.
 
+Gathered expert weights (FuseGatheredGates: ``Wb[ids[row], d // V, k, gate, d % V]``, ``V =
+4``): each row reads its own expert's weight, so no tile of rows shares a slab; any row count,
+symbolic too, takes the split-K GEMV (one row a block when symbolic), the weight read in place
+(a local copy's region would span every expert) and ``K`` split by a divisor of it (pad_einsum
+refuses the indirect read); the few-rows schedule where that fails.
+
 Rows on several axes (a ``(batch, seq, K)`` input) are not tiled yet: static ones take the
 split-K GEMV (correct, not the best schedule from 16 rows up), symbolic ones the few-rows one.
 
