@@ -75,9 +75,9 @@ def _expert_module(
     return bb.get()
 
 
-def _fuse(mod):
+def _fuse(mod, target="llvm"):
     with collect_rewrites() as counts:
-        out = FuseGatheredGates(target=tvm.target.Target("llvm"))(mod)
+        out = FuseGatheredGates(target=tvm.target.Target(target))(mod)
     return counts["FuseGatheredGates"], out
 
 
@@ -117,9 +117,10 @@ def test_fires_symbolic_tokens_weight_read_in_place(transposed, nd):
         dict(logits=E + 1),  # topk over more scores than experts: ids may reach E
     ],
 )
-def test_must_not_fire(case):
+@pytest.mark.parametrize("target", ["llvm", "cuda"])
+def test_must_not_fire(case, target):
     mod = _expert_module(**case)
-    count, out = _fuse(mod)
+    count, out = _fuse(mod, target)
     assert count == 0
     assert out.same_as(mod)
 
@@ -357,6 +358,7 @@ def _torch_moe_bias():
         (lambda: _down_module(), 1),  # the down projection: one "gate"
         (lambda: _torch_moe_bias(), 2),  # torch.export: a gathered bias; tokens * top_k rows
     ],
+    ids=["symbolic", "static5", "down", "torch_bias"],
 )
 def test_cuda_fires_and_gemv_computes_the_same(build, kernels):
     """On a CUDA target the pass fires (the old code left CUDA graphs alone: the (S, N, K)
