@@ -415,3 +415,32 @@ def test_cuda_builds_without_spills(arch):
     gate = gate_kernel_check(compiled, scopes=("local", "shared"))
     assert gate.spill_stores == gate.spill_loads == gate.stack == 0, gate.to_text()
     assert gate.registers <= 128 and gate.vector_loads > 0, gate.to_text()
+
+
+def test_dispatched_topk_kernels_tagged():
+    """On CUDA the dispatch makes topk a sorting kernel: MarkDispatchedTopK tags it with the
+    axis and return type (the ids' range proof); a kernel called for another op stays
+    untagged."""
+    from tvm_fusion import target as _target
+    from tvm_fusion.build import pipeline
+    from tvm_fusion.transform.mark_topk import TOPK_ATTR
+
+    s = tirx.Var("s", "int64")
+    scores = relax.Var("scores", relax.TensorType((s, E), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [scores]):
+        with bb.dataflow():
+            top = bb.emit(relax.op.topk(scores, 1, -1, "indices", True, "int64"))
+            both = bb.emit(relax.op.topk(scores, 2, 1, "both", True, "int64"))
+            order = bb.emit(relax.op.argsort(scores, -1, True, "int64"))
+            out = bb.emit_output(relax.Tuple([top, both, order]))
+        bb.emit_func_output(out)
+    tgt = _target.cuda_target()
+    with tgt:
+        mod = tvm.transform.Sequential(pipeline.dispatch_passes(tgt))(bb.get())
+    tags = []
+    for binding in mod["main"].body.blocks[0].bindings[:3]:
+        func = mod[binding.value.args[0]]
+        tag = func.attrs.get(TOPK_ATTR) if func.attrs is not None else None
+        tags.append(None if tag is None else (int(tag["axis"]), str(tag["ret_type"])))
+    assert tags == [(-1, "indices"), (1, "both"), None], tags

@@ -6,7 +6,8 @@ along ``axis``; FuseGatheredGates needs that proof to read ``W[ids[s]]`` uncheck
 runs the dispatch passes it wraps and tags each PrimFunc that a former ``topk`` binding now
 calls with :data:`TOPK_ATTR` ``{"axis", "ret_type"}`` (the CPU dispatch's kernel names its
 library call, ``tvm.contrib.sort.topk``, and needs no tag). A binding whose variable the
-dispatch replaced, or a kernel shared with anything else, is left untagged (no proof).
+dispatch replaced, or a kernel that anything but such bindings calls (or they with other
+attributes), is left untagged (no proof).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ class MarkDispatchedTopK:
         out = self.passes(mod)
         if not topks:
             return out
-        tags: dict = {}
-        callers: dict = {}
+        tags: dict = {}  # kernel -> the (axis, ret_type) of each call; None: another caller
         for _, func in out.functions_items():
             if not isinstance(func, relax.Function):
                 continue
@@ -48,12 +48,15 @@ class MarkDispatchedTopK:
                 gv = value.args[0]
                 if not isinstance(gv, tvm.ir.GlobalVar):
                     continue
-                callers[gv] = callers.get(gv, 0) + 1
                 if value.op.same_as(_CALL_TIR) and binding.var in topks:
-                    tags[gv] = topks[binding.var]
-        for gv, (axis, ret_type) in tags.items():
+                    if tags.get(gv, set()) is not None:
+                        tags[gv] = tags.get(gv, set()) | {topks[binding.var]}
+                else:
+                    tags[gv] = None
+        for gv, found in tags.items():
             func = out[gv]
-            if callers[gv] == 1 and isinstance(func, tvm.tirx.PrimFunc):
+            if found is not None and len(found) == 1 and isinstance(func, tvm.tirx.PrimFunc):
+                ((axis, ret_type),) = found
                 out[gv] = func.with_attr(TOPK_ATTR, {"axis": axis, "ret_type": ret_type})
         return out
 
