@@ -75,9 +75,9 @@ def _expert_module(
     return bb.get()
 
 
-def _fuse(mod):
+def _fuse(mod, target="llvm"):
     with collect_rewrites() as counts:
-        out = FuseGatheredGates(target=tvm.target.Target("llvm"))(mod)
+        out = FuseGatheredGates(target=tvm.target.Target(target))(mod)
     return counts["FuseGatheredGates"], out
 
 
@@ -117,9 +117,10 @@ def test_fires_symbolic_tokens_weight_read_in_place(transposed, nd):
         dict(logits=E + 1),  # topk over more scores than experts: ids may reach E
     ],
 )
-def test_must_not_fire(case):
+@pytest.mark.parametrize("target", ["llvm", "cuda"])
+def test_must_not_fire(case, target):
     mod = _expert_module(**case)
-    count, out = _fuse(mod)
+    count, out = _fuse(mod, target)
     assert count == 0
     assert out.same_as(mod)
 
@@ -281,3 +282,165 @@ def test_moe_block_dynamo_onnx_matches_torch():
             want = model(x).numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(got, session.run(None, {name: x.numpy()})[0], 1e-4, 1e-4)
+
+
+# CUDA: the same kernels, scheduled by the CUDA gate rule's split-K GEMV per row (each row
+# reads its own expert's weight: no slab that a tile of rows shares), checked without a GPU.
+
+
+def _cuda_kernel(mod):
+    """The fused gate kernel of ``mod`` after the CUDA pipeline's phases 0-3 (the library
+    dispatch makes topk a sorting kernel: its indices are still proven in range)."""
+    from tvm_fusion import target as _target
+    from tvm_fusion.build import pipeline
+
+    tgt = _target.cuda_target()
+    with collect_rewrites() as counts, tgt:
+        fused = tvm.transform.Sequential(pipeline.fused_passes(tgt))(mod)
+    (kernel,) = _gate_kernels(fused)
+    return counts["FuseGatheredGates"], kernel, tgt
+
+
+def _kernel_args(func, n: int) -> list:
+    """Arguments for ``func``: floats drawn normal, integer ids in ``[0, E)``, every symbolic
+    dim variable (and a scalar parameter of one) at ``n``."""
+    from tvm import sym
+
+    rng = np.random.default_rng(3)
+    analyzer = sym.Analyzer()
+    for param in func.params:
+        if not hasattr(param.ty, "shape"):
+            analyzer.bind(param, n)
+    for param in func.params:
+        for d in getattr(param.ty, "shape", []):
+            for var in tvm.tirx.analysis.undefined_vars(d):
+                analyzer.bind(var, n)
+    args = []
+    for param in func.params:
+        if not hasattr(param.ty, "shape"):
+            args.append(n)
+            continue
+        shape = [int(analyzer.simplify(d)) for d in param.shape]
+        dtype = str(param.ty.dtype)
+        if "int" in dtype:
+            args.append(rng.integers(0, E, size=shape).astype(dtype))
+        else:
+            args.append((rng.standard_normal(shape) * 0.3).astype(dtype))
+    return args
+
+
+def _run(func, args: list) -> np.ndarray:
+    """``func``'s last argument (its result) after a run on llvm."""
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), "llvm")
+    values = [tvm.runtime.tensor(a.copy()) if isinstance(a, np.ndarray) else a for a in args]
+    lib["main"](*values)
+    return values[-1].numpy()
+
+
+def _torch_moe_bias():
+    """The torch MoE block with transposed experts and a gathered bias, symbolic tokens (its
+    gate kernels: gate-up with the bias of each row's expert, and the down projection)."""
+    torch = pytest.importorskip("torch")
+    from tvm_fusion.frontend.load import import_exported_program
+
+    torch.manual_seed(0)
+    model = _MoE.make(torch, "gelu_tanh", True, True)
+    tokens = torch.export.Dim("tokens", min=1, max=64)
+    program = torch.export.export(model, (torch.randn(7, H),), dynamic_shapes={"x": {0: tokens}})
+    return import_exported_program(program)
+
+
+@pytest.mark.parametrize(
+    "build, kernels",
+    [
+        (lambda: _expert_module(), 1),  # symbolic tokens
+        (lambda: _expert_module(transposed=True, symbolic=False), 1),  # 5 static tokens
+        (lambda: _down_module(), 1),  # the down projection: one "gate"
+        (lambda: _torch_moe_bias(), 2),  # torch.export: a gathered bias; tokens * top_k rows
+    ],
+    ids=["symbolic", "static5", "down", "torch_bias"],
+)
+def test_cuda_fires_and_gemv_computes_the_same(build, kernels):
+    """On a CUDA target the pass fires (the old code left CUDA graphs alone: the (S, N, K)
+    gathered copy stayed), the rule schedules each kernel as the split-K GEMV (partial sums in
+    registers, rfactor; the expert weight in 4-unit blocks, read in place: no local copy,
+    which would span every expert), and the schedule, its thread loops run serially on llvm,
+    computes what the unscheduled kernel computes."""
+    from helpers import sequential
+
+    from tvm_fusion import target as _target
+    from tvm_fusion import tir_util
+    from tvm_fusion.build import pipeline
+    from tvm_fusion.schedule import cuda
+
+    tgt = _target.cuda_target()
+    with collect_rewrites() as counts, tgt:
+        fused = tvm.transform.Sequential(pipeline.fused_passes(tgt))(build())
+    assert counts["FuseGatheredGates"] == kernels
+    found = _gate_kernels(fused)
+    assert len(found) == kernels
+    for kernel in found:
+        weight = next(p for p in kernel.params if len(getattr(p.ty, "shape", [])) == 5)
+        assert int(weight.shape[-1]) == 4  # (E, D/4, K, gates, 4)
+        sch = cuda.GateFusion().apply(kernel, tgt, False)
+        assert sch is not None
+        scheduled = sch.mod["main"]
+        buffers = tir_util.allocated_buffers(scheduled)
+        assert {b.scope() for b in buffers} == {"local"}
+        assert any("rf" in b.name for b in buffers)
+        assert not any(b.name.startswith(weight.name) for b in buffers), [b.name for b in buffers]
+        args = _kernel_args(kernel, 7)
+        want = _run(kernel, args)
+        np.testing.assert_allclose(_run(sequential(scheduled), args), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_cuda_builds_without_spills(arch):
+    """Symbolic tokens, built for CUDA with nvcc (skipped without it): one gate kernel, the
+    gathered weight's take gone, ptxas without spills or stack within 128 registers, the
+    weight read with 128-bit loads; no shared memory (one warp splits K: shuffles only)."""
+    import shutil
+
+    from helpers import gate_kernel_check
+
+    from tvm_fusion import target as _target
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    mod = _expert_module(symbolic=True)
+    with collect_rewrites() as counts:
+        compiled = engine.compile_module(mod, _target.cuda_target(arch), "tvm_fusion")
+    assert counts["FuseGatheredGates"] == 1
+    assert "take" not in compiled.lowered["main"].script()
+    gate = gate_kernel_check(compiled, scopes=("local", "shared"))
+    assert gate.spill_stores == gate.spill_loads == gate.stack == 0, gate.to_text()
+    assert gate.registers <= 128 and gate.vector_loads > 0, gate.to_text()
+
+
+def test_dispatched_topk_kernels_tagged():
+    """On CUDA the dispatch makes topk a sorting kernel: MarkDispatchedTopK tags it with the
+    axis and return type (the ids' range proof); a kernel called for another op stays
+    untagged."""
+    from tvm_fusion import target as _target
+    from tvm_fusion.build import pipeline
+    from tvm_fusion.transform.mark_topk import TOPK_ATTR
+
+    s = tirx.Var("s", "int64")
+    scores = relax.Var("scores", relax.TensorType((s, E), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [scores]):
+        with bb.dataflow():
+            top = bb.emit(relax.op.topk(scores, 1, -1, "indices", True, "int64"))
+            both = bb.emit(relax.op.topk(scores, 2, 1, "both", True, "int64"))
+            order = bb.emit(relax.op.argsort(scores, -1, True, "int64"))
+            out = bb.emit_output(relax.Tuple([top, both, order]))
+        bb.emit_func_output(out)
+    tgt = _target.cuda_target()
+    with tgt:
+        mod = tvm.transform.Sequential(pipeline.dispatch_passes(tgt))(bb.get())
+    tags = []
+    for binding in mod["main"].body.blocks[0].bindings[:3]:
+        func = mod[binding.value.args[0]]
+        tag = func.attrs.get(TOPK_ATTR) if func.attrs is not None else None
+        tags.append(None if tag is None else (int(tag["axis"]), str(tag["ret_type"])))
+    assert tags == [(-1, "indices"), (1, "both"), None], tags

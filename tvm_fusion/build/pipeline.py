@@ -37,6 +37,7 @@ from tvm.tirx.buffer import BufferType
 from .. import target as _target
 from ..errors import UsageError
 from ..transform import GRAPH_PASSES, POST_FUSION_PASSES
+from ..transform.mark_topk import MarkDispatchedTopK
 from .database import apply_database_pass
 
 logger = logging.getLogger(__name__)
@@ -315,6 +316,12 @@ class DumpIR:
         return mod
 
 
+def dispatch_passes(target: Target) -> list:
+    """Phase 0: stock's library dispatch, the GPU topk kernels it makes tagged with what they
+    compute (MarkDispatchedTopK: FuseGatheredGates reads their indices' range)."""
+    return [MarkDispatchedTopK(_backend(target).library_dispatch_passes(target))]
+
+
 def fused_passes(target: Target, fast_math: bool = True, dump=None, **flags: bool) -> list:
     """Phases 0-3: everything before scheduling, ending with one unscheduled PrimFunc per fused
     group (what the tune command extracts its tasks from). ``target``: a parsed Target."""
@@ -326,7 +333,7 @@ def fused_passes(target: Target, fast_math: bool = True, dump=None, **flags: boo
     dump = dump or nothing
     return [
         # Phase 0: library dispatch
-        *_backend(target).library_dispatch_passes(target),
+        *dispatch_passes(target),
         # Phase 1: graph rewrites on Relax ops
         *_graph_passes(target, flags),
         dump(1, "graph_rewrites"),

@@ -22,9 +22,12 @@ Emits ONE ``call_tir`` per group through FuseSplitGates' emitter: per tile
 ``out[s, j] = gate_math(sum_k x[s, k] * W[ids[s], j, k], ...)``; the ``(S, k*D, K)`` gathered
 copy and the ``(S, k*D)`` GEMM output never exist. The expert weight is laid out at compile
 time per expert in FuseSplitGates' vector blocks, ``(E, D/V, K, k, V)``, and scheduled by the
-same CPU rule (``schedule/cpu/gate_fusion.py``). CPU targets only for now (the CUDA gate rule
-knows no expert axis): on others the pass changes nothing. Runs before FuseSplitGates (which
-leaves a gathered GEMM alone: its weight is not 2-D).
+same CPU rule (``schedule/cpu/gate_fusion.py``). On CUDA (GPU targets) the blocks are 4 units
+(``V = 4``) at any row count and the CUDA gate rule runs its split-K GEMV per row
+(``schedule/cuda/gate_gemv.py``: each row reads its own expert's weight, so no tile of rows
+shares a staged slab), symbolic rows too; the topk that proves the ids in range is a sorting
+kernel there, tagged by MarkDispatchedTopK. Runs before FuseSplitGates (which leaves a
+gathered GEMM alone: its weight is not 2-D).
 
 The down projection, the same gathered GEMM not split (``squeeze(bmm(W_down[ids], h))``) and
 read only by ops of FuseSplitGates' table (the multiply by the routing weight), becomes one
@@ -63,6 +66,7 @@ from .check_gather_bounds import CHECKED_AXIS, CHECKED_SIGNED
 from .fuse_split_gates.emit import _Rewriter
 from .fuse_split_gates.match import _Block, _Gemm, _int, _op, _pieces, _shape, _slice_pieces
 from .fuse_split_gates.ops import _DTYPES, _ELEMENTWISE
+from .mark_topk import TOPK_ATTR
 
 logger = get_logger(__name__)
 NAME = "FuseGatheredGates"
@@ -80,8 +84,8 @@ class FuseGatheredGates:
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
         target = _target.resolve_target(self.target)
-        if not _target.is_cpu(target):  # CPU first: the GPU gate rule has no expert axis yet
-            skip(logger, "gathered gate GEMMs", f"target {target.kind.name} is not a CPU")
+        if not (_target.is_cpu(target) or _target.is_gpu(target)):
+            skip(logger, "gathered gate GEMMs", f"target {target.kind.name} has no gate rule")
             return mod
         rewriter = _Rewriter(
             mod,
@@ -401,7 +405,8 @@ def _checked_range(blk: _Block, call) -> tuple[int, int] | None:
 def _library_topk(blk: _Block, call) -> tuple[str, int] | None:
     """``(ret_type, axis)`` of a ``call_tir`` of the kernel that the CPU library dispatch makes
     of ``relax.topk`` (one ``call_packed("tvm.contrib.sort.topk", data, outs..., k, axis,
-    ret_type, is_ascend)``); None for anything else."""
+    ret_type, is_ascend)``), or of a GPU dispatch's kernel tagged by MarkDispatchedTopK; None
+    for anything else."""
     if _op(call) != "relax.call_tir" or not isinstance(call.args[1], relax.Tuple):
         return None
     if len(call.args[1].fields) != 1 or not isinstance(call.args[0], tvm.ir.GlobalVar):
@@ -410,6 +415,9 @@ def _library_topk(blk: _Block, call) -> tuple[str, int] | None:
     func = func[call.args[0]] if func is not None and call.args[0] in func else None
     if not isinstance(func, tvm.tirx.PrimFunc):
         return None
+    tag = func.attrs.get(TOPK_ATTR) if func.attrs is not None else None
+    if tag is not None:  # a GPU dispatch's sorting kernel (MarkDispatchedTopK)
+        return str(tag["ret_type"]), int(tag["axis"])
     found = []
     for stmt in iter_stmts(func.body):
         value = getattr(stmt, "value", None) if isinstance(stmt, tvm.tirx.Evaluate) else None

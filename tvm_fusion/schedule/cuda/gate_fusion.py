@@ -44,6 +44,12 @@ partial sums with ``float4`` weight loads; a cross-thread reduction (warp shuffl
 memory across warps) per sum; then the gate math on the block's units, in the same kernel (both
 GRU GEMMs too). ``K`` that ``KS`` does not divide is padded with zeros, read in place.
 
+Gathered expert weights (FuseGatheredGates: ``Wb[ids[row], d // V, k, gate, d % V]``, ``V =
+4``): each row reads its own expert's weight, so no tile of rows shares a slab; any row count,
+symbolic too, takes the split-K GEMV (one row a block when symbolic), the weight read in place
+(a local copy's region would span every expert) and ``K`` split by a divisor of it (pad_einsum
+refuses the indirect read); the few-rows schedule where that fails.
+
 Rows on several axes (a ``(batch, seq, K)`` input) are not tiled yet: static ones take the
 split-K GEMV (correct, not the best schedule from 16 rows up), symbolic ones the few-rows one.
 
@@ -64,7 +70,7 @@ from tvm.target import Target
 from ... import target as _target
 from .._common import GATE_ATTR, extent, gate_blocks, is_static
 from . import gate_tensor_core
-from .gate_gemv import ACC_BUDGET, TU, gemv_or_none, sample, vector
+from .gate_gemv import ACC_BUDGET, TU, gathered, gemv_or_none, sample, vector
 from .gate_gemv import elem_bytes as _elem_bytes
 
 logger = logging.getLogger(__name__)
@@ -256,6 +262,15 @@ class GateFusion(ScheduleRule):
         if not finals:
             return None
         *row_loops, _ = sch.get_loops(finals[0])
+        if gathered(sch, reductions):
+            # each row reads its own expert's weight: no slab shared by a tile of rows; the
+            # split-K GEMV per row (FuseGatheredGates gives such kernels 4-unit blocks), any
+            # row count, symbolic too
+            if block % TU == 0:
+                gemv = gemv_or_none(func, params, tunable)
+                if gemv is not None:
+                    return gemv
+            return _few_rows(sch, block, reductions, finals, inner)
         if row_loops:
             rows = 1
             for loop in row_loops:

@@ -12,7 +12,8 @@ import tvm
 from tvm import s_tir
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 
-from .._common import extent, is_reduction, try_inline_safe
+from ...tir_util import expr_children, loads_of
+from .._common import extent, is_reduction, is_static, try_inline_safe
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,10 @@ def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner, tunable=False
             k_max, *(int(iv.dom.extent) for iv in stmt.iter_vars if iv.iter_type == iv.CommReduce)
         )
     ks = 64 if k_max >= 64 * 8 else 32
-    if tunable:  # MetaSchedule chooses the split (the default first)
+    if gathered(sch, reductions):
+        # pad_einsum refuses W[ids[row], ...]: the most threads up to ks that divide every K
+        ks = max(t for t in (64, 32, 16, 8, 4, 2, 1) if t <= ks and not _k_rest(sch, reductions, t))
+    elif tunable:  # MetaSchedule chooses the split (the default first)
         ks = sample(sch, [ks, *(v for v in GEMV_SPLITS if v != ks and v <= max(k_max, 32))])
     # split K over the threads first: rfactor wants the reduction first in its loop nest; a K
     # that the threads do not divide is padded with zeros (no predicate in the partial sums)
@@ -101,7 +105,8 @@ def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner, tunable=False
     sch.bind(bx, "blockIdx.x")
     if row_loops:  # a single row may have no loop left
         rows = sch.fuse(*row_loops) if len(row_loops) > 1 else row_loops[0]
-        rt = max(1, min(extent(sch, rows), ACC_BUDGET // (sum(gemm_gates) * TU)))
+        ext = extent(sch, rows)  # symbolic (gathered expert weights only): a row a block
+        rt = max(1, min(ext, ACC_BUDGET // (sum(gemm_gates) * TU))) if is_static(ext) else 1
         by, ri = sch.split(rows, [None, rt])
         sch.reorder(bx, by, ri, tu)
         sch.bind(by, "blockIdx.y")
@@ -127,6 +132,15 @@ def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner, tunable=False
         reads = sch.get(rf).reads
         weight = max(range(len(reads)), key=lambda i: len(reads[i].source.shape))
         width = vector(elem_bytes(reads[weight].source))
+        if _indirect(sch.get(rf), reads[weight].source):
+            # a gathered expert weight, W[ids[row], ...]: a cache of it would span every
+            # expert (its region is not bounded by the loops); the units of one k are read
+            # straight into the partial sums, TU at a time (float4; halves 8 bytes a gate)
+            if extent(sch, acc[-1]) == TU:
+                sch.vectorize(acc[-1])
+            sch.decompose_reduction(rf, ko_rf)
+            _write_back(sch, red, depth)
+            continue
         cache = sch.cache_read(rf, weight, "local")
         sch.compute_at(cache, ko_rf, preserve_unit_loops=True)
         *_, vec = sch.get_loops(cache)
@@ -141,15 +155,66 @@ def _schedule_gemv(sch: s_tir.Schedule, reductions, finals, inner, tunable=False
         elif extent(sch, vec) == TU:
             sch.vectorize(vec)
         sch.decompose_reduction(rf, ko_rf)
-        # the write-back: one cross-thread reduction per partial sum
-        wb_loops = sch.get_loops(red)[depth:]
-        ivs = sch.get(red).iter_vars
-        (kt_wb,) = [
-            loop for loop, iv in zip(wb_loops, ivs, strict=True) if iv.iter_type == iv.CommReduce
-        ]
-        spatial = [loop for loop in wb_loops if not sch.get(loop).same_as(sch.get(kt_wb))]
-        sch.reorder(*spatial, kt_wb)
-        sch.bind(kt_wb, "threadIdx.x")
+        _write_back(sch, red, depth)
     for pad in pads:  # read in place, zeros past K
         sch.compute_inline(pad)
     return sch
+
+
+def _write_back(sch: s_tir.Schedule, red, depth: int) -> None:
+    """The write-back of a factored sum: one cross-thread reduction per partial sum."""
+    wb_loops = sch.get_loops(red)[depth:]
+    ivs = sch.get(red).iter_vars
+    (kt_wb,) = [
+        loop for loop, iv in zip(wb_loops, ivs, strict=True) if iv.iter_type == iv.CommReduce
+    ]
+    spatial = [loop for loop in wb_loops if not sch.get(loop).same_as(sch.get(kt_wb))]
+    sch.reorder(*spatial, kt_wb)
+    sch.bind(kt_wb, "threadIdx.x")
+
+
+def _k_rest(sch: s_tir.Schedule, reductions, threads: int) -> bool:
+    """Whether ``threads`` leaves a remainder of some GEMM's ``K``."""
+    for red in reductions:
+        for iv in sch.get(red).iter_vars:
+            if iv.iter_type == iv.CommReduce and int(iv.dom.extent) % threads:
+                return True
+    return False
+
+
+def gathered(sch: s_tir.Schedule, reductions) -> bool:
+    """Whether a GEMM of the kernel reads its weight per row through an index buffer
+    (FuseGatheredGates' ``W[ids[row], ...]``)."""
+    for red in reductions:
+        block = sch.get(red)
+        own = [w.source for w in block.writes]
+        for region in block.reads:
+            buf = region.source
+            if not any(buf.same_as(o) for o in own) and _indirect(block, buf):
+                return True
+    return False
+
+
+def _indirect(block, buf) -> bool:
+    """Whether ``block`` reads ``buf`` at an index that loads from another buffer (a gathered
+    expert weight ``W[ids[row], ...]``)."""
+    from tvm.ir.expr import TensorLoad
+
+    value = getattr(block.body, "value", None)
+    if value is None:
+        return False
+    return any(
+        isinstance(node, TensorLoad)
+        for load in loads_of(value, buf)
+        for index in load.indices
+        for node in _subexprs(index)
+    )
+
+
+def _subexprs(expr) -> list:
+    out, stack = [], [expr]
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(expr_children(node))
+    return out

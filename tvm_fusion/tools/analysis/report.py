@@ -107,9 +107,10 @@ def _grouped(mod: tvm.IRModule, tgt: Target, ours: bool, flags: dict) -> tvm.IRM
     from ...build import pipeline
 
     with tgt:
-        passes = [*pipeline._backend(tgt).library_dispatch_passes(tgt)]
         if ours:
-            passes += pipeline.fusion_passes(tgt, **flags)
+            passes = [*pipeline.dispatch_passes(tgt), *pipeline.fusion_passes(tgt, **flags)]
+        else:
+            passes = [*pipeline._backend(tgt).library_dispatch_passes(tgt)]
         passes += pipeline.lowering_passes()
         if ours:
             passes += pipeline.post_fusion_passes(tgt, **flags)

@@ -27,6 +27,8 @@ def _plan_block(group: _Group, target) -> int | None:
     rows = 1
     for d in group.rows:
         rows = rows * _int(d) if _int(d) is not None and rows is not None else None
+    if is_gpu(target) and any(g.ids is not None for g in group.gemms):
+        rows = 1  # gathered expert weights: the CUDA rule's per-row split-K GEMV, any rows
     block = gate_block(target, group.width, n_gates, rows)
     if block is None:
         skip(logger, f"gates of width {group.width}", "no vector block divides the width")
