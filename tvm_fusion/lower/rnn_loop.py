@@ -8,16 +8,19 @@ schedule rules leave it as written) that ``onnx_rnn`` calls with ``call_tir``:
   static path; seq-major, or batch-major with ``batch_major`` when X comes transposed from (batch,
   seq, features)), the recurrent weight blocked at import as ``(H / V, H, gates, V)`` (a unit
   block's gate columns contiguous per input unit: one vector load per gate and unit, units padded
-  with zero columns to whole blocks; V = 16 units, or 8 below 64 units where that pads less: hidden
-  24 computes 24 units, not 32), the recurrent bias ``Rb`` as ``(gates, H_pad)``, the initial states
-  (none when they are zeros: ``zero_init`` sets the workspace to zero);
-- a serial loop over time; each step runs in parallel over unit blocks (serially when a step
-  is under ``PARALLEL_MIN_MACS`` multiply-adds per row: a parallel launch and join per step
-  then costs more than it saves); per block, a register
-  tile of 4 batch rows x gates x V units accumulates ``h @ R^T`` (the block's weights read once
-  per 4 rows; rows past the batch read a clamped row and are not written), then the gate math on
-  the tile (fast polynomial tanh, sigmoid as ``0.5 tanh(x / 2) + 0.5``), writing the new state
-  and ``Y[t]``;
+  with zero columns to whole blocks; V = one vector register of the target's float32 lanes, 8 on
+  AVX2, 16 on AVX-512, or 8 below 64 units where that pads less: hidden 24 computes 24 units, not
+  32), the recurrent bias ``Rb`` as ``(gates, H_pad)``, the initial states (none when they are
+  zeros: ``zero_init`` sets the workspace to zero);
+- a serial loop over time; each step runs in parallel over unit blocks on a multi-core target
+  once a step has ``PARALLEL_MIN_MACS`` multiply-adds (with a symbolic batch, the kernel holds
+  both nests and picks one per call from the batch: under it a parallel launch and join per step
+  costs more than it saves); per block, a register tile of R batch rows x gates x V units
+  accumulates ``h @ R^T`` (R: as many rows, at most 4, as keep the tile, a weight row and a
+  broadcast in the target's vector registers: AVX2 LSTM 2, AVX-512 4; the block's weights read
+  once per R rows; rows past the batch read a clamped row and are not written), then the gate
+  math on the tile (fast polynomial tanh, sigmoid as ``0.5 tanh(x / 2) + 0.5``), writing the new
+  state and ``Y[t]``;
 - the hidden state ping-pongs between two halves of a ``(2, batch, H_pad)`` workspace (a step
   reads the previous half while other threads write the next one); the LSTM cell state is per
   unit, updated in place; the final states are copied out after the loop (the initial ones when
@@ -186,8 +189,12 @@ def loop_kernel(
     lanes = lanes_for(int(hidden), vector)
     rows = tile_rows(str(kind), lanes, vector, _target.vector_registers(tgt))
     mode = parallel_mode(str(kind), int(hidden), _target.num_cores(tgt))
+    # by_batch: in parallel when the call's batch gives a step PARALLEL_MIN_MACS multiply-adds
+    min_rows = (
+        -(-PARALLEL_MIN_MACS // (GATES[kind] * int(hidden) ** 2)) if mode == "by_batch" else 0
+    )
     return _loop_kernel(str(kind), int(hidden), bool(reverse), clip, bool(zero_init),
-                        bool(batch_major), lanes, rows, mode)  # fmt: skip
+                        bool(batch_major), lanes, rows, mode, min_rows)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
@@ -201,18 +208,17 @@ def _loop_kernel(
     lanes: int,
     rows: int,
     mode: str,
+    min_rows: int,
 ) -> tirx.PrimFunc:
     """The scheduled PrimFunc of one direction: (proj, w, b, h0[, c0]) -> (y, h_T[, c_T]);
     with ``zero_init`` (proj, w, b) -> (y, h_T[, c_T]), the initial states zeros. ``proj`` is
     (seq, batch, gates * H), or (batch, seq, gates * H) with ``batch_major``. Blocks of
     ``lanes`` units, tiles of ``rows`` batch rows, a step's blocks run as ``mode`` says
-    (:func:`parallel_mode`)."""
+    (:func:`parallel_mode`; ``by_batch``: in parallel from ``min_rows`` batch rows on)."""
     gates = GATES[kind]
     blocks = -(-hidden // lanes)
     padded, width = blocks * lanes, gates * hidden
     rev = int(reverse)
-    # by_batch: in parallel when the call's batch gives a step PARALLEL_MIN_MACS multiply-adds
-    min_rows = -(-PARALLEL_MIN_MACS // (gates * hidden * hidden))
 
     def clipped(x):
         if clip is None:
