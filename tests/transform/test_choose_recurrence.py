@@ -119,6 +119,9 @@ def test_loop_kernel_tile_and_threads_follow_the_target(target, weight, tile, pa
     assert f"w: T.Buffer({weight}" in script, script  # the blocked recurrent weight
     assert f"acc = T.alloc_local({tile})" in script, script  # the register tile
     assert ("T.parallel" in script) == (parallel != "serial"), script
+    # the parallel nest: one launch of the thread pool for all steps, a barrier after each step
+    assert script.count("pragma_parallel_launch_point") == (parallel != "serial"), script
+    assert script.count("pragma_parallel_barrier_when_finish") == (parallel != "serial"), script
     # by_batch: the serial nest too, chosen per call when the batch is under 2 rows
     assert ("batch >= T.int64(2)" in script) == (parallel == "by_batch"), script
 

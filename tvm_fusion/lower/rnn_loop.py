@@ -14,8 +14,11 @@ schedule rules leave it as written) that ``onnx_rnn`` calls with ``call_tir``:
   zeros: ``zero_init`` sets the workspace to zero);
 - a serial loop over time; each step runs in parallel over unit blocks on a multi-core target
   once a step has ``PARALLEL_MIN_MACS`` multiply-adds (with a symbolic batch, the kernel holds
-  both nests and picks one per call from the batch: under it a parallel launch and join per step
-  costs more than it saves); per block, a register tile of R batch rows x gates x V units
+  both nests and picks one per call from the batch: under it the threads' sync per step costs
+  more than it saves); the parallel nest is one launch of the thread pool for the whole sequence,
+  each thread taking its share of a step's unit blocks and waiting at a barrier after each step
+  (``pragma_parallel_launch_point`` / ``pragma_parallel_barrier_when_finish``: a launch and join
+  per step cost more); per block, a register tile of R batch rows x gates x V units
   accumulates ``h @ R^T`` (R: as many rows, at most 4, as keep the tile, a weight row and a
   broadcast in the target's vector registers: AVX2 LSTM 2, AVX-512 4; the block's weights read
   once per R rows; rows past the batch read a clamped row and are not written), then the gate
@@ -188,7 +191,10 @@ def loop_kernel(
     vector = _target.vector_lanes(tgt)
     lanes = lanes_for(int(hidden), vector)
     rows = tile_rows(str(kind), lanes, vector, _target.vector_registers(tgt))
-    mode = parallel_mode(str(kind), int(hidden), _target.num_cores(tgt))
+    # one unit block: nothing to share (and the launch point of a parallel loop of extent 1,
+    # which the simplifier drops, fails LowerIntrin: "Cannot find parallel loop")
+    cores = _target.num_cores(tgt) if -(-int(hidden) // lanes) > 1 else 1
+    mode = parallel_mode(str(kind), int(hidden), cores)
     # by_batch: in parallel when the call's batch gives a step PARALLEL_MIN_MACS multiply-adds
     min_rows = (
         -(-PARALLEL_MIN_MACS // (GATES[kind] * int(hidden) ** 2)) if mode == "by_batch" else 0
@@ -297,11 +303,14 @@ def _loop_kernel(
         @T.macro
         def lstm_steps(proj, w, b, hs, cs, y, seq, batch, par):
             """Every step; a step's unit blocks in parallel with ``par``."""
-            for s in range(seq):
-                if par:
-                    for jb in T.parallel(blocks):
-                        lstm_block(proj, w, b, hs, cs, y, s, seq, batch, jb)
-                else:
+            if par:
+                with T.attr(0, "pragma_parallel_launch_point", 1):
+                    for s in range(seq):
+                        with T.attr(0, "pragma_parallel_barrier_when_finish", 1):
+                            for jb in T.parallel(blocks):
+                                lstm_block(proj, w, b, hs, cs, y, s, seq, batch, jb)
+            else:
+                for s in range(seq):
                     for jb in range(blocks):
                         lstm_block(proj, w, b, hs, cs, y, s, seq, batch, jb)
 
@@ -391,11 +400,14 @@ def _loop_kernel(
         @T.macro
         def gru_steps(proj, w, b, hs, gz, y, seq, batch, par):
             """Every step; a step's unit blocks in parallel with ``par``."""
-            for s in range(seq):
-                if par:
-                    for jb in T.parallel(blocks):
-                        gru_block(proj, w, b, hs, gz, y, s, seq, batch, jb)
-                else:
+            if par:
+                with T.attr(0, "pragma_parallel_launch_point", 1):
+                    for s in range(seq):
+                        with T.attr(0, "pragma_parallel_barrier_when_finish", 1):
+                            for jb in T.parallel(blocks):
+                                gru_block(proj, w, b, hs, gz, y, s, seq, batch, jb)
+            else:
+                for s in range(seq):
                     for jb in range(blocks):
                         gru_block(proj, w, b, hs, gz, y, s, seq, batch, jb)
 
@@ -457,11 +469,14 @@ def _loop_kernel(
     @T.macro
     def rnn_steps(proj, w, b, hs, y, seq, batch, par):
         """Every step; a step's unit blocks in parallel with ``par``."""
-        for s in range(seq):
-            if par:
-                for jb in T.parallel(blocks):
-                    rnn_block(proj, w, b, hs, y, s, seq, batch, jb)
-            else:
+        if par:
+            with T.attr(0, "pragma_parallel_launch_point", 1):
+                for s in range(seq):
+                    with T.attr(0, "pragma_parallel_barrier_when_finish", 1):
+                        for jb in T.parallel(blocks):
+                            rnn_block(proj, w, b, hs, y, s, seq, batch, jb)
+        else:
+            for s in range(seq):
                 for jb in range(blocks):
                     rnn_block(proj, w, b, hs, y, s, seq, batch, jb)
 
