@@ -25,6 +25,7 @@ import tvm_fusion
 from tvm_fusion import target as _target
 from tvm_fusion.build import engine
 from tvm_fusion.frontend import import_exported_program, onnx_rnn
+from tvm_fusion.lower import rnn_loop
 from tvm_fusion.transform import ChooseRecurrence, collect_rewrites
 
 torch = pytest.importorskip("torch")
@@ -88,6 +89,70 @@ def test_symbolic_batch():
         for g, w in zip(got, _outputs(module, x), strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
     assert any(name.startswith("lstm_loop") for name in _kernels(compiled))
+
+
+AVX2_2 = {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}  # 16 ymm of 8 lanes, 2 cores
+AVX512_2 = {"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2}  # 32 zmm of 16 lanes
+
+
+def _loop_of(target, module, x):
+    """ChooseRecurrence of ``module`` for ``target`` (compile-only): the loop kernel's script."""
+    mod = ChooseRecurrence(_target.parse_target(target))(_export(module, x))
+    (kernel,) = [f for gv, f in mod.functions_items() if gv.name_hint.startswith("lstm_loop")]
+    return kernel.script()
+
+
+@pytest.mark.parametrize(
+    "target, weight, tile, parallel",
+    [
+        # issue #41's nn.LSTM(256, 256) batch 8: 2**18 multiply-adds a row and step, 2**21 a step
+        # of batch 8: its unit blocks in parallel from 2 rows on; 8-unit blocks (one ymm), a tile
+        # of 2 rows x 4 gates (8 accumulators + 4 weight vectors + a broadcast <= 16 ymm)
+        (AVX2_2, (32, 256, 4, 8), (2, 4, 8), "by_batch"),
+        (AVX512_2, (16, 256, 4, 16), (4, 4, 16), "by_batch"),  # 16 lanes; 4 rows fit 32 zmm
+        ({**AVX2_2, "num-cores": 1}, (32, 256, 4, 8), (2, 4, 8), "serial"),  # one core
+    ],
+)
+def test_loop_kernel_tile_and_threads_follow_the_target(target, weight, tile, parallel):
+    module = torch.nn.LSTM(256, 256, batch_first=True).eval()
+    script = _loop_of(target, module, torch.randn(8, 3, 256))
+    assert f"w: T.Buffer({weight}" in script, script  # the blocked recurrent weight
+    assert f"acc = T.alloc_local({tile})" in script, script  # the register tile
+    assert ("T.parallel" in script) == (parallel != "serial"), script
+    # the parallel nest: one launch of the thread pool for all steps, a barrier after each step
+    assert script.count("pragma_parallel_launch_point") == (parallel != "serial"), script
+    assert script.count("pragma_parallel_barrier_when_finish") == (parallel != "serial"), script
+    # by_batch: the serial nest too, chosen per call when the batch is under 2 rows
+    assert ("batch >= T.int64(2)" in script) == (parallel == "by_batch"), script
+
+
+def test_tile_rows_fit_the_vector_registers():
+    # (rows + 1) x gates x vectors per block + 1 broadcast <= registers, at most ROWS (4)
+    assert [rnn_loop.tile_rows(k, 8, 8, 16) for k in ("LSTM", "GRU", "RNN")] == [2, 4, 4]
+    assert [rnn_loop.tile_rows(k, 16, 16, 32) for k in ("LSTM", "GRU", "RNN")] == [4, 4, 4]
+    assert rnn_loop.tile_rows("LSTM", 16, 8, 16) == 1  # two ymm per block: 8 + 8 + 1 > 16
+    assert rnn_loop.parallel_mode("LSTM", 256, 2) == "by_batch"
+    assert rnn_loop.parallel_mode("LSTM", 512, 2) == "parallel"  # 2**20 a row
+    assert rnn_loop.parallel_mode("GRU", 1024, 1) == "serial"
+
+
+def test_symbolic_batch_takes_the_serial_or_parallel_steps_by_its_batch(monkeypatch):
+    """The step's unit blocks on one thread under ``min_rows`` batch rows, in parallel from
+    there (one kernel, both nests): numbers as torch's on both sides (3 rows here)."""
+    monkeypatch.setattr(rnn_loop, "PARALLEL_MIN_MACS", 3 * 4 * 19 * 19)
+    torch.manual_seed(2)
+    module = torch.nn.LSTM(4, 19, batch_first=True).eval()
+    batch = torch.export.Dim("batch", min=1, max=16)
+    mod = _export(module, torch.randn(2, 5, 4), ({0: batch},))
+    target = tvm_fusion.host_target(num_cores=2)
+    compiled = engine.compile_module(mod, target, "tvm_fusion")
+    (kernel,) = [f for gv, f in compiled.lowered.functions_items() if "lstm_loop" in gv.name_hint]
+    assert "batch >= T.int64(3)" in kernel.script() and "T.parallel" in kernel.script()
+    for b in (1, 2, 3, 5):
+        x = torch.randn(b, 5, 4)
+        got = engine.TvmRunner(compiled, [x.numpy()]).outputs()
+        for g, w in zip(got, _outputs(module, x), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
 
 
 def _fusion(mod, target):

@@ -60,11 +60,11 @@ class ChooseRecurrence:
             return mod
         target = _target.resolve_target(self.target)
         if _target.is_cpu(target):
-            mod = _to_loops(mod, marked)
+            mod = _to_loops(mod, marked, target)
         return _inline(mod)
 
 
-def _to_loops(mod: IRModule, marked: dict) -> IRModule:
+def _to_loops(mod: IRModule, marked: dict, target) -> IRModule:
     count = [0]
 
     @mutator
@@ -83,7 +83,8 @@ def _to_loops(mod: IRModule, marked: dict) -> IRModule:
             rb = weights[1].value.numpy() if len(weights) > 1 else None
             states = call.args[1 + len(weights) :]
             count[0] += 1
-            return rnn_loop.loop_call(self.builder_.add_func, spec, call.args[0], r, rb, states)
+            add = self.builder_.add_func
+            return rnn_loop.loop_call(add, spec, call.args[0], r, rb, states, target)
 
     loops = _Loops(mod)
     for gv, func in mod.functions_items():
