@@ -12,9 +12,16 @@ from tvm_fusion import analysis
 from tvm_fusion.lower.legalize import fast_math_legalize_map
 from tvm_fusion.tools.cuda_check import cuda_source
 
+
+def _gelu_tanh(x):
+    """torch's ``gelu(approximate="tanh")``."""
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
 # (op, reference, input range, bound) -- the bounds documented in tvm_fusion/lower/legalize.py:
-# relative error <= 4e-7 where |f| > 1e-3; gelu: absolute error <= 1e-6 (erf's error times
-# |x| / 2, the cancellation in 1 + erf(x) for x << 0 that stock float32 gelu has too).
+# relative error <= 4e-7 where |f| > 1e-3; gelu, gelu_tanh: absolute error <= 1e-6 (erf's
+# error times |x| / 2, the cancellation in 1 + erf(x) for x << 0 that stock float32 gelu has
+# too).
 CASES = [
     ("exp", R.exp, np.exp, (-80, 80), "rel"),
     ("erf", R.erf, erf, (-6, 6), "rel"),
@@ -22,6 +29,7 @@ CASES = [
     ("sigmoid", R.sigmoid, lambda x: 1 / (1 + np.exp(-x)), (-30, 30), "rel"),
     ("silu", R.nn.silu, lambda x: x / (1 + np.exp(-x)), (-30, 30), "rel"),
     ("gelu", R.nn.gelu, lambda x: 0.5 * x * (1 + erf(x / np.sqrt(2))), (-8, 8), "abs"),
+    ("gelu_tanh", R.nn.gelu_tanh, _gelu_tanh, (-8, 8), "abs"),
 ]
 
 

@@ -3,13 +3,15 @@ emits: ``softmax(Q K^T * scale + mask) V`` with an online softmax, one scheduled
 (``tirx.is_scheduled``: the schedule rules leave it as written; ``op_pattern`` opaque: FuseOps
 leaves it alone).
 
-``attention_kernel(d, dv, scale, mask_dims, empty_rows, where_fill, vector_registers)`` ->
-PrimFunc
+``attention_kernel(d, dv, scale, mask_dims, empty_rows, where_fill, vector_registers, lanes,
+layouts)`` -> PrimFunc
 ``(q (B, H, S, D), kt (B, H, D, N), v (B, H, N, Dv)[, mask (MB, MH, MS, MN)]) -> o (B, H, S, Dv)``,
 float32, ``kt`` the keys transposed (what the exporters' ``Transpose`` / ``permute_dims`` of K
-gives). ``B, H, S, N`` (and the mask's dims) are symbolic in the kernel, ``D`` and ``Dv`` are
-fixed. The mask is 4-D; ``mask_dims[i]`` False means that axis is broadcast (read at 0). An
-added float32 mask, or with ``where_fill`` a boolean one that keeps or replaces scores.
+gives); with ``layouts`` each of ``q``, ``kt``, ``v`` is passed as the tensor it is a
+``permute_dims`` of (``(B, S, H, D)`` heads; K's rows, then packed transposed). ``B, H, S,
+N`` (and the mask's dims) are symbolic in the kernel, ``D`` and ``Dv`` are fixed. The mask is
+4-D; ``mask_dims[i]`` False means that axis is broadcast (read at 0). An added float32 mask, or
+with ``where_fill`` a boolean one that keeps or replaces scores.
 
 Per tile of ``QB`` = 32 query rows of one (batch, head), in parallel over all tiles: the running
 maximum ``m`` (a vector over the tile's rows), the running sums of ``exp(score - m)`` per row
@@ -95,6 +97,28 @@ def _columns(dv: int, width: int) -> int:
     return width
 
 
+IDENTITY = (0, 1, 2, 3)
+
+
+def _inverse(axes):
+    inv = [0] * 4
+    for k, a in enumerate(axes):
+        inv[a] = k
+    return inv
+
+
+def _stored(logical, axes):
+    """The shape (or index) in the operand's buffer of ``logical`` (the kernel's order of the
+    operand's axes), the operand being ``permute_dims(buffer, axes)``."""
+    inv = _inverse(axes)
+    return tuple(logical[inv[m]] for m in range(4))
+
+
+def _at(buf, axes, *logical):
+    """``buf`` read at the kernel's index ``logical`` (see :func:`_stored`)."""
+    return buf[_stored(logical, axes)]
+
+
 def attention_kernel(
     d: int,
     dv: int,
@@ -104,9 +128,18 @@ def attention_kernel(
     where_fill=None,
     vector_registers: int = 16,
     lanes: int = 8,
+    layouts=None,
 ) -> tirx.PrimFunc:
     """The scheduled PrimFunc of :func:`_attention_kernel`, parsed once per distinct arguments
-    (TVMScript's parser takes 1-2 s a kernel; a model's layers share theirs)."""
+    (TVMScript's parser takes 1-2 s a kernel; a model's layers share theirs). ``layouts``:
+    ``(q_axes, kt_axes, v_axes)``, each operand passed as the tensor ``x`` of which it is
+    ``permute_dims(x, axes)`` (a GPT block's ``(B, S, H, D)`` heads before their transposes;
+    ``V``'s last axis must stay last); None: the operands themselves."""
+    layouts = (IDENTITY,) * 3 if layouts is None else tuple(tuple(map(int, a)) for a in layouts)
+    if len(layouts) != 3 or any(sorted(a) != list(IDENTITY) for a in layouts):
+        raise ValueError(f"layouts must be three permutations of 4 axes, not {layouts}")
+    if layouts[2][3] != 3:
+        raise ValueError("V's last axis must stay its last (the P V loop's vectors)")
     return _attention_kernel(
         int(d),
         int(dv),
@@ -116,6 +149,7 @@ def attention_kernel(
         None if where_fill is None else (float(where_fill[0]), bool(where_fill[1])),
         int(vector_registers),
         int(lanes),
+        layouts,
     )
 
 
@@ -129,6 +163,7 @@ def _attention_kernel(
     where_fill: tuple[float, bool] | None = None,
     vector_registers: int = 16,
     lanes: int = 8,
+    layouts: tuple = (IDENTITY,) * 3,
 ) -> tirx.PrimFunc:
     """The scheduled PrimFunc (see the module docstring). ``mask_dims`` None: no mask
     parameter. ``where_fill`` ``(fill, keep_when)``: the mask is boolean and selects, a score
@@ -147,6 +182,9 @@ def _attention_kernel(
     zero = tirx.const(0.0, "float32")
     scale_c = tirx.const(scale, "float32")
     nl = lanes
+    qa, ka, va = layouts
+    # K^T's buffer holds K's rows (D last: ``(B, N, H, D)``, a GPT block's heads), not K^T's
+    k_rows = _inverse(ka)[3] == 2
 
     def mask_value(mask, bb, hh, i, j):
         index = [x if kept else 0 for x, kept in zip((bb, hh, i, j), keep, strict=True)]
@@ -259,10 +297,18 @@ def _attention_kernel(
         sums are vector operations over the block's keys."""
         # the block's K^T rows copied together: in K^T they lie N apart, at a large power of
         # two (N = 512, 2048...) in a few L1 sets, evicting each other between the passes
-        if kp is None:
+        if kp is None and k_rows:
+            for jj in range(kb):
+                for c in T.vectorized(d):
+                    kbuf[c, jj] = _at(
+                        kt, ka, _batch(t, s, h), _head(t, s, h), c, key(k0, jj, n, tail)
+                    )
+        elif kp is None:
             for c in range(d):
                 for jj in T.vectorized(kb):
-                    kbuf[c, jj] = kt[_batch(t, s, h), _head(t, s, h), c, key(k0, jj, n, tail)]
+                    kbuf[c, jj] = _at(
+                        kt, ka, _batch(t, s, h), _head(t, s, h), c, key(k0, jj, n, tail)
+                    )
         # rp rows x ks keys at a time, vectorised over the keys (K^T rows are contiguous in
         # them): the accumulators stay in registers over c
         for rh in range(QB // rp):
@@ -330,15 +376,15 @@ def _attention_kernel(
                 for jj in range(kb):
                     for r in T.unroll(rp):
                         for ci in T.vectorized(cb):
-                            acc[rh * rp + r, cbo * cb + ci] = (
-                                acc[rh * rp + r, cbo * cb + ci]
-                                + sc[rh * rp + r, jj]
-                                * v[
-                                    _batch(t, s, h),
-                                    _head(t, s, h),
-                                    key(k0, jj, n, tail),
-                                    cbo * cb + ci,
-                                ]
+                            acc[rh * rp + r, cbo * cb + ci] = acc[rh * rp + r, cbo * cb + ci] + sc[
+                                rh * rp + r, jj
+                            ] * _at(
+                                v,
+                                va,
+                                _batch(t, s, h),
+                                _head(t, s, h),
+                                key(k0, jj, n, tail),
+                                cbo * cb + ci,
                             )
 
     @T.macro
@@ -425,20 +471,28 @@ def _attention_kernel(
         mh = T.int64()
         ms = T.int64()
         mn = T.int64()
-        q = T.match_buffer(p_q, (b, h, s, d))
-        kt = T.match_buffer(p_k, (b, h, d, n))
-        v = T.match_buffer(p_v, (b, h, n, dv))
+        q = T.match_buffer(p_q, _stored((b, h, s, d), qa))
+        kt = T.match_buffer(p_k, _stored((b, h, d, n), ka))
+        v = T.match_buffer(p_v, _stored((b, h, n, dv), va))
         mask = T.match_buffer(p_m, (mb, mh, ms, mn), mask_dtype)
         o = T.match_buffer(p_o, (b, h, s, dv))
         # the whole key blocks' K^T rows, packed once per (batch, head): (d, KB) each, as
         # the tiles read them (in K^T they lie N apart, at N = 512, 2048... in a few L1 sets)
         kp = T.decl_buffer((b * h * (n // KB * KB * d),), "float32")
+        # (K rows, D apart in K^T's buffer: read along them; else along K^T's rows)
         for bh in T.parallel(b * h):
-            for jb, c in T.grid(n // KB, d):
-                for jj in T.vectorized(KB):
-                    kp[bh * (n // KB * KB * d) + (jb * d + c) * KB + jj] = kt[
-                        bh // h, bh % h, c, jb * KB + jj
-                    ]
+            if k_rows:
+                for jb, jj in T.grid(n // KB, KB):
+                    for c in T.vectorized(d):
+                        kp[bh * (n // KB * KB * d) + (jb * d + c) * KB + jj] = _at(
+                            kt, ka, bh // h, bh % h, c, jb * KB + jj
+                        )
+            else:
+                for jb, c in T.grid(n // KB, d):
+                    for jj in T.vectorized(KB):
+                        kp[bh * (n // KB * KB * d) + (jb * d + c) * KB + jj] = _at(
+                            kt, ka, bh // h, bh % h, c, jb * KB + jj
+                        )
         for t in T.parallel(b * h * ((s + QB - 1) // QB)):
             acc = T.decl_buffer((QB, dv), "float32", scope="local")
             run_max = T.decl_buffer((QB,), "float32", scope="local")
@@ -451,9 +505,11 @@ def _attention_kernel(
             kbuf = T.decl_buffer((d, KB), "float32", scope="local")
             qt = T.decl_buffer((d, QB), "float32", scope="local")
             # the scale folded into Q
-            for c, r in T.grid(d, QB):
+            # along Q's rows (their D elements are contiguous in every layout taken)
+            for r, c in T.grid(QB, d):
                 qt[c, r] = (
-                    q[_batch(t, s, h), _head(t, s, h), T.min(_row0(t, s) + r, s - 1), c] * scale_c
+                    _at(q, qa, _batch(t, s, h), _head(t, s, h), T.min(_row0(t, s) + r, s - 1), c)
+                    * scale_c
                 )
             for r in range(QB):
                 run_max[r] = neg_inf
