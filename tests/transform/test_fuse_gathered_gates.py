@@ -282,7 +282,12 @@ def test_moe_block_rows_sorted_by_expert():
     program = torch.export.export(
         _MoE.make(torch), (torch.randn(7, H),), dynamic_shapes={"x": {0: tokens}}
     )
-    count, out = _fuse(import_exported_program(program))
+    _check_sorted(import_exported_program(program))
+
+
+def _check_sorted(mod):
+    """``mod``'s MoE block, fused, runs on rows sorted by expert (see the test above)."""
+    count, out = _fuse(mod)
     assert count == 2
     value = {b.var: b.value for b in _bindings(out)}
 
@@ -324,7 +329,8 @@ def test_moe_block_rows_sorted_by_expert():
 def test_moe_block_dynamo_onnx_matches_torch():
     """The dynamo ONNX export gathers ``W[ids]`` by GatherND with an ``(S, 1)`` index (checked
     at run time by CheckGatherBounds, the topk being a library call by then): both projections
-    fuse, and the numbers match torch and onnxruntime at a symbolic token count."""
+    fuse, on rows sorted by expert, and the numbers match torch and onnxruntime at a symbolic
+    token count."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("onnxscript")
     ort = pytest.importorskip("onnxruntime")
@@ -337,6 +343,8 @@ def test_moe_block_dynamo_onnx_matches_torch():
     )
     onnx_model = program.model_proto
     assert "GatherND" in [n.op_type for n in onnx_model.graph.node]
+    # the ids written once per weight, wrapped by each weight's expert count: one order
+    _check_sorted(tvm_fusion.load_onnx(onnx_model))
     with collect_rewrites() as counts:
         compiled = engine.compile_module(
             tvm_fusion.load_onnx(onnx_model), tvm_fusion.host_target(), "tvm_fusion"
@@ -344,7 +352,7 @@ def test_moe_block_dynamo_onnx_matches_torch():
     assert counts["FuseGatheredGates"] == 2  # gate-up and down projections
     session = ort.InferenceSession(onnx_model.SerializeToString())
     name = session.get_inputs()[0].name
-    for n in (1, 7):
+    for n in (1, 7, 61):
         x = torch.randn(n, H)
         got = engine.TvmRunner(compiled, [x.numpy()]).outputs()[0]
         with torch.no_grad():

@@ -86,7 +86,7 @@ class FuseGatheredGates:
         sorted_outputs: dict = {}  # a sorted group's result -> (its rows sorted, the ids)
 
         def prepare(bb, group, blk):
-            key = group.gemms[0].ids  # before _flat_ids: a variable of the block
+            key = _unwrapped(blk, group.gemms[0].ids)  # before _flat_ids: of the block
             _flat_ids(bb, group, rewriter)
             _sort_rows(bb, group, rewriter, (blk, key), sorted_outputs)
 
@@ -444,6 +444,26 @@ def _index_range(blk: _Block, expr, depth: int = 16) -> tuple[int, int] | None:
             return None
         return max(inner[0], lo), min(inner[1], hi)
     return None
+
+
+def _unwrapped(blk: _Block, ids, depth: int = 8):
+    """``ids`` without the no-ops that an exporter writes once per use of the ids: torch's
+    negative-index wrap ``where(i < 0, i + E, i)`` of ids proven non-negative (the dynamo ONNX
+    export computes ``E`` from each weight's shape), CheckGatherBounds' check (the ids
+    returned in place); compared by :func:`_same_value`."""
+    value = _bound(blk, ids)
+    if depth == 0 or value is None:
+        return ids
+    if _checked_range(blk, value) is not None:
+        return _unwrapped(blk, value.args[1].fields[1], depth - 1)
+    if _op(value) == "relax.where":
+        cond, _then, other = value.args
+        cv = _bound(blk, cond)
+        if _op(cv) == "relax.less" and _zero(cv.args[1]) and _same_value(blk, cv.args[0], other):
+            tested = _index_range(blk, cv.args[0])
+            if tested is not None and tested[0] >= 0:
+                return _unwrapped(blk, other, depth - 1)
+    return ids
 
 
 def _checked_range(blk: _Block, call) -> tuple[int, int] | None:
