@@ -359,3 +359,16 @@ def test_moe_block_dynamo_onnx_matches_torch():
             want = model(x).numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(got, session.run(None, {name: x.numpy()})[0], 1e-4, 1e-4)
+
+
+def test_gathered_single_gate_block_two_vectors():
+    """A gathered tile has at most 4 rows: the down projection's single gate gets a block of
+    two AVX2 vectors (8 accumulators), the gate-up's two gates one vector each."""
+    haswell = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})  # 8 lanes, 16 registers
+    blocks = []
+    for mod in (_down_module(), _expert_module()):
+        with collect_rewrites():
+            out = FuseGatheredGates(target=haswell)(mod)
+        (kernel,) = _gate_kernels(out)
+        blocks.append(int(kernel.attrs[GATE_ATTR]["block"]))
+    assert blocks == [16, 8]
