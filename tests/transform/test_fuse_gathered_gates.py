@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tvm
 from tvm import relax, tirx
+from tvm.ir.expr import GenericConst
 
 import tvm_fusion
 from tvm_fusion.build import engine
@@ -81,6 +82,23 @@ def _fuse(mod, target="llvm"):
     return counts["FuseGatheredGates"], out
 
 
+def _bindings(mod):
+    return [b for blk in mod["main"].body.blocks for b in blk.bindings]
+
+
+def _weight_takes(mod):
+    """The ``take`` / ``gather_nd`` bindings of ``main`` that read a constant (the gathered
+    weight copy)."""
+    ops = ("relax.take", "relax.gather_nd")
+    return [
+        b
+        for b in _bindings(mod)
+        if isinstance(b.value, relax.Call)
+        and getattr(b.value.op, "name", None) in ops
+        and isinstance(b.value.args[0], GenericConst)
+    ]
+
+
 def _gate_kernels(mod):
     return [
         f
@@ -95,7 +113,7 @@ def test_fires_symbolic_tokens_weight_read_in_place(transposed, nd):
     count, out = _fuse(_expert_module(transposed=transposed, ids=ids, nd=nd))
     assert count == 1
     text = out["main"].script()
-    assert "R.take" not in text and "R.gather_nd" not in text
+    assert "R.gather_nd" not in text and not _weight_takes(out)
     assert "R.matmul" not in text and "R.split" not in text
     (kernel,) = _gate_kernels(out)
     buffers = [p.ty for p in kernel.params if hasattr(p.ty, "shape")]
@@ -181,7 +199,7 @@ def test_down_projection_times_routing_weight():
     count, out = _fuse(_down_module())
     assert count == 1
     text = out["main"].script()
-    assert "R.take" not in text and "R.matmul" not in text and "R.multiply" not in text
+    assert not _weight_takes(out) and "R.matmul" not in text and "R.multiply" not in text
     (kernel,) = _gate_kernels(out)
     assert kernel.attrs[GATE_ATTR]["gates"] == 1
 
@@ -244,7 +262,7 @@ def test_moe_block_matches_torch(act, transposed, bias):
     with collect_rewrites() as counts:
         compiled = engine.compile_module(mod, tvm_fusion.host_target(), "tvm_fusion")
     assert counts["FuseGatheredGates"] == 2  # gate-up and down projections
-    for n in (1, 7):
+    for n in (1, 7, 61):  # the rows sorted by expert (61: tiles of several experts' rows)
         x = torch.randn(n, H)
         got = engine.TvmRunner(compiled, [x.numpy()]).outputs()[0]
         with torch.no_grad():
@@ -252,10 +270,68 @@ def test_moe_block_matches_torch(act, transposed, bias):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_moe_block_rows_sorted_by_expert():
+    """Both projections run on the rows sorted by expert: the gate-up kernel on ``take(x,
+    argsort(ids))`` with the sorted ids, the down kernel on the gate-up kernel's sorted result
+    in place and the routing weight taken in the same order; only the down result is put back
+    in row order (``take(result, argsort(perm))``)."""
+    torch = pytest.importorskip("torch")
+    from tvm_fusion.frontend.load import import_exported_program
+
+    torch.manual_seed(0)
+    tokens = torch.export.Dim("tokens", min=1, max=64)
+    program = torch.export.export(
+        _MoE.make(torch), (torch.randn(7, H),), dynamic_shapes={"x": {0: tokens}}
+    )
+    _check_sorted(import_exported_program(program))
+
+
+def _check_sorted(mod):
+    """``mod``'s MoE block, fused, runs on rows sorted by expert (see the test above)."""
+    count, out = _fuse(mod)
+    assert count == 2
+    value = {b.var: b.value for b in _bindings(out)}
+
+    def call_of(var, name):  # the call_tir of a PrimFunc named ``name*`` bound to ``var``
+        v = value.get(var)
+        ok = isinstance(v, relax.Call) and getattr(v.op, "name", None) == "relax.call_tir"
+        return v if ok and v.args[0].name_hint.startswith(name) else None
+
+    def taken_by(var):  # (data, index) of ``take(data, index, axis=0)`` bound to ``var``
+        v = value.get(var)
+        if isinstance(v, relax.Call) and getattr(v.op, "name", None) == "relax.take":
+            assert int(v.attrs.axis) == 0
+            return v.args[0], v.args[1]
+        return None
+
+    kernels = [b.var for b in _bindings(out) if call_of(b.var, "fused_gates") is not None]
+    assert len(kernels) == 2
+    up, down = (call_of(k, "fused_gates") for k in kernels)
+    x_up, _w, ids_up = up.args[1].fields
+    _, perm = taken_by(x_up)
+    ids, perm_ids = taken_by(ids_up)
+    assert perm_ids.same_as(perm) and call_of(perm, "argsort").args[1].fields[0].same_as(ids)
+    x_down, _w, ids_down = down.args[1].fields[:3]
+    assert x_down.same_as(kernels[0])  # the sorted gate-up result, read in place
+    assert taken_by(ids_down)[1].same_as(perm)
+    (routing,) = down.args[1].fields[3:]  # the routing weight, (rows, 1), sorted likewise
+    assert taken_by(routing)[1].same_as(perm)
+    users = [
+        b.var
+        for b in _bindings(out)
+        if taken_by(b.var) is not None and any(taken_by(b.var)[0].same_as(k) for k in kernels)
+    ]
+    (back,) = users  # only the down result goes back to row order
+    data, order = taken_by(back)
+    assert data.same_as(kernels[1])
+    assert call_of(order, "argsort").args[1].fields[0].same_as(perm)
+
+
 def test_moe_block_dynamo_onnx_matches_torch():
     """The dynamo ONNX export gathers ``W[ids]`` by GatherND with an ``(S, 1)`` index (checked
     at run time by CheckGatherBounds, the topk being a library call by then): both projections
-    fuse, and the numbers match torch and onnxruntime at a symbolic token count."""
+    fuse, on rows sorted by expert, and the numbers match torch and onnxruntime at a symbolic
+    token count."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("onnxscript")
     ort = pytest.importorskip("onnxruntime")
@@ -268,6 +344,8 @@ def test_moe_block_dynamo_onnx_matches_torch():
     )
     onnx_model = program.model_proto
     assert "GatherND" in [n.op_type for n in onnx_model.graph.node]
+    # the ids written once per weight, wrapped by each weight's expert count: one order
+    _check_sorted(tvm_fusion.load_onnx(onnx_model))
     with collect_rewrites() as counts:
         compiled = engine.compile_module(
             tvm_fusion.load_onnx(onnx_model), tvm_fusion.host_target(), "tvm_fusion"
@@ -275,7 +353,7 @@ def test_moe_block_dynamo_onnx_matches_torch():
     assert counts["FuseGatheredGates"] == 2  # gate-up and down projections
     session = ort.InferenceSession(onnx_model.SerializeToString())
     name = session.get_inputs()[0].name
-    for n in (1, 7):
+    for n in (1, 7, 61):
         x = torch.randn(n, H)
         got = engine.TvmRunner(compiled, [x.numpy()]).outputs()[0]
         with torch.no_grad():
@@ -444,3 +522,16 @@ def test_dispatched_topk_kernels_tagged():
         tag = func.attrs.get(TOPK_ATTR) if func.attrs is not None else None
         tags.append(None if tag is None else (int(tag["axis"]), str(tag["ret_type"])))
     assert tags == [(-1, "indices"), (1, "both"), None], tags
+
+
+def test_gathered_single_gate_block_two_vectors():
+    """A gathered tile has at most 4 rows: the down projection's single gate gets a block of
+    two AVX2 vectors (8 accumulators), the gate-up's two gates one vector each."""
+    haswell = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})  # 8 lanes, 16 registers
+    blocks = []
+    for mod in (_down_module(), _expert_module()):
+        with collect_rewrites():
+            out = FuseGatheredGates(target=haswell)(mod)
+        (kernel,) = _gate_kernels(out)
+        blocks.append(int(kernel.attrs[GATE_ATTR]["block"]))
+    assert blocks == [16, 8]

@@ -303,7 +303,9 @@ class _Rewriter(PyExprMutator):
             if gemm.bias is not None:
                 args.append(self.visit_expr(gemm.bias))
             args += [self.visit_expr(a) for a in gemm.addends]
-        args += [self.visit_expr(e) for e in group.externals]
+        # FuseGatheredGates' rows sorted by expert: the externals read in that order
+        externals = getattr(group, "external_args", group.externals)
+        args += [self.visit_expr(e) for e in externals]
         pad = _pad_rows(group, self.target)  # not None: one row axis
         rows = group.rows[0] if pad is not None else None
         call = None
@@ -327,6 +329,9 @@ class _Rewriter(PyExprMutator):
             hints["rows"] = pad
         self.builder_.update_func(gv, func.with_attrs({"op_pattern": 8, GATE_ATTR: hints}))
         self.count += 1
+        if getattr(group, "unsort", None) is not None:
+            self._emit_unsorted(group, call)
+            return
         if len(group.outputs) == 1:
             out = group.outputs[0]
             self.builder_.emit_normalized(relax.VarBinding(out, self.builder_.normalize(call)))
@@ -334,6 +339,21 @@ class _Rewriter(PyExprMutator):
         fused = self.builder_.emit(call, "gates")
         for i, out in enumerate(group.outputs):
             self.builder_.emit_normalized(relax.VarBinding(out, relax.TupleGetItem(fused, i)))
+
+    def _emit_unsorted(self, group: _Group, call) -> None:
+        """The results of a group whose rows FuseGatheredGates sorted by expert, put back in
+        row order (``take(result, group.unsort)``); each sorted result is remembered for a
+        later group that reads it sorted by the same ids."""
+        fused = self.builder_.emit(call, "sorted_gates")
+        outs = [fused]
+        if len(group.outputs) > 1:
+            outs = [
+                self.builder_.emit(relax.TupleGetItem(fused, i)) for i in range(len(group.outputs))
+            ]
+        for out, done in zip(group.outputs, outs, strict=True):
+            group.sorted_outputs[out] = (done, *group.sort_key)
+            back = self.builder_.normalize(relax.op.take(done, group.unsort, axis=0))
+            self.builder_.emit_normalized(relax.VarBinding(out, back))
 
 
 def _pad_rows(group: _Group, target) -> int | None:
