@@ -40,7 +40,8 @@ rows are sorted by expert (``perm = argsort(ids)``; the kernel reads ``take(x, p
 sorted ids and its row-indexed gate-math inputs taken likewise) and the results are put back
 in row order (``take(result, argsort(perm))``); the down projection reads the gate-up's sorted
 result in place, in the same order (ids compared without the exporters' per-use wraps, see
-:func:`_sort_rows`). Two argsorts of ``S`` ids and a few row copies: 35 us at 2 rows.
+:func:`_sort_rows`). Two argsorts of ``S`` ids and a few row copies: 35 us at 2 rows. CPU
+targets only: on CUDA each row's GEMV reads its own expert whatever the order.
 
 Ids out of range: the kernel reads ``W[ids[s]]`` without a check, so the pass fires only where
 the graph proves ``0 <= ids < E``: ids derived from ``topk`` (also once the CPU library
@@ -96,11 +97,15 @@ class FuseGatheredGates:
             skip(logger, "gathered gate GEMMs", f"target {target.kind.name} has no gate rule")
             return mod
         sorted_outputs: dict = {}  # a sorted group's result -> (its rows sorted, the ids)
+        # CPU only: the CUDA rule's split-K GEMV reads each row's own expert whatever the
+        # order, and the argsort emitted is the CPU library's kernel
+        sort = _target.is_cpu(target)
 
         def prepare(bb, group, blk):
             key = _unwrapped(blk, group.gemms[0].ids)  # before _flat_ids: of the block
             _flat_ids(bb, group, rewriter)
-            _sort_rows(bb, group, rewriter, (blk, key), sorted_outputs)
+            if sort:
+                _sort_rows(bb, group, rewriter, (blk, key), sorted_outputs)
 
         rewriter = _Rewriter(
             mod, target, find=lambda blk: _find_gathered(blk, mod), prepare=prepare
