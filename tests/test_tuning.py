@@ -1,7 +1,6 @@
 """Tuning runs: MetaSchedule over the fused groups, resumable, applied by --tuning-db, and
 measured through TVM's RPC tracker. Small module, a handful of trials."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -36,26 +35,8 @@ def _expect(x, w):
     return np.maximum(x @ w, 0)
 
 
-def _popen_workers() -> list[int]:
-    """This process's child processes that are MetaSchedule's pool workers."""
-    from pathlib import Path
-
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (proc / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and b"popen_worker" in cmd:
-            found.append(int(proc.name))
-    return found
-
-
 def test_tune_resume_and_apply(tmp_path):
     from tvm_fusion import models
-
-    before = _popen_workers()
 
     inst = models.build("gate_2890", "small")
     mod, inputs = inst.mod, inst.input_list()
@@ -63,8 +44,6 @@ def test_tune_resume_and_apply(tmp_path):
     lines = []
     report = tuning.tune(mod, target, tmp_path, trials=4, progress=lines.append)
     assert report.trials_before == 0 and report.trials_after == 4
-    if sys.platform.startswith("linux"):  # the runner's worker is stopped, not left behind
-        assert [p for p in _popen_workers() if p not in before] == []
     assert report.wrong == []  # the best record computes what the unscheduled function does
     assert report.tasks and any(line.startswith("task 1/") for line in lines)
     assert any(line.startswith("seeded ") for line in lines), lines  # our schedule recorded

@@ -158,15 +158,6 @@ def dry_run(
     )
 
 
-def _shutdown(runner) -> None:
-    """Stop a LocalRunner's worker process. Its PopenPoolExecutor is only shut down by its
-    ``__del__``, which never runs while the FFI object holds it: every tuning run left a
-    ``tvm.exec.popen_worker`` process behind (two per test run of tests/test_tuning.py)."""
-    pool = getattr(runner, "pool", None)
-    if pool is not None:
-        pool.shutdown()
-
-
 def tune(
     mod: tvm.IRModule,
     target,
@@ -225,6 +216,7 @@ def tune(
     before = trials_spent(work_dir)
     start = time.perf_counter()
     remaining = trials - before
+    runner = ms.runner.LocalRunner()
     if tracker:
         host, port = tracker
         runner = ms.runner.RPCRunner(
@@ -235,42 +227,34 @@ def tune(
                 session_timeout_sec=120,
             )
         )
-    else:
-        runner = ms.runner.LocalRunner()
     builder = ms.builder.LocalBuilder(timeout_sec=build_timeout, f_build=build_candidate)
-    try:
-        if remaining > 0:
-            say(f"tuning {len(tasks)} task(s), {remaining} trial(s) ({before} already recorded)")
-            drop_unnamed_handlers()
-            strategy = _search_strategy(trials)
-            contexts, weights = tune_contexts(
-                tasks, tgt, work_dir, strategy, num_threads=num_cores(tgt), seed=seed
-            )
-            if before == 0 and pipeline == "tvm_fusion":  # stock's groups get no rules of ours
-                seed_default_schedules(tasks, tgt, database, builder, runner, say)
-            callbacks = [
-                *ms.measure_callback.MeasureCallback.create("default"),
-                _Progress(names, say),
-            ]
-            ms.tune.tune_tasks(
-                tasks=contexts,
-                task_weights=weights,
-                work_dir=str(work_dir),
-                max_trials_global=remaining,
-                num_trials_per_iter=min(trials_per_iter, remaining),
-                builder=builder,
-                runner=runner,
-                database=database,
-                cost_model="xgb",
-                measure_callbacks=callbacks,
-            )
-        else:
-            say(f"nothing left to tune: {before} record(s) for a budget of {trials}")
-        verified = verify_finalists(
-            tasks, tgt, database, builder, runner, say, top=verify, ours=pipeline == "tvm_fusion"
+    if remaining > 0:
+        say(f"tuning {len(tasks)} task(s), {remaining} trial(s) ({before} already recorded)")
+        drop_unnamed_handlers()
+        strategy = _search_strategy(trials)
+        contexts, weights = tune_contexts(
+            tasks, tgt, work_dir, strategy, num_threads=num_cores(tgt), seed=seed
         )
-    finally:
-        _shutdown(runner)
+        if before == 0 and pipeline == "tvm_fusion":  # stock's groups get no rules of ours
+            seed_default_schedules(tasks, tgt, database, builder, runner, say)
+        callbacks = [*ms.measure_callback.MeasureCallback.create("default"), _Progress(names, say)]
+        ms.tune.tune_tasks(
+            tasks=contexts,
+            task_weights=weights,
+            work_dir=str(work_dir),
+            max_trials_global=remaining,
+            num_trials_per_iter=min(trials_per_iter, remaining),
+            builder=builder,
+            runner=runner,
+            database=database,
+            cost_model="xgb",
+            measure_callbacks=callbacks,
+        )
+    else:
+        say(f"nothing left to tune: {before} record(s) for a budget of {trials}")
+    verified = verify_finalists(
+        tasks, tgt, database, builder, runner, say, top=verify, ours=pipeline == "tvm_fusion"
+    )
     if verified:
         database = ms.database.JSONDatabase(work_dir=str(work_dir))
     after = trials_spent(work_dir)
