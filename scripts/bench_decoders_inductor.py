@@ -101,23 +101,49 @@ def bench_shape(
     budget: float,
     inductor: Callable | None = None,
 ) -> dict:
-    """One row: ``module`` (``*inputs.values() -> tensor``) exported, compiled by tvm_fusion and
-    Inductor, checked against eager and timed with the three alternating. A failing export,
-    import or compile of ours makes the row failed (``failed``: one line) and untimed; a failing
-    Inductor leaves ours and eager timed (``inductor_failed``). ``inductor``: the runner maker,
-    ``engine.inductor_runner`` unless given (a test's stand-in)."""
+    """One row: ``module`` (``*inputs.values() -> tensor``) at the (batch, seq) of its first
+    input, measured by :func:`bench_module`."""
+    first = next(iter(inputs.values()))
+    row: dict = {"model": name, "batch": int(first.shape[0]), "seq": int(first.shape[1])}
+    where = f"{name} batch {row['batch']} seq {row['seq']}"
+    return bench_module(
+        row, where, module, tuple(inputs.values()), target=target, threads=threads,
+        repeat=repeat, budget=budget, inductor=inductor,
+    )  # fmt: skip
+
+
+def _outputs(out) -> tuple:
+    """A module's output as a tuple of tensors."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def bench_module(
+    row: dict,
+    where: str,
+    module,
+    args: tuple,
+    *,
+    target,
+    threads: int,
+    repeat: int,
+    budget: float,
+    inductor: Callable | None = None,
+    min_time: float = 0.0,
+) -> dict:
+    """``row`` filled in for ``module(*args)`` (a tensor or a tuple of them): exported,
+    compiled by tvm_fusion and Inductor, checked against eager and timed with the three
+    alternating (``engine.time_interleaved``; ``min_time``: its ``min_time_s``). A failing
+    export, import or compile of ours makes the row failed (``failed``: one line) and untimed;
+    a failing Inductor leaves ours and eager timed (``inductor_failed``). ``inductor``: the
+    runner maker, ``engine.inductor_runner`` unless given (a test's stand-in)."""
     import torch
 
     from tvm_fusion.build import engine
     from tvm_fusion.frontend import import_exported_program
 
     inductor = inductor or engine.inductor_runner
-    args = tuple(inputs.values())
-    first = next(iter(inputs.values()))
-    row: dict = {"model": name, "batch": int(first.shape[0]), "seq": int(first.shape[1])}
-    where = f"{name} batch {row['batch']} seq {row['seq']}"
     with torch.inference_mode():
-        want = [module(*args).numpy()]
+        want = [t.numpy() for t in _outputs(module(*args))]
     feeds = [a.numpy() for a in args]
     stage = "torch.export"
     try:
@@ -141,7 +167,10 @@ def bench_shape(
     runs = {"ours": ours}
     try:
         run, outputs, row["compile_s_inductor"] = inductor(
-            lambda _torch: lambda *a: (module(*a),), feeds, threads, False
+            lambda _torch: lambda *a: _outputs(module(*a)),
+            feeds,
+            threads,
+            False,
         )
         row["rel_err_inductor"] = rel_err(outputs, want)
         runs["inductor"] = run
@@ -154,7 +183,7 @@ def bench_shape(
 
     runs["eager"] = eager
     load_before = os.getloadavg()
-    times = engine.time_interleaved(runs, repeat=repeat, budget_s=budget)
+    times = engine.time_interleaved(runs, repeat=repeat, budget_s=budget, min_time_s=min_time)
     row["load"] = [round(v, 2) for v in (*load_before, os.getloadavg()[0])]
     for key, value in times.items():
         row[f"{key}_ms"] = value["median_ms"]

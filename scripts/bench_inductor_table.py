@@ -26,15 +26,10 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decoders_inductor import _failure, isa_line, rel_err  # noqa: E402
-
-MISMATCH = 1e-3
+from bench_decoders_inductor import bench_module, isa_line  # noqa: E402
 
 
 def _modules(torch):
@@ -161,75 +156,15 @@ def _modules(torch):
     }
 
 
-def _flat(out) -> list[np.ndarray]:
-    items = out if isinstance(out, (tuple, list)) else (out,)
-    return [t.detach().numpy() for t in items]
-
-
 def bench_row(
     name, desc, module, args, *, target, threads, repeat, budget, inductor=None, min_time=2.0
 ) -> dict:
-    """One row: export, import, compile, check against eager, then ours / Inductor / eager
-    alternating (``engine.time_interleaved``). ``inductor``: the runner maker,
-    ``engine.inductor_runner`` unless given (a test's stand-in)."""
-    import torch
-
-    from tvm_fusion.build import engine
-    from tvm_fusion.frontend import import_exported_program
-
-    row: dict = {"workload": name, "what": desc}
-    with torch.inference_mode():
-        want = _flat(module(*args))
-    feeds = [a.numpy() for a in args]
-    stage = "torch.export"
-    try:
-        program = torch.export.export(module, args)
-        stage = "import"
-        start = time.perf_counter()
-        mod = import_exported_program(program, where=name)
-        import_s = time.perf_counter() - start
-        stage = "tvm_fusion compile"
-        compiled = engine.compile_module(mod, target, "tvm_fusion")
-        row["compile_s_ours"] = import_s + compiled.compile_s
-        stage = "tvm_fusion run"
-        ours = engine.TvmRunner(compiled, feeds)
-        row["rel_err_ours"] = rel_err(ours.outputs(), want)
-    except Exception as err:  # noqa: BLE001 - one line in the row, and the run goes on
-        row["failed"] = _failure(stage, err)
-        return row
-    runs = {"ours": ours}
-    try:
-        run, outputs, row["compile_s_inductor"] = (inductor or engine.inductor_runner)(
-            lambda _torch: lambda *a: tuple(torch.from_numpy(o) for o in _flat(module(*a))),
-            feeds,
-            threads,
-            False,
-        )
-        row["rel_err_inductor"] = rel_err(outputs, want)
-        runs["inductor"] = run
-    except Exception as err:  # noqa: BLE001 - Inductor's many error types
-        row["inductor_failed"] = _failure("torch.compile", err)
-
-    def eager():
-        with torch.inference_mode():
-            return module(*args)
-
-    runs["eager"] = eager
-    load_before = os.getloadavg()
-    times = engine.time_interleaved(runs, repeat=repeat, budget_s=budget, min_time_s=min_time)
-    row["load"] = [round(v, 2) for v in (*load_before, os.getloadavg()[0])]
-    for key, value in times.items():
-        row[f"{key}_ms"] = value["median_ms"]
-        row[f"{key}_runs"] = value["runs"]
-    for peer in ("inductor", "eager"):
-        if row.get(f"{peer}_ms"):
-            row[f"ours/{peer}"] = row["ours_ms"] / row[f"{peer}_ms"]
-    row["mismatch"] = [
-        e
-        for e in ("ours", "inductor")
-        if f"rel_err_{e}" in row and not row[f"rel_err_{e}"] <= MISMATCH
-    ]
-    return row
+    """One row: ``bench_decoders_inductor.bench_module`` of ``module(*args)``, at least
+    ``min_time`` seconds of timed runs per engine (the cell and CE rows are milliseconds)."""
+    return bench_module(
+        {"workload": name, "what": desc}, name, module, tuple(args), target=target,
+        threads=threads, repeat=repeat, budget=budget, inductor=inductor, min_time=min_time,
+    )  # fmt: skip
 
 
 def _num(value, fmt: str) -> str:
