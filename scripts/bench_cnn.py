@@ -180,7 +180,8 @@ def bench_model(name: str, target, args) -> dict:
     ref = [np.asarray(o) for o in ort1()]
     row["ort_outputs"] = [{"std": float(np.std(r)), "max": float(np.abs(r).max())} for r in ref]
     runs = {}
-    for engine_name, pipeline in (("tvm-fusion", "tvm_fusion"), ("tvm-stock", "stock")):
+    engines = [("tvm-fusion", "tvm_fusion"), ("tvm-stock", "stock")][: 2 if args.stock else 1]
+    for engine_name, pipeline in engines:
         start = time.perf_counter()
         try:
             mod = load_onnx(model) if pipeline == "tvm_fusion" else stock_from_onnx(model)
@@ -261,7 +262,7 @@ def markdown(rows, machine, args) -> str:
     ]
     ratios = []
     for row in rows:
-        ours, stock, b3 = row["tvm-fusion"], row["tvm-stock"], row.get("batch3", {})
+        ours, stock, b3 = row["tvm-fusion"], row.get("tvm-stock", {}), row.get("batch3", {})
         if "ours/ort" in row:
             ratios.append(row["ours/ort"])
         if "rel_err" in b3:
@@ -294,7 +295,7 @@ def markdown(rows, machine, args) -> str:
     notes += [
         f"- {row['model']}: stock failed: {row['tvm-stock']['failed']}"
         for row in rows
-        if "failed" in row["tvm-stock"]
+        if "failed" in row.get("tvm-stock", {})
     ]
     notes += [
         f"- {row['model']}: ORT vs the saved output: rel err {row['ort_vs_saved_rel_err']:.1e}"
@@ -311,6 +312,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=5.0, help="timed seconds per engine")
     parser.add_argument("--min-time", type=float, default=0.0)
     parser.add_argument("--no-batch3", dest="batch3", action="store_false")
+    parser.add_argument(
+        "--no-stock", dest="stock", action="store_false", help="ours and ORT only (stock is slow)"
+    )
     parser.add_argument("--note", default="", help="what else ran on the machine")
     parser.add_argument("--output", default="bench/cnn.json")
     return parser.parse_args(argv)
