@@ -14,6 +14,7 @@ from __future__ import annotations
 from ._common import collect_rewrites
 from .check_gather_bounds import CheckGatherBounds
 from .choose_recurrence import ChooseRecurrence
+from .fold_batch_norm import FoldBatchNorm
 from .fuse_attention import FuseAttention
 from .fuse_cross_entropy import FuseCrossEntropy
 from .fuse_gathered_gates import FuseGatheredGates
@@ -29,6 +30,7 @@ from .strip_bookend_views import StripBookendViews
 GRAPH_PASSES: list[tuple[str, type]] = [
     ("choose_recurrence", ChooseRecurrence),  # first: the others read what it makes
     ("place_shape_on_host", PlaceShapeOnHost),
+    ("fold_batch_norm", FoldBatchNorm),
     # before CheckGatherBounds: its check reads the log-probabilities' shape, a use that stops
     # the fusion; the fused kernel reads the target's column t mod V, never out of bounds
     ("fuse_cross_entropy", FuseCrossEntropy),
@@ -50,6 +52,7 @@ __all__ = [
     "CheckGatherBounds",
     "ChooseRecurrence",
     "GRAPH_PASSES",
+    "FoldBatchNorm",
     "FuseAttention",
     "FuseCrossEntropy",
     "FuseGatheredGates",
