@@ -25,12 +25,14 @@ from .gather_to_slice import GatherToSlice
 from .order_for_memory import OrderForMemory
 from .place_shape_on_host import PlaceShapeOnHost
 from .sink_views_past_epilogues import SinkViewsPastEpilogues
+from .split_grouped_conv import SplitGroupedConv
 from .strip_bookend_views import StripBookendViews
 
 GRAPH_PASSES: list[tuple[str, type]] = [
     ("choose_recurrence", ChooseRecurrence),  # first: the others read what it makes
     ("place_shape_on_host", PlaceShapeOnHost),
     ("fold_batch_norm", FoldBatchNorm),
+    ("split_grouped_conv", SplitGroupedConv),  # after FoldBatchNorm: it folds into the group
     # before CheckGatherBounds: its check reads the log-probabilities' shape, a use that stops
     # the fusion; the fused kernel reads the target's column t mod V, never out of bounds
     ("fuse_cross_entropy", FuseCrossEntropy),
@@ -64,6 +66,7 @@ __all__ = [
     "OrderForMemory",
     "PlaceShapeOnHost",
     "SinkViewsPastEpilogues",
+    "SplitGroupedConv",
     "StripBookendViews",
     "collect_rewrites",
 ]

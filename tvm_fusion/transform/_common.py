@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import tvm
 from tvm import relax, tirx
+from tvm.ir.expr import GenericConst
 
 _COLLECTORS: list[Counter] = []
 
@@ -213,3 +214,42 @@ def normalize_axis(axis: int, ndim: int) -> int | None:
     if ndim < 0 or not -ndim <= axis < ndim:
         return None
     return axis % ndim
+
+
+# ---------------------------------------------------------------------------------------------
+# Constant operands of convolutions (FoldBatchNorm, SplitGroupedConv)
+
+# ops whose output holds the input's values in another shape (the importer's bias reshape)
+_SAME_VALUES = ("relax.broadcast_to", "relax.reshape", "relax.expand_dims", "relax.squeeze")
+
+
+def constant_value(expr, bound: dict) -> np.ndarray | None:
+    """The value of a constant operand: a constant, a variable bound to one, or a
+    ``broadcast_to`` / reshape of one to a static shape; None for anything else."""
+    for _ in range(8):
+        if isinstance(expr, relax.Var) and expr in bound:
+            expr = bound[expr]
+        else:
+            break
+    if isinstance(expr, GenericConst):
+        return expr.value.numpy()
+    if op_name(expr) in _SAME_VALUES:
+        value = constant_value(expr.args[0], bound)
+        shape = expr.ty.shape if isinstance(expr.ty, relax.TensorType) else None
+        if value is None or shape is None:
+            return None
+        try:
+            dims = [int(d) for d in shape.values]
+        except (TypeError, AttributeError):
+            return None
+        if op_name(expr) == "relax.broadcast_to":
+            return np.broadcast_to(value, dims)
+        return value.reshape(dims) if value.size == int(np.prod(dims)) else None
+    return None
+
+
+def plain_axis(layout: str, letter: str) -> int | None:
+    """Where ``letter`` is in a layout without sub-blocks (``NCHW`` -> C at 1), else None."""
+    if not layout.isalpha() or not layout.isupper() or layout.count(letter) != 1:
+        return None
+    return layout.index(letter)

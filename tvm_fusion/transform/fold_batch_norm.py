@@ -31,16 +31,21 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import IRModule, relax
-from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import get_logger, op_name, record_rewrite, skip, use_counts
+from ._common import (
+    constant_value,
+    get_logger,
+    op_name,
+    plain_axis,
+    record_rewrite,
+    skip,
+    use_counts,
+)
 
 logger = get_logger(__name__)
 NAME = "FoldBatchNorm"
 _CONVS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d")
-# ops whose output holds the input's values in another shape (the importer's bias reshape)
-_SAME_VALUES = ("relax.broadcast_to", "relax.reshape", "relax.expand_dims", "relax.squeeze")
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -64,38 +69,6 @@ class FoldBatchNorm:
                 count += rewriter.count
         record_rewrite(NAME, count)
         return mod
-
-
-def _constant(expr, bound: dict) -> np.ndarray | None:
-    """The value of a constant operand: a constant, a variable bound to one, or a
-    ``broadcast_to`` / reshape of one to a static shape; None for anything else."""
-    for _ in range(8):
-        if isinstance(expr, relax.Var) and expr in bound:
-            expr = bound[expr]
-        else:
-            break
-    if isinstance(expr, GenericConst):
-        return expr.value.numpy()
-    if op_name(expr) in _SAME_VALUES:
-        value = _constant(expr.args[0], bound)
-        shape = expr.ty.shape if isinstance(expr.ty, relax.TensorType) else None
-        if value is None or shape is None:
-            return None
-        try:
-            dims = [int(d) for d in shape.values]
-        except (TypeError, AttributeError):
-            return None
-        if op_name(expr) == "relax.broadcast_to":
-            return np.broadcast_to(value, dims)
-        return value.reshape(dims) if value.size == int(np.prod(dims)) else None
-    return None
-
-
-def _plain_axis(layout: str, letter: str) -> int | None:
-    """Where ``letter`` is in a layout without sub-blocks (``NCHW`` -> C at 1), else None."""
-    if not layout.isalpha() or not layout.isupper() or layout.count(letter) != 1:
-        return None
-    return layout.index(letter)
 
 
 @mutator
@@ -146,16 +119,16 @@ class _Rewriter(PyExprMutator):
         if self.uses.get(conv_var, 0) != 1:
             return skip(logger, what, "the convolution has another use") or None
         conv = producer
-        c_axis = _plain_axis(str(conv.attrs.out_layout), "C")
-        o_axis = _plain_axis(str(conv.attrs.kernel_layout), "O")
+        c_axis = plain_axis(str(conv.attrs.out_layout), "C")
+        o_axis = plain_axis(str(conv.attrs.kernel_layout), "O")
         out_ty = conv.ty
         if c_axis is None or o_axis is None or not isinstance(out_ty, relax.TensorType):
             return skip(logger, what, "a blocked or unknown layout") or None
         ndim = out_ty.ndim
         if int(attrs.axis) % max(ndim, 1) != c_axis:
             return skip(logger, what, "its axis is not the convolution's channels") or None
-        weight = _constant(conv.args[1], self.bound)
-        stats = [_constant(e, self.bound) for e in (gamma, beta, mean, var)]
+        weight = constant_value(conv.args[1], self.bound)
+        stats = [constant_value(e, self.bound) for e in (gamma, beta, mean, var)]
         if weight is None or any(s is None for s in stats):
             return skip(logger, what, "operands are not constants") or None
         channels = weight.shape[o_axis]
@@ -163,7 +136,7 @@ class _Rewriter(PyExprMutator):
             return skip(logger, what, "statistics of another length") or None
         bias = np.zeros(channels)
         if bias_var is not None:
-            b = _constant(bias_var, self.bound)
+            b = constant_value(bias_var, self.bound)
             if b is None or b.ndim > ndim or b.size not in (1, channels):
                 return skip(logger, what, "a bias that is not a constant per channel") or None
             if b.size == channels and b.ndim and b.shape[c_axis - (ndim - b.ndim)] != channels:
