@@ -86,6 +86,7 @@ from .onnx_op_gaps import CONVERTERS as _GAPS
 from .onnx_refusals import FIXES as _SUITE_FIXES
 from .onnx_reshape_check import checked_input, computed_from_data, resolved_shape
 from .onnx_rnn import CONVERTERS as _RNN_CONVERTERS
+from .onnx_variadic import CONVERTERS as _VARIADIC
 
 _NO_IGNORE = -100
 
@@ -529,6 +530,7 @@ OVERRIDES = {
     **_GAPS,  # forms stock refuses: MaxPool Indices, integer Pow, run-time CumSum axis
     **_DYNAMIC,  # Size, Pad, Split with operands known at run time (onnx_dynamic.py)
     **_SUITE_FIXES,  # the same, found by the whole node suite (onnx_refusals.py)
+    **_VARIADIC,  # Sum / Mean as elementwise adds, not stack + reduce (onnx_variadic.py)
 }
 
 CONVERTERS = {
