@@ -108,3 +108,17 @@ def test_runtime_weight_tiles_on_avx2(shape, tile):
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype("float32")
     out, _ = run(mod, [x, w], "tvm_fusion", target=avx2)
     np.testing.assert_allclose(out[0], x @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_wide_tile_pads_merged_rows():
+    """A 1x1 convolution's merged rows (``pad_rows``: they are padded through flat copies) take
+    the wide tile whatever their count (49, 169 rows: 52, 172); a GEMM's keep rows in 4s. Only
+    on 16 registers: AVX-512 and NEON keep their tiles."""
+    lanes, regs = _isa(ZEN3)
+    assert wide_tile(49, 2048, 512, lanes, regs, 1, pad_rows=True) == (24, 4)
+    assert wide_tile(169, 1000, 512, lanes, regs, 1, pad_rows=True) == (24, 4)
+    assert wide_tile(169, 1000, 512, lanes, regs, 1) is None
+    assert wide_tile(169, 1000, 128, lanes, regs, 1, pad_rows=True) is None  # K < 256
+    for spec in (AVX512, {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "neoverse-v1"}):
+        lanes, regs = _isa(spec)
+        assert wide_tile(169, 1000, 512, lanes, regs, 1, pad_rows=True) is None

@@ -48,7 +48,7 @@ def unpadded_tile(m_ext: int, j_ext: int, nr: int, lanes: int, regs: int, gates:
     return best[1], best[2]
 
 
-def wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates) -> tuple | None:
+def wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates, pad_rows=False) -> tuple | None:
     """(NR, MR) = (3 vectors, 4 rows) for a GEMM on AVX2, or None (keep ``standard_tile``'s).
 
     4 rows x 2 vectors are 8 accumulators, as many as the FMAs in flight (2 ports x 4 cycles of
@@ -62,13 +62,17 @@ def wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates) -> tuple | None:
     down projection (64 x 5632 @ 5632 x 2048, constant B): 8.85-8.98 -> 8.58 ms in paired
     runs, ONNX Runtime's Gemm 8.5-8.9; a run-time B (136 x 1021 @ 1021 x 2039, single thread,
     CPU time, alternating): 1.24 -> 1.09x ONNX Runtime's; 128 x 1000 @ 1000 x 999 1.00 ->
-    0.91x (Zen 3, load average 3-4)."""
+    0.91x (Zen 3, load average 3-4). ``pad_rows``: rows in any count, padded to 4 (a 1x1
+    convolution's merged rows, padded through flat copies, its channels padded in the weights'
+    packing likewise): SqueezeNet's final 512->1000 at 13 x 13 (1000 = 125 vectors, which took
+    tiles of one vector) 0.33x the time, ResNet-50's 512->2048 at 7 x 7 (49 rows: 52) 0.66x,
+    256->1024 and 1024->256 at 14 x 14 0.93x (2 threads, alternating, load average 4.4)."""
     if regs != 16 or n_gates != 1:
         return None
     if not (is_static(m_ext) and is_static(j_ext) and is_static(k_ext)):
         return None
     nr, mr = 3 * lanes, 4
-    if k_ext < K_WIDE_MIN or m_ext < 16 or m_ext % mr:
+    if k_ext < K_WIDE_MIN or m_ext < 16 or (m_ext % mr and not pad_rows):
         return None
     padded = -(-j_ext // nr) * nr
     if (padded - j_ext) * 16 > j_ext:
