@@ -237,8 +237,7 @@ class Matmul(CPURule):
         k_ext = 1
         for k in k_vars:
             k_ext = k_ext * extent(sch, loop_of[k])
-        wide = wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates, bool(merged))
-        wide = wide if wide_ok else None
+        wide = wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates) if wide_ok else None
         if wide is not None:
             nr, mr = wide
             logger.debug("matmul: %s rows x %s columns in tiles of %s x %s", m_ext, j_ext, mr, nr)
