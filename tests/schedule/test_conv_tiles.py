@@ -263,3 +263,20 @@ def test_conv1x1_output_parameter_wide_tile(hw, strides):
     y = np.einsum("fc,nchw->nfhw", w[:, :, 0, 0], x[:, :, ::strides, ::strides])
     out, _ = run(mod, [x], "tvm_fusion", target=AVX2)
     np.testing.assert_allclose(out[0], y, rtol=1e-4, atol=1e-4)
+
+
+def test_strided_rows_compacted_only_for_a_wider_tile():
+    """The compact copy costs a pass over the input: only where the merged rows get a tile of
+    more accumulators than the output's own rows (AVX2: 7 x 7 = 49 rows, 4 x 3 vectors, where
+    7 rows took 7 x 1; 28 x 28 rows and 128 channels: 4 x 2 vectors either way, and the copy
+    alone made ResNet-50's 256->128 at 56 x 56 -> 28 x 28 1.24x slower)."""
+    from tvm_fusion.schedule.cpu._tiles import compact_pays
+
+    lanes, regs = _target.vector_lanes(AVX2, "float32"), _target.vector_registers(AVX2)
+    assert compact_pays(49, 7, 2048, 1024, lanes, regs)
+    assert compact_pays(196, 14, 1024, 512, lanes, regs)
+    assert not compact_pays(784, 28, 128, 256, lanes, regs)
+    w = (RNG.standard_normal((128, 64, 1, 1)) / 8).astype("float32")
+    mod = _module(lambda bb, x: R.nn.conv2d(x, relax.const(w), strides=2), (1, 64, 56, 56))
+    sch = cpu.Matmul().apply(_conv_prim_func(mod, AVX2), AVX2, False)
+    assert sch is not None and "reindex" not in sch.mod["main"].script()

@@ -174,13 +174,14 @@ def flatten_rows(sch, block, sizes: tuple):
     return trial, copy, out_copy
 
 
-def compact_strided(sch, block) -> str | None:
+def compact_strided(sch, block, pays) -> str | None:
     """A strided 1x1 convolution's input ``x[n, c, 2h, 2w]`` read through a compact copy
     ``x'[n, c, h, w]`` (``reindex``, laid out with the rows last), so that ``merge_rows``
     merges its rows as a stride-1 convolution's. Read in place, every step of the reduction
     broadcasts from rows two image rows apart and each column panel streams the whole image
     again: ResNet-50's 1024->2048 at 14 x 14 -> 7 x 7 took tiles of 7 rows x ONE vector.
-    Returns the copy block's name (the caller schedules it), None where nothing changed."""
+    Only where ``pays(merged rows, output width, columns, K)`` (the copy costs a pass over the
+    input). Returns the copy block's name (the caller schedules it), None where nothing changed."""
     stmt = sch.get(block)
     mac = is_mac(stmt.body)
     if mac is None:
@@ -206,6 +207,17 @@ def compact_strided(sch, block) -> str | None:
         return None
     ivs = [iv.var for iv in stmt.iter_vars]
     a_vars = set().union(*(vars_in(i) for i in a_load.indices))
+    ext = {iv.var: iv.dom.extent for iv in stmt.iter_vars}
+    cols = [v for v in ivs if v in b_vars and v not in a_vars]
+    k_ext = 1
+    for iv in stmt.iter_vars:
+        k_ext *= iv.dom.extent if iv.iter_type == tirx.IterVar.CommReduce else 1
+    sizes = [ext[v] for v in rows] + [ext[cols[-1]] if cols else None, k_ext]
+    if not all(isinstance(s, tirx.IntImm) for s in sizes):
+        return None
+    h, w, j, k = (int(s) for s in sizes)
+    if not pays(h * w, w, j, k):
+        return None
     dims = [v for v in ivs if v in a_vars]  # the reindexed buffer's axes, in iterator order
     if any(all(not v.same_as(d) for d in dims) for v in rows):
         return None

@@ -43,6 +43,7 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from tvm import DataType, s_tir, tirx
 from tvm.ir.expr import TensorLoad
@@ -69,7 +70,14 @@ from .._common import (
     write_order,
 )
 from ._conv import compact_strided, flatten_rows, is_mac, is_window, merge_rows
-from ._tiles import K_BLOCK_MIN, dividing_width, standard_tile, unpadded_tile, wide_tile
+from ._tiles import (
+    K_BLOCK_MIN,
+    compact_pays,
+    dividing_width,
+    standard_tile,
+    unpadded_tile,
+    wide_tile,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +154,9 @@ class Matmul(CPURule):
         if n_red > 1 and not window and not self._fuse_reduction(sch, red.block_rv, n_red):
             return None
         flat = None  # merged rows padded through flat buffers (flatten_rows)
-        compact = compact_strided(sch, red.block_rv) if not window and merge_ok else None
+        lanes = _target.vector_lanes(target, str(sch.get(red.block_rv).writes[0].source.dtype))
+        pays = partial(compact_pays, lanes=lanes, regs=_target.vector_registers(target))
+        compact = compact_strided(sch, red.block_rv, pays) if not window and merge_ok else None
         merged = merge_rows(sch, red.block_rv) if not window and merge_ok else ()
         stmt = sch.get(red.block_rv)
         mac = is_mac(stmt.body)
