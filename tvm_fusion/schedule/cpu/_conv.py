@@ -134,14 +134,24 @@ def flatten_rows(sch, block, sizes: tuple):
     the block reads ``x[.., v // 7, v % 7]``: in a copy of ``sch``, the input is read through
     a copy laid out with its rows flat (``x'[.., v]``) and the output written flat (only an
     intermediate buffer, not a parameter), so that the block is an einsum again. Returns
-    (that schedule, the input copy's block), or None (``sch`` is unchanged either way).
+    (that schedule, the input copy's block, the output's copy block or None), or None (``sch``
+    is unchanged either way). An output that is a parameter is written through a flat
+    intermediate, copied out by a block the caller schedules as the epilogue (ResNet-50's
+    convolutions before their batch norm is folded: 512->2048 at 7 x 7 took tiles of ONE
+    vector).
     ResNet-50's 1x1 512->2048 and 2048->512 at 7 x 7 on Zen 3 (AVX2, 2 threads): 1.8-2.0x ->
     1.25-1.45x ONNX Runtime's time (alternating, load average 1.0-1.4)."""
     trial = sch.copy()
     stmt = trial.get(block)
     out = stmt.body.buffer
-    if any(out.same_as(p) for p in trial.mod["main"].params):  # a parameter keeps its shape
-        return None
+    out_copy = None
+    if any(out.same_as(p) for p in trial.mod["main"].params):  # a parameter keeps its shape:
+        try:  # the block writes a flat intermediate, copied out as the epilogue
+            out_copy = trial.cache_write(block, 0, "global")
+        except Exception as err:  # noqa: BLE001 - the rows stay unpadded
+            logger.debug("matmul: output not cached: %s", err)
+            return None
+        stmt = trial.get(block)
     a_buffer = is_mac(stmt.body)[0].source
     reads = [i for i, r in enumerate(stmt.reads) if r.source.same_as(a_buffer)]
     if len(reads) != 1:
@@ -161,4 +171,66 @@ def flatten_rows(sch, block, sizes: tuple):
     except Exception as err:  # noqa: BLE001 - the rows stay unpadded
         logger.debug("matmul: merged rows not flattened: %s", err)
         return None
-    return trial, copy
+    return trial, copy, out_copy
+
+
+def compact_strided(sch, block, pays) -> str | None:
+    """A strided 1x1 convolution's input ``x[n, c, 2h, 2w]`` read through a compact copy
+    ``x'[n, c, h, w]`` (``reindex``, laid out with the rows last), so that ``merge_rows``
+    merges its rows as a stride-1 convolution's. Read in place, every step of the reduction
+    broadcasts from rows two image rows apart and each column panel streams the whole image
+    again: ResNet-50's 1024->2048 at 14 x 14 -> 7 x 7 took tiles of 7 rows x ONE vector.
+    Only where ``pays(merged rows, output width, columns, K)`` (the copy costs a pass over the
+    input). Returns the copy block's name (the caller schedules it), None where nothing changed."""
+    stmt = sch.get(block)
+    mac = is_mac(stmt.body)
+    if mac is None:
+        return None
+    a_load, b_load = mac
+    b_vars = set().union(*(vars_in(i) for i in b_load.indices))
+    out = list(stmt.body.indices)
+    strided = []
+    for index, row in zip(a_load.indices[-2:], out[-2:], strict=False):
+        if not isinstance(row, tirx.Var) or row in b_vars:
+            return None
+        if isinstance(index, tirx.Mul) and index.a.same_as(row):
+            if not isinstance(index.b, tirx.IntImm) or int(index.b) < 2:
+                return None
+            strided.append(row)
+        elif not index.same_as(row):
+            return None
+    if len(out) < 2 or len(a_load.indices) < 2 or not strided:
+        return None
+    rows = out[-2:]
+    reads = [i for i, r in enumerate(stmt.reads) if r.source.same_as(a_load.source)]
+    if len(reads) != 1:
+        return None
+    ivs = [iv.var for iv in stmt.iter_vars]
+    a_vars = set().union(*(vars_in(i) for i in a_load.indices))
+    ext = {iv.var: iv.dom.extent for iv in stmt.iter_vars}
+    cols = [v for v in ivs if v in b_vars and v not in a_vars]
+    k_ext = 1
+    for iv in stmt.iter_vars:
+        k_ext *= iv.dom.extent if iv.iter_type == tirx.IterVar.CommReduce else 1
+    sizes = [ext[v] for v in rows] + [ext[cols[-1]] if cols else None, k_ext]
+    if not all(isinstance(s, tirx.IntImm) for s in sizes):
+        return None
+    h, w, j, k = (int(s) for s in sizes)
+    if not pays(h * w, w, j, k):
+        return None
+    dims = [v for v in ivs if v in a_vars]  # the reindexed buffer's axes, in iterator order
+    if any(all(not v.same_as(d) for d in dims) for v in rows):
+        return None
+    pos = [next(i for i, d in enumerate(dims) if d.same_as(v)) for v in rows]
+    keep = [i for i in range(len(dims)) if i not in pos]
+    try:
+        copy = sch.reindex(block, ("read", reads[0]))
+    except Exception as err:  # noqa: BLE001 - the strided read stays
+        logger.debug("matmul: strided rows not compacted: %s", err)
+        return None
+    try:
+        order = keep + pos
+        sch.transform_layout(block, ("read", reads[0]), lambda *idx: [idx[i] for i in order])
+    except Exception as err:  # noqa: BLE001 - a compact copy still, its rows not last
+        logger.debug("matmul: compact copy's rows not last: %s", err)
+    return sch.get(copy).name_hint

@@ -54,24 +54,28 @@ def wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates) -> tuple | None:
     4 rows x 2 vectors are 8 accumulators, as many as the FMAs in flight (2 ports x 4 cycles of
     latency on Zen 3): no slack, and each ``k`` is 2 weight loads + 4 broadcasts per 8 FMAs.
     4 rows x 3 vectors is MLAS's register budget (12 accumulators + 3 weight vectors + the
-    broadcast = the 16 registers). Where: a reduction of K >= ``K_WIDE_MIN``, static rows in
-    tiles of 4 (other rows get ``standard_tile``'s 12 accumulators, 6 x 2 vectors or a divisor
-    of the rows), a single output axis of static columns padded to a multiple of 3 vectors
-    when they are not one already (at most 1/16 of them padding: the zeros join B's packing,
-    at compile time for a constant B, in the per-panel packing for a run-time one). SwiGLU's
+    broadcast = the 16 registers). Where: a reduction of K >= ``K_WIDE_MIN``, static rows
+    (16 or more) padded to a multiple of 4 when they are not one already, and a single output
+    axis of static columns padded to a multiple of 3 vectors likewise (at most 1/16 of either
+    padding: B's zeros join its packing, at compile time for a constant B, in the per-panel
+    packing for a run-time one; a 1x1 convolution's merged rows are padded through flat
+    copies). SwiGLU's
     down projection (64 x 5632 @ 5632 x 2048, constant B): 8.85-8.98 -> 8.58 ms in paired
     runs, ONNX Runtime's Gemm 8.5-8.9; a run-time B (136 x 1021 @ 1021 x 2039, single thread,
     CPU time, alternating): 1.24 -> 1.09x ONNX Runtime's; 128 x 1000 @ 1000 x 999 1.00 ->
-    0.91x (Zen 3, load average 3-4)."""
+    0.91x (Zen 3, load average 3-4). Rows not in 4s, which kept the standard tile (one vector
+    for 1000 columns: 125 x 8, 12 rows): 169 x 512 @ 512 x 1000 0.62x the time, 77 x 768 @
+    768 x 1000 0.63x, 49 x 2048 @ 2048 x 1000 0.88x, 170 x 512 @ 512 x 1024 (5 x 2 before)
+    0.97x (single thread, CPU time, alternating, load average 5). SqueezeNet's final 1x1
+    convolution 512->1000 at 13 x 13: 0.33x (2 threads, load average 4.4)."""
     if regs != 16 or n_gates != 1:
         return None
     if not (is_static(m_ext) and is_static(j_ext) and is_static(k_ext)):
         return None
     nr, mr = 3 * lanes, 4
-    if k_ext < K_WIDE_MIN or m_ext < 16 or m_ext % mr:
+    if k_ext < K_WIDE_MIN or m_ext < 16 or (padded(m_ext, mr) - m_ext) * 16 > m_ext:
         return None
-    padded = -(-j_ext // nr) * nr
-    if (padded - j_ext) * 16 > j_ext:
+    if (padded(j_ext, nr) - j_ext) * 16 > j_ext:
         return None
     return nr, mr
 
@@ -141,3 +145,18 @@ def standard_tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[in
             if padded(m_ext, mr) - padded(m_ext, best) > m_ext // 16:
                 mr = best
     return nr, mr
+
+
+def compact_pays(m_ext: int, width: int, j_ext: int, k_ext: int, lanes: int, regs: int) -> bool:
+    """Whether a strided 1x1 convolution's rows, merged (``m_ext`` of them, through a compact
+    copy of its input: ``_conv.compact_strided``), get a tile of more accumulators than its
+    output rows of ``width`` alone (``unpadded_tile``). ResNet-50's 1024->2048 at 14 x 14 ->
+    7 x 7 on AVX2: 4 x 3 vectors merged, 7 x 1 apart (0.67x the time with the copy); its
+    256->128 at 56 x 56 -> 28 x 28: 4 x 2 vectors either way, the copy alone (1.24x)."""
+    nr, mr = wide_tile(m_ext, j_ext, k_ext, lanes, regs, 1) or standard_tile(
+        m_ext, j_ext, lanes, regs, 1
+    )
+    nr_u, mr_u = unpadded_tile(
+        width, j_ext, standard_tile(width, j_ext, lanes, regs, 1)[0], lanes, regs, 1
+    )
+    return mr * nr > mr_u * nr_u

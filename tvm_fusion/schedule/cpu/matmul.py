@@ -36,12 +36,14 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
   packed as ``[cols / NR, c, kh, kw, NR]``), where one flat ``k`` read its input at
   ``k // 9, h + k % 9 // 3, w + k % 3``; a 1x1 convolution's rows ``(h, w)`` become one axis
   (its accumulators and write-back too), tiled as a GEMM's rows, padded through flat copies
-  where the tile's height does not divide them (7 x 7: 49 rows in tiles of 4 on AVX2).
+  where the tile's height does not divide them (7 x 7: 49 rows in tiles of 4 on AVX2) or
+  the wide tile pads its columns (SqueezeNet's 1000 channels: 1008).
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from tvm import DataType, s_tir, tirx
 from tvm.ir.expr import TensorLoad
@@ -67,8 +69,15 @@ from .._common import (
     vectorize_innermost,
     write_order,
 )
-from ._conv import flatten_rows, is_mac, is_window, merge_rows
-from ._tiles import K_BLOCK_MIN, dividing_width, standard_tile, unpadded_tile, wide_tile
+from ._conv import compact_strided, flatten_rows, is_mac, is_window, merge_rows
+from ._tiles import (
+    K_BLOCK_MIN,
+    compact_pays,
+    dividing_width,
+    standard_tile,
+    unpadded_tile,
+    wide_tile,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,10 +154,10 @@ class Matmul(CPURule):
         if n_red > 1 and not window and not self._fuse_reduction(sch, red.block_rv, n_red):
             return None
         flat = None  # merged rows padded through flat buffers (flatten_rows)
-        if not window and merge_ok:
-            merged = merge_rows(sch, red.block_rv)
-        else:
-            merged = ()
+        lanes = _target.vector_lanes(target, str(sch.get(red.block_rv).writes[0].source.dtype))
+        pays = partial(compact_pays, lanes=lanes, regs=_target.vector_registers(target))
+        compact = compact_strided(sch, red.block_rv, pays) if not window and merge_ok else None
+        merged = merge_rows(sch, red.block_rv) if not window and merge_ok else ()
         stmt = sch.get(red.block_rv)
         mac = is_mac(stmt.body)
         if mac is None:
@@ -180,7 +189,7 @@ class Matmul(CPURule):
         # operand's read it would be recomputed for every column panel.
         red_index = infos.index(red)
         prologue = infos[:red_index]
-        materialised = []
+        materialised = [compact] if compact else []
         for info in reversed(prologue):
             block_rv = info.block_rv
             value = sch.get(block_rv).body
@@ -257,14 +266,20 @@ class Matmul(CPURule):
                 factors[j_var] = nr
             padded = self._pad(sch, block, iters, factors, epilogue)
             nr_u, mr_u = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates) if merged else (0, 0)
-            if padded is None and pad_rows and is_static(m_ext) and mr_u * nr_u < mr * nr:
+            flat_rows = pad_rows and is_static(m_ext) and mr_u * nr_u < mr * nr
+            if padded is None and merged and (flat_rows or (pad_cols and wide is not None)):
                 # 49 rows: 13 tiles of 4 x 2 vectors on AVX2, not 7 tiles of 7 x 1 vector
                 flat = flatten_rows(sch, block, merged)
-                padded = self._pad(flat[0], block, iters, factors, epilogue) if flat else None
+                out_copy = [_Block(flat[2])] if flat and flat[2] is not None else []
+                flat = None if out_copy and epilogue else flat  # a parameter written and read
+                later = out_copy or epilogue
+                padded = self._pad(flat[0], block, iters, factors, later) if flat else None
                 if padded:
                     sch = flat[0]
                     try:
+                        kept = [p for p in padded[0] if not sch.get(p).same_as(sch.get(flat[1]))]
                         sch.compute_inline(flat[1])  # the padded copy reads the input itself
+                        padded = (kept, padded[1])
                     except Exception as err:  # noqa: BLE001 - the flat copy stays
                         logger.debug("matmul: flat copy kept: %s", err)
                 padded, flat = (padded, flat) if padded else (None, None)
