@@ -40,34 +40,41 @@ def _tile(width, channels, lanes, regs):
 
 @pytest.mark.parametrize("spec", [AVX2, ZEN3])
 def test_avx2_window_tiles_fill_the_registers(spec):
-    """16 registers: a 13 wide output (a prime over the 12 accumulators' budget) takes one row
-    of 8 vectors at 256 channels, 12 at 192 (it took one row x 2 vectors); 26 wide, 2 rows x 4
-    vectors (it took 2 x 2). Widths with a fitting divisor keep their tiles: 14 (7 x 1), 7,
-    56 and 28 (4 x 2), 27 (9 x 1), 55 (11 x 1)."""
+    """16 registers: a 13 or 17 wide output (primes over the 12 accumulators' budget) takes one
+    row of 8 vectors at 256 channels, 12 at 192 (it took one row x 2 vectors); 26 wide, 2 rows x
+    4 vectors (was 2 x 2). Of the tiles of 8 or more accumulators, the fewest loads per FMA: 55
+    wide, 5 x 2 vectors (was 11 x 1); 27 wide at 192 channels, 3 x 3 (was 9 x 1; 128 channels,
+    8 vectors, keep it). 7 accumulators stay (7 and 14 wide: 7 x 1), as do 56 and 28 (4 x 2)
+    and 15 (5 x 2, where 3 x 3 vectors has as few loads per FMA and fewer accumulators)."""
     lanes, regs = _isa(spec)
     assert (lanes, regs) == (8, 16)
     assert _tile(13, 256, lanes, regs) == (8, 1)
     assert _tile(13, 192, lanes, regs) == (12, 1)
     assert _tile(13, 64, lanes, regs) == (8, 1)
-    assert _tile(26, 64, lanes, regs) == (4, 2)
     assert _tile(17, 32, lanes, regs) == (4, 1)  # 4 vectors are all the channels
+    assert _tile(26, 64, lanes, regs) == (4, 2)
+    assert _tile(55, 64, lanes, regs) == (2, 5)
+    assert _tile(27, 192, lanes, regs) == (3, 3)
+    assert _tile(27, 128, lanes, regs) == (1, 9)
     assert _tile(14, 256, lanes, regs) == (1, 7)
     assert _tile(7, 512, lanes, regs) == (1, 7)
     assert _tile(56, 64, lanes, regs) == (2, 4)
     assert _tile(28, 128, lanes, regs) == (2, 4)
-    assert _tile(27, 128, lanes, regs) == (1, 9)
-    assert _tile(55, 64, lanes, regs) == (1, 11)
+    assert _tile(15, 96, lanes, regs) == (2, 5)
 
 
 @pytest.mark.parametrize("spec", [AVX512, NEON])
-def test_32_register_window_tiles_unchanged(spec):
-    """32 registers (AVX-512, NEON) fit 13 rows of one or two vectors already: unchanged."""
+def test_32_register_window_tiles(spec):
+    """32 registers (AVX-512, NEON) fit 13 rows of one or two vectors already: unchanged, as
+    are tiles of 8 or more accumulators. 111 wide (3 x 37) took 3 rows x 2 vectors, 6
+    accumulators: now 3 x 4 vectors (not one row of 16: fewer loads per FMA)."""
     lanes, regs = _isa(spec)
     assert regs == 32
-    for width, channels in ((13, 256), (13, 192), (14, 256), (7, 512), (26, 64)):
+    for width, channels in ((13, 256), (13, 192), (14, 256), (7, 512), (26, 64), (55, 64)):
         nr, _ = standard_tile(width, channels, lanes, regs, 1)
         old = unpadded_tile(width, channels, nr, lanes, regs, 1)
         assert window_tile(width, channels, nr, lanes, regs, 1) == old, (width, channels)
+    assert _tile(111, 256, lanes, regs) == (4, 3)
 
 
 def test_channel_blocks():
@@ -147,6 +154,8 @@ CASES = [
     (8, 32, 7, 3, 1, 1, 1),  # 7 x 1 vectors, unchanged
     (8, 32, 14, 3, 2, 1, 1),  # stride 2: 7 wide
     (8, 32, 27, 3, 1, 0, 1),  # padding 0: 25 wide (5 x 2 vectors)
+    (8, 96, 27, 3, 1, 1, 1),  # 3 x 3 vectors
+    (4, 32, 55, 3, 1, 1, 1),  # 5 x 2 vectors
     (3, 16, 29, 7, 2, 3, 1),  # a 7 x 7 stem, padding 3: 15 wide
 ]
 
