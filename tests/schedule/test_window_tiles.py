@@ -61,6 +61,9 @@ def test_avx2_window_tiles_fill_the_registers(spec):
     assert _tile(56, 64, lanes, regs) == (2, 4)
     assert _tile(28, 128, lanes, regs) == (2, 4)
     assert _tile(15, 96, lanes, regs) == (2, 5)
+    # 208 channels (26 vectors: one row of 2 at most), 13 wide: 13 x 1 vector, one register
+    # to spare (it took one row x 2 vectors)
+    assert _tile(13, 208, lanes, regs) == (1, 13)
 
 
 @pytest.mark.parametrize("spec", [AVX512, NEON])
@@ -149,6 +152,7 @@ CASES = [
     # (in channels, out channels, width, kernel, stride, padding, dilation)
     (16, 64, 13, 3, 1, 1, 1),  # one row x 8 vectors, blocks of 4 channels
     (16, 64, 26, 3, 1, 1, 1),  # 2 rows x 4 vectors
+    (8, 208, 13, 3, 1, 1, 1),  # 13 rows x 1 vector
     (12, 96, 17, 3, 1, 2, 2),  # 17 wide (a prime), dilation 2: one row x 12 vectors
     (3, 64, 55, 11, 4, 2, 1),  # AlexNet's stem, 13 wide: one channel a block
     (8, 32, 7, 3, 1, 1, 1),  # 7 x 1 vectors, unchanged

@@ -32,7 +32,8 @@ def window_tile(m_ext, j_ext, nr: int, lanes: int, regs: int, gates: int) -> tup
     the broadcast and two more (addresses): MR x V + V + 3 <= the registers, accumulators at
     most 3/4 of them. A single row reads each weight vector once (an FMA memory operand) but
     its whole weight panel per output pixel (``channel_block``): only where the width leaves
-    few accumulators. On AVX2: 13 or 17 wide, one row x 8 vectors (256 channels), 12 (192);
+    few accumulators. On AVX2: 13 or 17 wide, one row x 8 vectors (256 channels), 12 (192),
+    13 x 1 vector at 13 wide where the vectors have no divisor from 3 to 12 (208 channels);
     26 wide, 2 x 4 (was 2 x 2); 55 wide, 5 x 2 (was 11 x 1); 27 or 9 wide at 96, 192, 384
     channels, 3 x 3 (was 9 x 1). 32 registers (AVX-512, NEON): changed only at widths of 1 to
     3 rows a tile (111 = 3 x 37: 3 x 4 vectors, was 3 x 2), not timed.
@@ -65,6 +66,12 @@ def window_tile(m_ext, j_ext, nr: int, lanes: int, regs: int, gates: int) -> tup
         _, _, mr, v = min(in_flight, key=lambda t: (t[1], -t[0], -t[2]))
     else:
         _, _, mr, v = max(tiles, key=lambda t: (t[0], -t[1], t[2]))
+        # else, on 16 registers, a tile of one vector one row under them (13 x 1: 13
+        # accumulators, the weight, the broadcast, one to spare): 96->208 3x3 at 13 x 13 (26
+        # vectors: no divisor of them from 3 to 12), 0.38-0.49x the time of one row x 2 vectors
+        tall = max(_divisors(m_ext, regs - 3)) if regs == 16 else 0
+        if mr * v < tall:
+            mr, v = tall, 1
         if mr * v < held:
             return nr_u, mr_u
     return v * lanes, mr
