@@ -70,6 +70,7 @@ from .._common import (
     write_order,
 )
 from ._conv import compact_strided, flatten_rows, is_mac, is_window, merge_rows
+from ._conv_tiles import block_channels, window_tile
 from ._tiles import (
     K_BLOCK_MIN,
     compact_pays,
@@ -238,9 +239,8 @@ class Matmul(CPURule):
         nr, mr = standard_tile(m_ext, j_ext, lanes, regs, n_gates)
         if window and is_static(m_ext):
             # a window's rows (the output width) are never padded (pad_einsum refuses its
-            # reads): a height that divides them, sized on the register file (14 rows on
-            # AVX2: 7 x 1 vector, where standard_tile's divisor gave 2 x 2 vectors)
-            nr, mr = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates)
+            # reads): a height that divides them, sized on the register file (_conv_tiles.py)
+            nr, mr = window_tile(m_ext, j_ext, nr, lanes, regs, n_gates)
         layout_free = {int(i) for i in func.attrs.get("layout_free_buffers", [])}
         b_param = self._param_index(func, b_load.source)
         is_const_b = b_param is not None and b_param in layout_free
@@ -415,6 +415,12 @@ class Matmul(CPURule):
         kc = None
         if not window:
             kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores)
+        elif io is not None and outer and mr <= 2:
+            # the row's tiles under each block of input channels (_conv_tiles.channel_block)
+            itemsize = DataType(dtype).bits // 8
+            blocked = block_channels(sch, io, [loop_of[k] for k in k_vars], nr, itemsize)
+            if blocked is not None:
+                loop_of[k_var], tile_loop, io = blocked, outer[-1], None
         if kc:
             # K in blocks: a panel's KC x NR block of B stays in L1 while every row tile of the
             # panel reads it, the accumulators of all the panel's rows stay local in between.
