@@ -19,11 +19,15 @@ carry no tail predicate; the results are written for the real rows only.
 from __future__ import annotations
 
 import logging
+import os as _os
 
+import tvm_ffi
 from tvm import s_tir, sym, tirx
+from tvm.ir.expr import TensorLoad
 from tvm.target import Target
 
 from ... import target as _target
+from ...tir_util import iter_stmts
 from .._common import (
     GATE_ATTR,
     CPURule,
@@ -127,6 +131,89 @@ def _rows_padded(sch: s_tir.Schedule, gemms: list, n_rows: int, mr: int) -> bool
     return True
 
 
+def _flag_load(cond):
+    """The load ``flag[i]`` of ``flag[i] != 0`` (maybe cast), else None."""
+    load = getattr(cond, "a", None) if isinstance(cond, tirx.NE) else None
+    return load.value if isinstance(load, tirx.Cast) else load
+
+
+def _flag_test(cond) -> bool:
+    """``flag[i] != 0`` of an integer buffer (FuseGatheredGates' ``per_row`` flag)."""
+    load = _flag_load(cond)
+    zero = getattr(cond, "b", None)
+    return (
+        isinstance(load, TensorLoad)
+        and "int" in str(load.source.dtype)
+        and isinstance(zero, tirx.IntImm)
+        and int(zero.value) == 0
+    )
+
+
+def unswitch_flag(sch: s_tir.Schedule) -> s_tir.Schedule:
+    """The scheduled kernel's body under ``if flag: body[select -> its true value] else:
+    body[select -> its false value]`` for every ``select(flag[i] != 0, a, b)``, where
+    ``flag`` is a parameter buffer (FuseGatheredGates' kernels on rows laid out one expert
+    per tile, ``transform/_expert_tiles.py``: ``W[select(sorted only, per_row[r],
+    tiles[r // MR])]``): in each branch the expert index is plain, so the tile's rows share
+    one weight vector a ``k`` in the tiled branch (LLVM does not unswitch the select: the
+    tiled kernel ran at the per-row kernel's speed, 1.06x, with the select in place)."""
+    func = sch.mod["main"]
+    params = set(func.params)
+    found: list = []
+
+    def collect(node):
+        if isinstance(node, tirx.Select) and _flag_test(node.condition):
+            if _flag_load(node.condition).source in params:
+                found.append(node.condition)
+        return node
+
+    tvm_ffi.structural_map(func.body, [(tirx.Select, collect)])
+    if not found:
+        return sch
+    flag = found[0]
+
+    def branch(value: bool):
+        def pick(node):
+            if isinstance(node, tirx.Select) and tvm_ffi.structural_equal(node.condition, flag):
+                return node.true_value if value else node.false_value
+            return node
+
+        return tvm_ffi.structural_map(func.body, [(tirx.Select, pick)])
+
+    root = func.body
+    if not isinstance(root, s_tir.SBlockRealize):
+        return sch
+    then_body, else_body = (branch(v).block.body for v in (True, False))
+    else_body = _fresh_vars(else_body)
+    block = root.block
+    new_root = s_tir.SBlock(
+        block.iter_vars,
+        block.reads,
+        block.writes,
+        block.name_hint,
+        tirx.IfThenElse(flag, then_body, else_body),
+        block.init,
+        block.alloc_buffers,
+        block.match_buffers,
+        block.annotations,
+    )
+    body = s_tir.SBlockRealize(root.iter_values, root.predicate, new_root)
+    return s_tir.Schedule(func.with_body(body))
+
+
+def _fresh_vars(stmt):
+    """``stmt`` with every loop and block iterator variable it defines replaced by a fresh
+    one (the other branch of :func:`unswitch_flag` defines the same)."""
+    fresh = {}
+    for node in iter_stmts(stmt):
+        if isinstance(node, tirx.For):
+            fresh[node.loop_var] = tirx.Var(node.loop_var.name, node.loop_var.ty)
+        elif isinstance(node, s_tir.SBlock):
+            for iv in node.iter_vars:
+                fresh[iv.var] = tirx.Var(iv.var.name, iv.var.ty)
+    return tvm_ffi.structural_map(stmt, [(tirx.Var, lambda v: fresh.get(v, v))])
+
+
 class GateFusion(CPURule):
     def apply(self, func, target: Target, tunable: bool):
         if not self.applicable(func, target) or GATE_ATTR not in func.attrs:
@@ -140,6 +227,8 @@ class GateFusion(CPURule):
             sch = self._schedule(func, target, block, gates, pad=False, built=built)
         if sch is None:  # a kernel built with padded rows whose tile failed: one row a tile
             sch = self._schedule(func, target, block, gates, pad=False, built=1)
+        if sch is not None and "unswitch" in hints and not _os.environ.get("NOUNSW"):
+            sch = unswitch_flag(sch)
         return sch
 
     def _schedule(self, func, target: Target, block: int, gates: int, pad: bool, built):
