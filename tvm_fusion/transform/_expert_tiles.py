@@ -25,6 +25,9 @@ from __future__ import annotations
 
 from tvm import relax, te, tirx
 
+from .. import target as _target
+from .fuse_split_gates.match import _int, _shape
+
 INDEX = "int32"
 
 
@@ -122,3 +125,31 @@ def emit_layout(bb: relax.BlockBuilder, ids, perm, unsort, experts: int, mr: int
     out = bb.emit(bb.call_te(fn, ids, perm, unsort, primfunc_name_hint="expert_tiles"), "tiles")
     src, tiles, per_row, dst = (bb.emit(relax.TupleGetItem(out, i)) for i in range(4))
     return src, (tiles, per_row), dst, n_tiles
+
+
+def plan_layout(bb: relax.BlockBuilder, group, ids, perm, target):
+    """``(src, (tiles, per_row), dst, T, MR)`` for a FuseGatheredGates group (one row axis,
+    every GEMM gathered; ``group.unsort`` set), emitted; None where the CPU gate rule's tile
+    is one row, or the target is not a CPU."""
+    from ..schedule import gate_tile_rows
+
+    if target is None or not _target.is_cpu(target):
+        return None
+    mr = gate_tile_rows(target, None, max(g.gates for g in group.gemms), group.block)
+    if mr <= 1:
+        return None
+    experts = max(_int(_shape(g.weight)[0]) for g in group.gemms)
+    rows = group.rows[0]
+    rows = _int(rows) if _int(rows) is not None else rows
+    unsort = group.unsort
+    src, tiles, dst, n_tiles = emit_layout(bb, ids, perm, unsort, experts, mr, rows)
+    return src, tiles, dst, n_tiles, mr
+
+
+def group_tile(group, target, mr: int) -> int:
+    """The rule's tile for a group whose rows are laid out ``mr`` per expert: the largest
+    divisor of ``mr`` that its registers hold (the down projection after the gate-up)."""
+    from ..schedule import gate_tile_rows
+
+    own = gate_tile_rows(target, None, max(g.gates for g in group.gemms), group.block)
+    return max(d for d in range(1, mr + 1) if mr % d == 0 and d <= max(own, 1))

@@ -71,7 +71,7 @@ from tvm.ir.expr import GenericConst
 from .. import target as _target
 from ..tir_util import iter_stmts
 from ._common import get_logger, record_rewrite, skip
-from ._expert_tiles import emit_layout
+from ._expert_tiles import group_tile, plan_layout
 from .check_gather_bounds import CHECKED_AXIS, CHECKED_SIGNED
 from .fuse_split_gates.emit import _Rewriter
 from .fuse_split_gates.match import _Block, _Gemm, _int, _op, _pieces, _shape, _slice_pieces
@@ -177,11 +177,11 @@ def _sort_rows(
     else:
         perm = bb.emit(_argsort(bb, ids), "expert_order")
         group.unsort = bb.emit(_argsort(bb, perm), "row_order")
-        layout = _layout(bb, group, ids, perm, target)
+        layout = plan_layout(bb, group, ids, perm, target) if ENABLE_EXPERT_TILES else None
     order = perm
     if layout is not None:  # rows padded to one expert per tile: read x[src], put back by dst
         order, tiles, group.unsort, n_tiles, mr = layout
-        group.expert_tiles = (mr, n_tiles, _tile(group, target, mr))
+        group.expert_tiles = (mr, n_tiles, group_tile(group, target, mr))
     for gemm in gemms:
         known = sorted_outputs.get(gemm.x) if isinstance(gemm.x, relax.Var) else None
         if known is not None and same(known):
@@ -198,34 +198,6 @@ def _sort_rows(
     ]
     group.sorted_outputs = sorted_outputs
     group.sort_key = (blk, key, perm, group.unsort, layout)
-
-
-def _layout(bb: relax.BlockBuilder, group, ids, perm, target):
-    """``(src, tiles, dst, T, MR)`` of one expert per register tile (see
-    ``transform/_expert_tiles.py``), emitted; None where the rule's tile is one row (or the
-    target is not a CPU)."""
-    from ..schedule import gate_tile_rows
-
-    if target is None or not _target.is_cpu(target) or not ENABLE_EXPERT_TILES:
-        return None
-    mr = gate_tile_rows(target, None, max(g.gates for g in group.gemms), group.block)
-    if mr <= 1:
-        return None
-    experts = max(_int(_shape(g.weight)[0]) for g in group.gemms)
-    rows = group.rows[0]
-    rows = _int(rows) if _int(rows) is not None else rows
-    unsort = group.unsort
-    src, tiles, dst, n_tiles = emit_layout(bb, ids, perm, unsort, experts, mr, rows)
-    return src, tiles, dst, n_tiles, mr
-
-
-def _tile(group, target, mr: int) -> int:
-    """The rule's tile for a group whose rows are laid out ``mr`` per expert: the largest
-    divisor of ``mr`` that its registers hold (the down projection after the gate-up)."""
-    from ..schedule import gate_tile_rows
-
-    own = gate_tile_rows(target, None, max(g.gates for g in group.gemms), group.block)
-    return max(d for d in range(1, mr + 1) if mr % d == 0 and d <= max(own, 1))
 
 
 def _argsort(bb: relax.BlockBuilder, values):

@@ -19,7 +19,6 @@ carry no tail predicate; the results are written for the real rows only.
 from __future__ import annotations
 
 import logging
-import os as _os
 
 import tvm_ffi
 from tvm import s_tir, sym, tirx
@@ -227,7 +226,7 @@ class GateFusion(CPURule):
             sch = self._schedule(func, target, block, gates, pad=False, built=built)
         if sch is None:  # a kernel built with padded rows whose tile failed: one row a tile
             sch = self._schedule(func, target, block, gates, pad=False, built=1)
-        if sch is not None and "unswitch" in hints and not _os.environ.get("NOUNSW"):
+        if sch is not None and "unswitch" in hints:
             sch = unswitch_flag(sch)
         return sch
 
