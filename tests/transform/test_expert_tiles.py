@@ -15,7 +15,7 @@ import pytest
 import tvm
 from tvm import te
 
-from tvm_fusion.transform._expert_tiles import by_rows, layout_compute, tile_count
+from tvm_fusion.transform._expert_tiles import by_rows, kernel_rows, layout_compute, tile_count
 
 
 def _layout(ids: np.ndarray, experts: int, mr: int):
@@ -23,7 +23,7 @@ def _layout(ids: np.ndarray, experts: int, mr: int):
     n_tiles = tile_count(rows, experts, mr)
     args = [te.placeholder((rows,), dtype, name) for name, dtype in
             (("ids", "int64"), ("perm", "int32"), ("unsort", "int32"))]  # fmt: skip
-    outs = layout_compute(experts, mr, n_tiles)(*args)
+    outs = layout_compute(experts, mr, n_tiles, kernel_rows(rows, experts, mr))(*args)
     func = te.create_prim_func([*args, *outs], "int64").with_attr("global_symbol", "main")
     lib = tvm.compile(tvm.IRModule({"main": func}), "llvm")
     perm = np.argsort(ids, kind="stable").astype("int32")
@@ -44,15 +44,17 @@ def test_layout_matches_numpy(rows, experts, mr):
     used = rng.choice(experts, size=max(1, experts - 1), replace=False)  # an expert unused
     ids = rng.choice(used, size=rows).astype("int64")
     n_tiles, src, tiles, per_row, dst = _layout(ids, experts, mr)
-    assert src.shape == (n_tiles * mr,) and tiles.shape == (n_tiles,)
-    assert per_row.shape == (n_tiles * mr + 1,) and dst.shape == (rows,)
+    sorted_only = by_rows(rows, experts, mr)
+    k_rows = rows if sorted_only else n_tiles * mr  # the kernels' rows
+    assert src.shape == (k_rows,) and tiles.shape == (n_tiles,)
+    assert per_row.shape == (k_rows + 1,) and dst.shape == (rows,)
     assert ((src >= 0) & (src < rows)).all()
     np.testing.assert_array_equal(src[dst], np.arange(rows))  # each row read where it lands
     assert len(set(dst.tolist())) == rows
-    if by_rows(rows, experts, mr):  # sorted only, each row its own expert
-        assert per_row[-1] == 1 and n_tiles == -(-rows // mr)
+    if sorted_only:  # each row its own expert
+        assert per_row[-1] == 1 and n_tiles == -(-rows // mr)  # tiles[r // MR] stays in bounds
         np.testing.assert_array_equal(per_row[:-1], ids[src])
-        np.testing.assert_array_equal(ids[src[:rows]], np.sort(ids))
+        np.testing.assert_array_equal(ids[src], np.sort(ids))
         return
     assert per_row[-1] == 0
     # one expert per tile: every row of tile t, padding and spare tiles included, reads a row

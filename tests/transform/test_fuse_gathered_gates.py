@@ -121,11 +121,14 @@ def test_fires_symbolic_tokens_weight_read_in_place(transposed, nd):
     assert len(shapes) == 1  # the per-expert blocked weight (E, D/V, K, 2, V)
     e, blocks, k, gates, v = shapes[0]
     assert (e, k, gates) == (E, H, 2) and blocks * v >= INNER
-    # (tiles * MR, INNER): whole tiles of one expert each (the token count symbolic)
+    # (rows, INNER), the rows symbolic: the sorted rows, or each expert's padded to whole tiles
     rows, width = buffers[-1].shape
-    mr = int(kernel.attrs[GATE_ATTR]["rows"])
-    (tiles,) = tvm.tirx.analysis.undefined_vars(rows)
-    assert mr > 1 and sym.Analyzer().can_prove_equal(rows, tiles * mr) and int(width) == INNER
+    assert isinstance(rows, tirx.Var) and int(width) == INNER
+    # after the weight: the expert of each tile (tiles,), of each row and the flag (rows + 1,)
+    (tiles,), (flagged,) = buffers[2].shape, buffers[3].shape
+    assert isinstance(tiles, tirx.Var) and not tiles.same_as(rows)
+    assert sym.Analyzer().can_prove_equal(flagged, rows + 1)
+    assert int(kernel.attrs[GATE_ATTR]["rows"]) > 1
 
 
 @pytest.mark.parametrize(

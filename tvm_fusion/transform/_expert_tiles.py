@@ -43,6 +43,15 @@ def tile_count(rows, experts: int, mr: int):
     return tirx.Select(by_rows(rows, experts, mr), tirx.floordiv(rows + mr - 1, mr), tiled)
 
 
+def kernel_rows(rows, experts: int, mr: int):
+    """The rows the kernels run on: ``rows`` where they stay sorted only (:func:`by_rows`),
+    else ``T * MR`` (the tiles of :func:`tile_count`)."""
+    if isinstance(rows, int):
+        return rows if by_rows(rows, experts, mr) else tile_count(rows, experts, mr) * mr
+    tiled = tirx.min(rows, tirx.floordiv(rows + experts * (mr - 1), mr)) * mr
+    return tirx.Select(by_rows(rows, experts, mr), rows, tiled)
+
+
 def by_rows(rows, experts: int, mr: int):
     """Whether ``rows`` rows are laid out as sorted, each row reading its own expert's weight
     (``rows < 2 * E * MR``; a bool, or a condition on symbolic rows): each expert's segment
@@ -53,7 +62,7 @@ def by_rows(rows, experts: int, mr: int):
     return rows < 2 * experts * mr
 
 
-def layout_compute(experts: int, mr: int, n_tiles):
+def layout_compute(experts: int, mr: int, n_tiles, rows):
     """The TE function ``(ids, perm, unsort) -> (src, tiles, per_row, dst)`` (see the module
     docstring); ``perm = argsort(ids)``, ``unsort = argsort(perm)``; ``per_row`` holds the
     expert of each of the kernel's rows and, last, 1 where the rows are laid out as sorted
@@ -80,7 +89,6 @@ def layout_compute(experts: int, mr: int, n_tiles):
             (experts,), lambda e: te.sum(tirx.Select(f <= e, padded[f], zero), axis=f), "end"
         )
         f2 = te.reduce_axis((0, experts), "f2")
-        rows = n_tiles * mr
         owner = te.compute(  # the expert of each padded row, ``experts`` past the real rows
             (rows,),
             lambda p: te.sum(tirx.Select(end[f2] <= p.astype(INDEX), one, zero), axis=f2),
@@ -118,17 +126,18 @@ def layout_compute(experts: int, mr: int, n_tiles):
 
 
 def emit_layout(bb: relax.BlockBuilder, ids, perm, unsort, experts: int, mr: int, rows):
-    """``(src, (tiles, per_row), dst, T)`` for the ids ``(S,)`` of ``rows`` rows (see the
-    module docstring and :func:`layout_compute`), emitted as one kernel."""
+    """``(src, (tiles, per_row), dst, T, R)`` for the ids ``(S,)`` of ``rows`` rows (see the
+    module docstring and :func:`layout_compute`; ``R``: :func:`kernel_rows`), emitted as one
+    kernel."""
     n_tiles = tile_count(rows, experts, mr)
-    fn = layout_compute(experts, mr, n_tiles)
+    fn = layout_compute(experts, mr, n_tiles, kernel_rows(rows, experts, mr))
     out = bb.emit(bb.call_te(fn, ids, perm, unsort, primfunc_name_hint="expert_tiles"), "tiles")
     src, tiles, per_row, dst = (bb.emit(relax.TupleGetItem(out, i)) for i in range(4))
-    return src, (tiles, per_row), dst, n_tiles
+    return src, (tiles, per_row), dst, n_tiles, kernel_rows(rows, experts, mr)
 
 
 def plan_layout(bb: relax.BlockBuilder, group, ids, perm, target):
-    """``(src, (tiles, per_row), dst, T, MR)`` for a FuseGatheredGates group (one row axis,
+    """``(src, (tiles, per_row), dst, T, R, MR)`` for a FuseGatheredGates group (one row axis,
     every GEMM gathered; ``group.unsort`` set), emitted; None where the CPU gate rule's tile
     is one row, or the target is not a CPU."""
     from ..schedule import gate_tile_rows
@@ -142,8 +151,7 @@ def plan_layout(bb: relax.BlockBuilder, group, ids, perm, target):
     rows = group.rows[0]
     rows = _int(rows) if _int(rows) is not None else rows
     unsort = group.unsort
-    src, tiles, dst, n_tiles = emit_layout(bb, ids, perm, unsort, experts, mr, rows)
-    return src, tiles, dst, n_tiles, mr
+    return (*emit_layout(bb, ids, perm, unsort, experts, mr, rows), mr)
 
 
 def group_tile(group, target, mr: int) -> int:

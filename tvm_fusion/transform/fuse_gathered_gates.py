@@ -180,8 +180,8 @@ def _sort_rows(
         layout = plan_layout(bb, group, ids, perm, target) if ENABLE_EXPERT_TILES else None
     order = perm
     if layout is not None:  # rows padded to one expert per tile: read x[src], put back by dst
-        order, tiles, group.unsort, n_tiles, mr = layout
-        group.expert_tiles = (mr, n_tiles, group_tile(group, target, mr))
+        order, tiles, group.unsort, n_tiles, k_rows, mr = layout
+        group.expert_tiles = (mr, k_rows, n_tiles, group_tile(group, target, mr))
     for gemm in gemms:
         known = sorted_outputs.get(gemm.x) if isinstance(gemm.x, relax.Var) else None
         if known is not None and same(known):

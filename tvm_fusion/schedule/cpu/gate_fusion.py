@@ -148,15 +148,12 @@ def _flag_test(cond) -> bool:
     )
 
 
-def unswitch_flag(sch: s_tir.Schedule) -> s_tir.Schedule:
-    """The scheduled kernel's body under ``if flag: body[select -> its true value] else:
-    body[select -> its false value]`` for every ``select(flag[i] != 0, a, b)``, where
-    ``flag`` is a parameter buffer (FuseGatheredGates' kernels on rows laid out one expert
-    per tile, ``transform/_expert_tiles.py``: ``W[select(sorted only, per_row[r],
-    tiles[r // MR])]``): in each branch the expert index is plain, so the tile's rows share
-    one weight vector a ``k`` in the tiled branch (LLVM does not unswitch the select: the
-    tiled kernel ran at the per-row kernel's speed, 1.06x, with the select in place)."""
-    func = sch.mod["main"]
+def flag_branches(func: tirx.PrimFunc):
+    """``(flag, func[select -> true value], func[select -> false value])`` for every
+    ``select(flag[i] != 0, a, b)`` of ``func`` whose ``flag`` is a parameter buffer
+    (FuseGatheredGates' kernels on rows laid out one expert per tile,
+    ``transform/_expert_tiles.py``: ``W[select(sorted only, per_row[r], tiles[r // MR])]``);
+    None when it has none."""
     params = set(func.params)
     found: list = []
 
@@ -168,7 +165,7 @@ def unswitch_flag(sch: s_tir.Schedule) -> s_tir.Schedule:
 
     tvm_ffi.structural_map(func.body, [(tirx.Select, collect)])
     if not found:
-        return sch
+        return None
     flag = found[0]
 
     def branch(value: bool):
@@ -177,32 +174,38 @@ def unswitch_flag(sch: s_tir.Schedule) -> s_tir.Schedule:
                 return node.true_value if value else node.false_value
             return node
 
-        return tvm_ffi.structural_map(func.body, [(tirx.Select, pick)])
+        return func.with_body(tvm_ffi.structural_map(func.body, [(tirx.Select, pick)]))
 
-    root = func.body
-    if not isinstance(root, s_tir.SBlockRealize):
-        return sch
-    then_body, else_body = (branch(v).block.body for v in (True, False))
-    else_body = _fresh_vars(else_body)
-    block = root.block
-    new_root = s_tir.SBlock(
-        block.iter_vars,
-        block.reads,
-        block.writes,
-        block.name_hint,
-        tirx.IfThenElse(flag, then_body, else_body),
-        block.init,
-        block.alloc_buffers,
-        block.match_buffers,
-        block.annotations,
+    return flag, branch(True), branch(False)
+
+
+def splice(flag, then_func: tirx.PrimFunc, else_func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """One kernel ``if flag: then_func's body else: else_func's body`` of two scheduled
+    kernels with the same parameters (the branches of :func:`flag_branches`, each scheduled
+    with its own tile); None where a body is not one root block."""
+    roots = [f.body for f in (then_func, else_func)]
+    if not all(isinstance(r, s_tir.SBlockRealize) for r in roots):
+        return None
+    then_block, else_block = (r.block for r in roots)
+    # both define the same loop and block variables: fresh ones in the else branch
+    else_body = _fresh_vars(else_block.body)
+    block = s_tir.SBlock(
+        then_block.iter_vars,
+        then_block.reads,
+        then_block.writes,
+        then_block.name_hint,
+        tirx.IfThenElse(flag, then_block.body, else_body),
+        then_block.init,
+        [*then_block.alloc_buffers, *else_block.alloc_buffers],
+        then_block.match_buffers,
+        then_block.annotations,
     )
-    body = s_tir.SBlockRealize(root.iter_values, root.predicate, new_root)
-    return s_tir.Schedule(func.with_body(body))
+    return then_func.with_body(s_tir.SBlockRealize(roots[0].iter_values, roots[0].predicate, block))
 
 
 def _fresh_vars(stmt):
     """``stmt`` with every loop and block iterator variable it defines replaced by a fresh
-    one (the other branch of :func:`unswitch_flag` defines the same)."""
+    one (the other branch of :func:`splice` defines the same)."""
     fresh = {}
     for node in iter_stmts(stmt):
         if isinstance(node, tirx.For):
@@ -221,13 +224,26 @@ class GateFusion(CPURule):
         block, gates = int(hints["block"]), int(hints["gates"])
         # "rows": FuseSplitGates built the GEMMs with their rows padded to this tile
         built = int(hints["rows"]) if "rows" in hints else None
+        branches = flag_branches(func) if "unswitch" in hints and built else None
+        if branches is not None:  # one expert per tile, or the rows sorted only
+            flag, by_rows, tiled = branches
+            # the rows sorted only read a weight pointer each: a tile of at most
+            # PADDED_ROWS_MAX rows (see tile_rows), a divisor of the layout's tile
+            row_tile = max(d for d in range(1, PADDED_ROWS_MAX + 1) if built % d == 0)
+            done = [self._built(f, target, block, gates, t) for f, t in
+                    ((by_rows, row_tile), (tiled, built))]  # fmt: skip
+            if all(d is not None for d in done):
+                spliced = splice(flag, *(d.mod["main"] for d in done))
+                if spliced is not None:
+                    return s_tir.Schedule(spliced)
+        return self._built(func, target, block, gates, built)
+
+    def _built(self, func, target: Target, block: int, gates: int, built):
         sch = self._schedule(func, target, block, gates, pad=True, built=built)
         if sch is None:  # padding refused: symbolic rows one at a time
             sch = self._schedule(func, target, block, gates, pad=False, built=built)
         if sch is None:  # a kernel built with padded rows whose tile failed: one row a tile
             sch = self._schedule(func, target, block, gates, pad=False, built=1)
-        if sch is not None and "unswitch" in hints:
-            sch = unswitch_flag(sch)
         return sch
 
     def _schedule(self, func, target: Target, block: int, gates: int, pad: bool, built):

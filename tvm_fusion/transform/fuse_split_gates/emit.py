@@ -11,6 +11,7 @@ from tvm import IRModule, relax, sym, te, tirx, topi
 from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.tirx.analysis import undefined_vars
 
 from ... import target as _target
 from ...schedule._common import GATE_ATTR
@@ -53,9 +54,10 @@ def _gemm_stage(
 
         def gathered(*idx):
             rows, gate, do, di = idx[:n_rows], idx[n_rows], idx[n_rows + 1], idx[n_rows + 2]
+            row = rows[-1]
             if pad_rows is not None:
                 rows = (*rows[:-1], tirx.min(rows[-1], last))
-            expert = ids[rows] if tile is None else _tile_expert(ids, rows[-1], tile)
+            expert = ids[rows] if tile is None else _tile_expert(ids, row, rows[-1], tile)
             return te.sum(mul(x[(*rows, kk)], w[expert, do, kk, gate, di]), axis=kk)
 
         blocks = -(-width // block)
@@ -82,14 +84,14 @@ def _gemm_stage(
     return te.compute((*x.shape[:-1], gates, width), body, name=name)
 
 
-def _tile_expert(ids, row, tile: int):
+def _tile_expert(ids, row, clamped, tile: int):
     """The expert of ``row`` laid out one expert per tile of ``tile`` rows: ``ids`` is
     ``(tiles, per_row)`` (``transform/_expert_tiles.py``); ``per_row``'s last element set: the
     rows are sorted only, each reads its own expert. The CPU gate rule unswitches the select
     (``UNSWITCH``), each branch scheduled alike: one weight vector a ``k`` per tile."""
     tiles, per_row = ids
     flag = per_row[per_row.shape[0] - 1]
-    return tirx.Select(flag != 0, per_row[row], tiles[row // tile])
+    return tirx.Select(flag != 0, per_row[clamped], tiles[row // tile])
 
 
 def _bias_stage(y, bias, width: int, n_rows: int, name: str, ids=None, tile=None):
@@ -104,7 +106,7 @@ def _bias_stage(y, bias, width: int, n_rows: int, name: str, ids=None, tile=None
             if blocked and _int(y.shape[-1]) * _int(y.shape[-2]) != width:
                 d = tirx.min(d, width - 1)
             row = idx[n_rows - 1]
-            expert = ids[idx[:n_rows]] if tile is None else _tile_expert(ids, row, tile)
+            expert = ids[idx[:n_rows]] if tile is None else _tile_expert(ids, row, row, tile)
             value = bias[expert, gate * width + d]
             return y(*idx) + _widen(bias, value, y.dtype)
 
@@ -328,17 +330,17 @@ class _Rewriter(PyExprMutator):
         # FuseGatheredGates' rows sorted by expert: the externals read in that order
         externals = getattr(group, "external_args", group.externals)
         args += [self.visit_expr(e) for e in externals]
-        tiled = getattr(group, "expert_tiles", None)  # (rows per expert, tiles, rule's tile)
+        tiled = getattr(group, "expert_tiles", None)
         pad = _pad_rows(group, self.target) if tiled is None else None  # not None: one row axis
         rows = group.rows[0] if pad is not None else None
         call = None
-        if tiled is not None:
-            fn = _compute(group, self._blk, group.block, fast_math, layouts, tile=tiled[0])
-            if _int(tiled[1]) is None:  # the tiles symbolic: one variable of the kernel
-                call = _call_on_rows(self.builder_, fn, args, tiled[1], _name(group), tiled[0])
+        if tiled is not None:  # (MR, rows, tiles, the rule's tile)
+            mr, k_rows, k_tiles, pad = tiled
+            fn = _compute(group, self._blk, group.block, fast_math, layouts, mr, tile=mr)
+            if _int(k_rows) is None:  # symbolic: the rows and tiles variables of the kernel
+                call = _call_on_rows(self.builder_, fn, args, k_rows, _name(group), k_tiles)
             if call is None:
                 call = self.builder_.call_te(fn, *args, primfunc_name_hint=_name(group))
-            pad = tiled[2]
         elif rows is not None and _int(rows) is None and not isinstance(rows, tirx.Var):
             # rows such as tokens * top_k: the kernel's rows one variable of its own
             fn = _compute(group, self._blk, group.block, fast_math, layouts, pad)
@@ -407,29 +409,28 @@ def _pad_rows(group: _Group, target) -> int | None:
     return mr
 
 
-def _call_on_rows(builder, fn, args: list, rows, name: str, tile: int | None = None):
+def _call_on_rows(builder, fn, args: list, rows, name: str, tiles=None):
     """``call_te(fn, *args)`` with the kernel's row count ``rows`` (an expression such as
     transformers' ``tokens * top_k``) one fresh variable of the kernel, bound by the rows of
     its first argument: with rows a product of symbols, TVM 0.27's ``compute_at`` refuses the
     results' tile over a GEMM built with padded rows ("not a stage pipeline"), and the gate
     rule fell to tiles of one row; over a plain variable it takes the tile. The call keeps the
     Relax shapes (``rows``); None where an argument or result has another symbolic dim.
-    ``tile``: ``rows`` counts the expert tiles of that many rows each (see
-    ``transform/_expert_tiles.py``), the kernel's rows are ``n * tile``: a whole number of
-    tiles that the rule splits without a tail."""
-    n = tirx.Var("rows" if tile is None else "tiles", "int64")
+    ``tiles``: the count of expert tiles (``transform/_expert_tiles.py``), a second variable
+    of the kernel (dims ``rows + c`` become ``n + c`` too: the flag after the row experts)."""
+    n = tirx.Var("rows", "int64")
+    t = tirx.Var("tiles", "int64")
     analyzer = sym.Analyzer()
+    pairs = [(rows, n)] + ([(tiles, t)] if tiles is not None else [])
 
     def rebind(shape):
-        if tile is None:
-            return [n if analyzer.can_prove_equal(d, rows) else d for d in shape]
         out = []
         for d in shape:
-            extra = analyzer.simplify(d - rows * tile)  # n * tile + a constant (the flag)
-            if analyzer.can_prove_equal(d, rows):
-                out.append(n)
-            elif isinstance(extra, tirx.IntImm):
-                out.append(n * tile + extra if int(extra) else n * tile)
+            for expr, var in pairs:
+                extra = analyzer.simplify(d - expr)
+                if isinstance(extra, tirx.IntImm) and (tiles is not None or not int(extra)):
+                    out.append(var + extra if int(extra) else var)
+                    break
             else:
                 out.append(d)
         return out
@@ -443,18 +444,23 @@ def _call_on_rows(builder, fn, args: list, rows, name: str, tile: int | None = N
         inputs.append(te.placeholder(rebind(ty.shape.values), ty.dtype, hint))
     outs = fn(*inputs)
     outs = [outs] if isinstance(outs, te.Tensor) else list(outs)
-    dims = [d for t in [*inputs, *outs] for d in t.shape]
-    if any(not v.same_as(n) for d in dims for v in tirx.analysis.undefined_vars(d)):
+    dims = [d for x in [*inputs, *outs] for d in x.shape]
+    own = [var for _, var in pairs]
+    if any(not any(v.same_as(o) for o in own) for d in dims for v in undefined_vars(d)):
         return None
-    binding = inputs[:1] if tile is None else inputs  # the tiles: the experts of the tiles
-    if not any(d.same_as(n) for t in binding for d in t.shape):
+    binding = inputs[:1] if tiles is None else inputs  # each variable a whole dim somewhere
+    if not all(any(d.same_as(v) for x in binding for d in x.shape) for v in own):
         return None
     func = te.create_prim_func([*inputs, *outs], "int64").without_attr("global_symbol")
     gv = builder.add_func(func, name)
     vdevice = args[0].ty.vdevice
-    out_ty = [
-        relax.TensorType([_substitute(d, n, rows) for d in t.shape], t.dtype, vdevice) for t in outs
-    ]
+
+    def back(d):
+        for expr, var in pairs:
+            d = _substitute(d, var, expr)
+        return d
+
+    out_ty = [relax.TensorType([back(d) for d in x.shape], x.dtype, vdevice) for x in outs]
     return relax.call_tir(gv, args, out_ty[0] if len(out_ty) == 1 else out_ty)
 
 
