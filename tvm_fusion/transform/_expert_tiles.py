@@ -2,23 +2,32 @@
 expert's segment padded to a multiple of the CPU gate rule's tile height ``MR``, so that every
 tile of ``MR`` rows reads one expert's weight: the weight vectors are loaded once per ``k`` for
 all the tile's rows instead of once per row, and each expert's segment is a plain GEMM with
-the gate epilogue (on AVX2 the 6 x 16 tile of 12 accumulators instead of 4 rows each reading
+the gate epilogue (on AVX2 the 6-row tiles of 12 accumulators instead of 4 rows each reading
 its own expert's pointer).
 
-:func:`emit_layout` emits the layout, one kernel on the ids and their sort order:
+:func:`emit_layout` emits the layout, one kernel on the ids and their sort order, for the
+kernels' ``R`` rows (:func:`kernel_rows`):
 
-- ``src (T * MR,)``: the row that each padded row reads (the padding rows of a segment read
-  its last row, the tiles past the real ones the last sorted row);
+- ``src (R,)``: the row that each of the kernels' rows reads (the padding rows of a segment
+  read its last row, the tiles past the real ones the last sorted row);
 - ``tiles (T,)``: the expert of each tile (the tiles past the real ones: the last sorted
   row's expert, whose weight the tile before has just read);
-- ``dst (S,)``: where row ``s`` lands among the padded rows (the results are put back in row
-  order by ``take(result, dst)``).
+- ``per_row (R + 1,)``: the expert of each row, then the flag: 1 where the rows are the
+  sorted rows themselves (:func:`by_rows`: too few rows for the padding to pay), 0 where
+  they are padded to one expert per tile;
+- ``dst (S,)``: where row ``s`` lands among the kernels' rows (the results are put back in
+  row order by ``take(result, dst)``).
 
 ``T = min(S, (S + E * (MR - 1)) // MR)`` tiles bound the real ones (each expert's segment adds
-at most ``MR - 1`` padding rows, and every real tile holds a row): at one token (2 rows) the
-two tiles of the two experts, at 512 tokens top 2 (1024 rows, 8 experts, ``MR`` 6) 177 tiles
-for at least 171 real ones. A kernel then reads ``x[src]`` (contiguous rows) and
-``W[tiles[row // MR]]``.
+at most ``MR - 1`` padding rows, and every real tile holds a row): at 512 tokens top 2 (1024
+rows, 8 experts, ``MR`` 6) 177 tiles for at least 171 real ones. A kernel reads ``x[src]``
+(contiguous rows) and ``W[select(flag, per_row[r], tiles[r // MR])]``; the CPU gate rule
+schedules each side of that select on its own and branches once on the flag
+(``schedule/cpu/gate_fusion.py``, ``flag_branches`` / ``splice``).
+
+Measured (H 1024, I 2816, 8 experts, top 2, torch.export, 2 threads on the shared 2-core
+Zen 3, AVX2; this layout vs the rows sorted only, engines alternating, load 5.3-6.2): 0.75x
+the time at 512 tokens, 0.89x at 64; 1, 4, 16 tokens (the sorted rows) 0.95x, 1.05x, 1.02x.
 """
 
 from __future__ import annotations
@@ -56,9 +65,9 @@ def by_rows(rows, experts: int, mr: int):
     """Whether ``rows`` rows are laid out as sorted, each row reading its own expert's weight
     (``rows < 2 * E * MR``; a bool, or a condition on symbolic rows): each expert's segment
     adds ``(MR - 1) / 2`` padding rows on average, ``E * (MR - 1) / 2`` in all, and those
-    are computed. With 8 experts and ``MR`` 6 (AVX2), one token (2 rows) padded to two tiles
-    of 6 took 1.6x the sorted rows' time, 4 tokens 1.9x, 16 tokens 1.3x, 64 tokens 0.87x
-    (engines alternating, load 5-6)."""
+    are computed. With 8 experts and ``MR`` 6 (AVX2), padded at every row count: one token
+    (2 rows, two tiles of 6) took 1.6x the sorted rows' time, 4 tokens 1.9x, 16 tokens 1.3x,
+    64 tokens (128 rows) 0.87x, 512 tokens 0.74x (engines alternating, load 5-6)."""
     return rows < 2 * experts * mr
 
 

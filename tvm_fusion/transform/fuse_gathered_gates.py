@@ -41,7 +41,10 @@ sorted ids and its row-indexed gate-math inputs taken likewise) and the results 
 in row order (``take(result, argsort(perm))``); the down projection reads the gate-up's sorted
 result in place, in the same order (ids compared without the exporters' per-use wraps, see
 :func:`_sort_rows`). Two argsorts of ``S`` ids and a few row copies: 35 us at 2 rows. CPU
-targets only: on CUDA each row's GEMV reads its own expert whatever the order.
+targets only: on CUDA each row's GEMV reads its own expert whatever the order. From
+``2 * E * MR`` rows on, each expert's segment is also padded to whole register tiles (one
+expert per tile, ``_expert_tiles.py``): the kernels read ``take(x, src)`` and the expert of
+each tile, the results go back by ``take(result, dst)``.
 
 Ids out of range: the kernel reads ``W[ids[s]]`` without a check, so the pass fires only where
 the graph proves ``0 <= ids < E``: ids derived from ``topk`` (also once the CPU library

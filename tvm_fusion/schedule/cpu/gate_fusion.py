@@ -14,6 +14,11 @@ tile-local (``local`` scope): no buffer of ``rows x gates x D`` is ever allocate
 parallel. Symbolic rows are padded to a multiple of ``MR`` in the GEMMs (``pad_einsum``, then
 the inputs read in place with the row index clamped, see ``inline_padding``), so their tiles
 carry no tail predicate; the results are written for the real rows only.
+
+``unswitch`` (FuseGatheredGates' rows laid out one expert per tile): the kernel's expert index
+``select(flag, per_row[r], tiles[r // MR])`` is split into two kernels, each scheduled with
+its own tile (the tiled one with ``rows``, the sorted rows with at most ``PADDED_ROWS_MAX``),
+and spliced under one ``if flag`` (:func:`flag_branches`, :func:`splice`).
 """
 
 from __future__ import annotations
