@@ -232,9 +232,12 @@ class GateFusion(CPURule):
         branches = flag_branches(func) if "unswitch" in hints and built else None
         if branches is not None:  # one expert per tile, or the rows sorted only
             flag, by_rows, tiled = branches
-            # the rows sorted only read a weight pointer each: a tile of at most
-            # PADDED_ROWS_MAX rows (see tile_rows), a divisor of the layout's tile
-            row_tile = max(d for d in range(1, PADDED_ROWS_MAX + 1) if built % d == 0)
+            # the rows sorted only read a weight pointer each: the gathered tile (at most
+            # PADDED_ROWS_MAX rows, see tile_rows), named by the kernel, else a divisor of
+            # the layout's tile
+            row_tile = int(hints["rows_sorted"]) if "rows_sorted" in hints else None
+            if row_tile is None:
+                row_tile = max(d for d in range(1, PADDED_ROWS_MAX + 1) if built % d == 0)
             done = [self._built(f, target, block, gates, t) for f, t in
                     ((by_rows, row_tile), (tiled, built))]  # fmt: skip
             if all(d is not None for d in done):

@@ -7,6 +7,8 @@ group of a dataflow block by ONE ``call_tir`` of that kernel, marked opaque (``o
 
 from __future__ import annotations
 
+import math
+
 from tvm import IRModule, relax, sym, te, tirx, topi
 from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
@@ -336,7 +338,11 @@ class _Rewriter(PyExprMutator):
         call = None
         if tiled is not None:  # (MR, rows, tiles, the rule's tile)
             mr, k_rows, k_tiles, pad = tiled
-            fn = _compute(group, self._blk, group.block, fast_math, layouts, mr, tile=mr)
+            # the rows sorted only: the gathered tile (a weight pointer a row); the GEMM rows
+            # padded to a multiple of both tiles (only the tiles that the rows need are run)
+            sorted_tile = _sorted_tile(group, self.target)
+            multiple = math.lcm(mr, sorted_tile)
+            fn = _compute(group, self._blk, group.block, fast_math, layouts, multiple, tile=mr)
             if _int(k_rows) is None:  # symbolic: the rows and tiles variables of the kernel
                 call = _call_on_rows(self.builder_, fn, args, k_rows, _name(group), k_tiles)
             if call is None:
@@ -361,6 +367,7 @@ class _Rewriter(PyExprMutator):
             hints["rows"] = pad
         if tiled is not None:  # the rule unswitches the expert select (see _tile_expert)
             hints["unswitch"] = 1
+            hints["rows_sorted"] = sorted_tile
         self.builder_.update_func(gv, func.with_attrs({"op_pattern": 8, GATE_ATTR: hints}))
         self.count += 1
         if getattr(group, "unsort", None) is not None:
@@ -407,6 +414,14 @@ def _pad_rows(group: _Group, target) -> int | None:
     if mr <= 1 or (rows is not None and rows % mr == 0):
         return None
     return mr
+
+
+def _sorted_tile(group: _Group, target) -> int:
+    """The CPU gate rule's tile for the group's gathered GEMMs on rows sorted only (each row
+    reads its own expert's weight): ``cpu/gate_fusion.tile_rows`` of a gathered kernel."""
+    from ...schedule import gate_tile_rows
+
+    return gate_tile_rows(target, None, max(g.gates for g in group.gemms), group.block, True)
 
 
 def _call_on_rows(builder, fn, args: list, rows, name: str, tiles=None):
