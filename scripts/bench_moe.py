@@ -35,6 +35,11 @@ the ONNX export 0.83 [0.83] there); decode 0.79 [0.88] of the stream bandwidth a
 0.85 [0.89] cycled (7.5-8.6 GB/s against 9.5-9.7 GB/s). ORT at 512 tokens would need 35 GB.
 Since the rows are sorted by expert (FuseGatheredGates), at 512 tokens: ours / torch grouped
 0.59 (torch.export), 0.64 (ONNX export), load 4.1-5.2 (``--tokens 512 --budget 3``, one run).
+One expert per register tile (``--ab-sorted``: the same path with the rows sorted only,
+alternating; ``--tokens 1,64,512 --budget 3``, load 3.1-4.8): ours / torch grouped 0.42 at
+512 tokens (sorted only 0.57; tiles / sorted 0.735), 64 tokens 1.09, 1 token 1.29 (the two
+same-kernel paths, torch.export and ONNX, differed by 9% there; the same A/B with 3 engines,
+either compile order, gave 0.78-0.86 at 64 tokens and 0.80-0.94 at 1).
 """
 
 from __future__ import annotations
