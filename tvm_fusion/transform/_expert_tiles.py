@@ -26,8 +26,11 @@ schedules each side of that select on its own and branches once on the flag
 (``schedule/cpu/gate_fusion.py``, ``flag_branches`` / ``splice``).
 
 Measured (H 1024, I 2816, 8 experts, top 2, torch.export, 2 threads on the shared 2-core
-Zen 3, AVX2; this layout vs the rows sorted only, engines alternating, load 5.3-6.2): 0.75x
-the time at 512 tokens, 0.89x at 64; 1, 4, 16 tokens (the sorted rows) 0.95x, 1.05x, 1.02x.
+Zen 3, AVX2; this layout vs the rows sorted only, engines alternating, load 3.1-6.2, several
+runs): 0.59-0.75x the time at 512 tokens, 0.78-0.89x at 64, 0.87x at 16; below the threshold
+(the sorted rows, the same 4-row tile) 0.80-0.94x at 1 token, 0.92-1.08x at 2, 0.96x at 4.
+In scripts/bench_moe.py's run of 8 engines (``--ab-sorted``) 0.735x at 512 tokens but 1.09x
+at 64 and 1.29x at 1, where its two paths of identical kernels differed by 9%.
 """
 
 from __future__ import annotations
