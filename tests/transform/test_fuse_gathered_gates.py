@@ -32,11 +32,12 @@ def _expert_module(
     symbolic=True,
     dtype="float32",
     nd=False,
+    tokens=5,
 ) -> tvm.IRModule:
     """``silu(g) * u`` of ``squeeze(bmm(take(W, ids), x[..., None]))`` split in two; ``nd``:
     ``gather_nd(W, ids (s, 1))`` (ONNX GatherND, the dynamo export of ``W[ids]``) instead."""
     rng = np.random.default_rng(0)
-    s = tirx.Var("s", "int64") if symbolic else 5
+    s = tirx.Var("s", "int64") if symbolic else tokens
     w_shape = (E, H, 2 * INNER) if transposed else (E, 2 * INNER, H)
     x = relax.Var("x", relax.TensorType((s, H), dtype))
     params = [x]
@@ -150,15 +151,24 @@ def test_must_not_fire(case, target):
 
 
 @pytest.mark.parametrize(
-    "dtype, tol, nd", [("float32", 1e-4, False), ("float16", 2e-2, False), ("float32", 1e-4, True)]
+    "dtype, tol, nd, tokens",
+    [
+        ("float32", 1e-4, False, 5),
+        ("float16", 2e-2, False, 5),
+        ("float32", 1e-4, True, 5),
+        ("float32", 1e-4, False, 80),  # past 2 * E * MR rows: one expert per tile
+        ("float16", 2e-2, True, 80),
+    ],
 )
-def test_static_tokens_match_numpy(dtype, tol, nd):
-    """5 tokens, static: the CPU rule tiles several rows, each reading its own expert; float16
-    accumulates in float32 and rounds once; ``nd``: the weight gathered by gather_nd."""
-    mod = _expert_module(symbolic=False, dtype=dtype, nd=nd, ids="rank2" if nd else "topk")
+def test_static_tokens_match_numpy(dtype, tol, nd, tokens):
+    """5 tokens, static: the CPU rule tiles several rows, each reading its own expert; 80: each
+    expert's rows padded to whole tiles of one expert; float16 accumulates in float32 and
+    rounds once; ``nd``: the weight gathered by gather_nd."""
+    ids = "rank2" if nd else "topk"
+    mod = _expert_module(symbolic=False, dtype=dtype, nd=nd, ids=ids, tokens=tokens)
     rng = np.random.default_rng(2)
-    x = (rng.standard_normal((5, H)) * 0.3).astype(dtype)
-    scores = rng.standard_normal((5, E)).astype("float32")
+    x = (rng.standard_normal((tokens, H)) * 0.3).astype(dtype)
+    scores = rng.standard_normal((tokens, E)).astype("float32")
     with collect_rewrites() as counts:
         compiled = engine.compile_module(mod, tvm_fusion.host_target(), "tvm_fusion")
     assert counts["FuseGatheredGates"] == 1
