@@ -35,6 +35,11 @@ the ONNX export 0.83 [0.83] there); decode 0.79 [0.88] of the stream bandwidth a
 0.85 [0.89] cycled (7.5-8.6 GB/s against 9.5-9.7 GB/s). ORT at 512 tokens would need 35 GB.
 Since the rows are sorted by expert (FuseGatheredGates), at 512 tokens: ours / torch grouped
 0.59 (torch.export), 0.64 (ONNX export), load 4.1-5.2 (``--tokens 512 --budget 3``, one run).
+One expert per register tile (``--ab-sorted``: the same path with the rows sorted only,
+alternating; ``--tokens 1,64,512 --budget 3``, load 3.1-4.8): ours / torch grouped 0.42 at
+512 tokens (sorted only 0.57; tiles / sorted 0.735), 64 tokens 1.09, 1 token 1.29 (the two
+same-kernel paths, torch.export and ONNX, differed by 9% there; the same A/B with 3 engines,
+either compile order, gave 0.78-0.86 at 64 tokens and 0.80-0.94 at 1).
 """
 
 from __future__ import annotations
@@ -127,12 +132,19 @@ def _parse(argv):
         help="skip onnxruntime and torch's batched_mm where their gathered weight copies "
         "(tokens x the selected bytes) exceed this",
     )
+    parser.add_argument(
+        "--ab-sorted",
+        action="store_true",
+        help="also run the torch.export path compiled with the rows sorted by expert only "
+        "(FuseGatheredGates without one expert per register tile), alternating",
+    )
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
 
 
-def _compiled(model, hidden: int):
-    """``{path: compiled}`` for both exports, their rewrites, the ONNX model."""
+def _compiled(model, hidden: int, ab_sorted: bool = False):
+    """``{path: compiled}`` for both exports (and ``sorted``, the torch.export one without
+    expert tiles, with ``ab_sorted``), their rewrites, the ONNX model."""
     import torch
 
     from tvm_fusion import load_onnx
@@ -153,6 +165,15 @@ def _compiled(model, hidden: int):
         with collect_rewrites() as counts:
             compiled[name] = engine.compile_module(mod, host_target(), "tvm_fusion")
         rewrites[name] = {k: v for k, v in counts.items() if v}
+    if ab_sorted:
+        from tvm_fusion.transform import fuse_gathered_gates
+
+        fuse_gathered_gates.ENABLE_EXPERT_TILES = False
+        try:
+            mod = import_exported_program(program)
+            compiled["sorted"] = engine.compile_module(mod, host_target(), "tvm_fusion")
+        finally:
+            fuse_gathered_gates.ENABLE_EXPERT_TILES = True
     return compiled, rewrites, onnx_model
 
 
@@ -174,7 +195,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = batched_mm_moe(args.hidden, args.inner, args.experts, args.top)
     grouped = routed_grouped(model)
-    compiled, rewrites, onnx_model = _compiled(model, args.hidden)
+    compiled, rewrites, onnx_model = _compiled(model, args.hidden, args.ab_sorted)
     print("rewrites:", json.dumps(rewrites))
     rules = {i.name: i.rule for i in schedule_info(compiled["torch.export"].lowered)}
     print("kernels (torch.export):", json.dumps(rules))
@@ -189,6 +210,8 @@ def main(argv=None) -> int:
             "ours (torch.export)": engine.TvmRunner(compiled["torch.export"], feeds),
             "ours (onnx)": engine.TvmRunner(compiled["onnx"], feeds),
         }
+        if "sorted" in compiled:
+            runs["ours (sorted rows only)"] = engine.TvmRunner(compiled["sorted"], feeds)
         gathers = count * decode_bytes <= args.max_gather_gb * 1e9
         if gathers:  # both materialise W[ids] (tokens x top experts' weights)
             runs["onnxruntime"] = engine.onnxruntime_runner(
@@ -230,7 +253,11 @@ def main(argv=None) -> int:
                 f"onnxruntime, torch (batched_mm): their W[ids] copies would take "
                 f"{count * decode_bytes / 1e9:.1f} GB (--max-gather-gb {args.max_gather_gb})"
             )
-        for ours in ("ours (torch.export)", "ours (onnx)"):
+        for ours in ("ours (torch.export)", "ours (onnx)", "ours (sorted rows only)"):
+            if ours not in ms:
+                continue
+            if ours == "ours (sorted rows only)":  # the A/B of the expert tiles
+                row[f"ours (torch.export) / {ours}"] = ms["ours (torch.export)"] / ms[ours]
             for other in ("onnxruntime", "torch (batched_mm)", "torch (grouped)"):
                 if other in ms:
                     row[f"{ours} / {other}"] = ms[ours] / ms[other]

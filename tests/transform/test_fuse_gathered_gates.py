@@ -12,7 +12,7 @@ pipeline on llvm, 1 and 7 tokens, 3 experts top-2, against torch.
 import numpy as np
 import pytest
 import tvm
-from tvm import relax, tirx
+from tvm import relax, sym, tirx
 from tvm.ir.expr import GenericConst
 
 import tvm_fusion
@@ -32,11 +32,12 @@ def _expert_module(
     symbolic=True,
     dtype="float32",
     nd=False,
+    tokens=5,
 ) -> tvm.IRModule:
     """``silu(g) * u`` of ``squeeze(bmm(take(W, ids), x[..., None]))`` split in two; ``nd``:
     ``gather_nd(W, ids (s, 1))`` (ONNX GatherND, the dynamo export of ``W[ids]``) instead."""
     rng = np.random.default_rng(0)
-    s = tirx.Var("s", "int64") if symbolic else 5
+    s = tirx.Var("s", "int64") if symbolic else tokens
     w_shape = (E, H, 2 * INNER) if transposed else (E, 2 * INNER, H)
     x = relax.Var("x", relax.TensorType((s, H), dtype))
     params = [x]
@@ -121,8 +122,14 @@ def test_fires_symbolic_tokens_weight_read_in_place(transposed, nd):
     assert len(shapes) == 1  # the per-expert blocked weight (E, D/V, K, 2, V)
     e, blocks, k, gates, v = shapes[0]
     assert (e, k, gates) == (E, H, 2) and blocks * v >= INNER
-    rows, width = buffers[-1].shape  # (tokens, INNER), the token count symbolic
-    assert str(rows) == "s" and int(width) == INNER
+    # (rows, INNER), the rows symbolic: the sorted rows, or each expert's padded to whole tiles
+    rows, width = buffers[-1].shape
+    assert isinstance(rows, tirx.Var) and int(width) == INNER
+    # after the weight: the expert of each tile (tiles,), of each row and the flag (rows + 1,)
+    (tiles,), (flagged,) = buffers[2].shape, buffers[3].shape
+    assert isinstance(tiles, tirx.Var) and not tiles.same_as(rows)
+    assert sym.Analyzer().can_prove_equal(flagged, rows + 1)
+    assert int(kernel.attrs[GATE_ATTR]["rows"]) > 1
 
 
 @pytest.mark.parametrize(
@@ -144,15 +151,24 @@ def test_must_not_fire(case, target):
 
 
 @pytest.mark.parametrize(
-    "dtype, tol, nd", [("float32", 1e-4, False), ("float16", 2e-2, False), ("float32", 1e-4, True)]
+    "dtype, tol, nd, tokens",
+    [
+        ("float32", 1e-4, False, 5),
+        ("float16", 2e-2, False, 5),
+        ("float32", 1e-4, True, 5),
+        ("float32", 1e-4, False, 80),  # past 2 * E * MR rows: one expert per tile
+        ("float16", 2e-2, True, 80),
+    ],
 )
-def test_static_tokens_match_numpy(dtype, tol, nd):
-    """5 tokens, static: the CPU rule tiles several rows, each reading its own expert; float16
-    accumulates in float32 and rounds once; ``nd``: the weight gathered by gather_nd."""
-    mod = _expert_module(symbolic=False, dtype=dtype, nd=nd, ids="rank2" if nd else "topk")
+def test_static_tokens_match_numpy(dtype, tol, nd, tokens):
+    """5 tokens, static: the CPU rule tiles several rows, each reading its own expert; 80: each
+    expert's rows padded to whole tiles of one expert; float16 accumulates in float32 and
+    rounds once; ``nd``: the weight gathered by gather_nd."""
+    ids = "rank2" if nd else "topk"
+    mod = _expert_module(symbolic=False, dtype=dtype, nd=nd, ids=ids, tokens=tokens)
     rng = np.random.default_rng(2)
-    x = (rng.standard_normal((5, H)) * 0.3).astype(dtype)
-    scores = rng.standard_normal((5, E)).astype("float32")
+    x = (rng.standard_normal((tokens, H)) * 0.3).astype(dtype)
+    scores = rng.standard_normal((tokens, E)).astype("float32")
     with collect_rewrites() as counts:
         compiled = engine.compile_module(mod, tvm_fusion.host_target(), "tvm_fusion")
     assert counts["FuseGatheredGates"] == 1
@@ -271,10 +287,12 @@ def test_moe_block_matches_torch(act, transposed, bias):
 
 
 def test_moe_block_rows_sorted_by_expert():
-    """Both projections run on the rows sorted by expert: the gate-up kernel on ``take(x,
-    argsort(ids))`` with the sorted ids, the down kernel on the gate-up kernel's sorted result
-    in place and the routing weight taken in the same order; only the down result is put back
-    in row order (``take(result, argsort(perm))``)."""
+    """Both projections run on the rows sorted by expert, each expert's segment padded to
+    whole register tiles: the layout kernel (``expert_tiles``) reads the ids, ``perm =
+    argsort(ids)`` and ``argsort(perm)``; the gate-up kernel runs on ``take(x, src)`` with the
+    expert of each tile, the down kernel on the gate-up kernel's result in place and the
+    routing weight taken in the same order; only the down result is put back in row order
+    (``take(result, dst)``)."""
     torch = pytest.importorskip("torch")
     from tvm_fusion.frontend.load import import_exported_program
 
@@ -304,18 +322,25 @@ def _check_sorted(mod):
             return v.args[0], v.args[1]
         return None
 
+    def item(var):  # (tuple var, index) of ``var = tuple[index]``
+        v = value.get(var)
+        return (v.tuple_value, v.index) if isinstance(v, relax.TupleGetItem) else (None, None)
+
     kernels = [b.var for b in _bindings(out) if call_of(b.var, "fused_gates") is not None]
     assert len(kernels) == 2
     up, down = (call_of(k, "fused_gates") for k in kernels)
-    x_up, _w, ids_up = up.args[1].fields
-    _, perm = taken_by(x_up)
-    ids, perm_ids = taken_by(ids_up)
-    assert perm_ids.same_as(perm) and call_of(perm, "argsort").args[1].fields[0].same_as(ids)
-    x_down, _w, ids_down = down.args[1].fields[:3]
-    assert x_down.same_as(kernels[0])  # the sorted gate-up result, read in place
-    assert taken_by(ids_down)[1].same_as(perm)
-    (routing,) = down.args[1].fields[3:]  # the routing weight, (rows, 1), sorted likewise
-    assert taken_by(routing)[1].same_as(perm)
+    x_up, _w, tiles, per_row = up.args[1].fields
+    _, src = taken_by(x_up)
+    layout, at = item(src)
+    assert at == 0 and [item(v) for v in (tiles, per_row)] == [(layout, 1), (layout, 2)]
+    ids, perm, unsort = call_of(layout, "expert_tiles").args[1].fields[:3]  # then shape vars
+    assert call_of(perm, "argsort").args[1].fields[0].same_as(ids)
+    assert call_of(unsort, "argsort").args[1].fields[0].same_as(perm)
+    x_down, _w, tiles_down, per_row_down = down.args[1].fields[:4]
+    assert x_down.same_as(kernels[0])  # the gate-up result, read in place
+    assert tiles_down.same_as(tiles) and per_row_down.same_as(per_row)
+    (routing,) = down.args[1].fields[4:]  # the routing weight, (rows, 1), laid out likewise
+    assert taken_by(routing)[1].same_as(src)
     users = [
         b.var
         for b in _bindings(out)
@@ -323,8 +348,7 @@ def _check_sorted(mod):
     ]
     (back,) = users  # only the down result goes back to row order
     data, order = taken_by(back)
-    assert data.same_as(kernels[1])
-    assert call_of(order, "argsort").args[1].fields[0].same_as(perm)
+    assert data.same_as(kernels[1]) and item(order) == (layout, 3)
 
 
 def test_moe_block_dynamo_onnx_matches_torch():
@@ -535,3 +559,36 @@ def test_gathered_single_gate_block_two_vectors():
         (kernel,) = _gate_kernels(out)
         blocks.append(int(kernel.attrs[GATE_ATTR]["block"]))
     assert blocks == [16, 8]
+
+
+def test_rule_tiles_share_one_expert_weight():
+    """One expert per register tile (``transform/_expert_tiles.py``): the gate-up kernel reads
+    the expert of each tile, ``W[select(sorted only, per_row[r], tiles[r // MR])]``, and the
+    CPU rule unswitches that select over the whole kernel: in the tiled branch every weight
+    read is indexed by the tile's expert (one load a ``k`` for the tile's rows), in the other
+    by the row's own."""
+    from tvm_fusion.schedule.cpu.gate_fusion import GateFusion
+    from tvm_fusion.tir_util import iter_stmts, loads_of
+
+    haswell = tvm.target.Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
+    with collect_rewrites():
+        out = FuseGatheredGates(target=haswell)(_expert_module())
+    (kernel,) = _gate_kernels(out)
+    assert int(kernel.attrs[GATE_ATTR]["rows"]) > 1
+    with haswell:
+        func = GateFusion().apply(kernel, haswell, False).mod["main"]
+    x, weight, tiles, per_row = func.params[:4]
+    assert len(weight.shape) == 5 and len(tiles.shape) == 1 and len(per_row.shape) == 1
+    branch = func.body.block.body
+    assert isinstance(branch, tirx.IfThenElse)
+    assert loads_of(branch.condition, per_row)  # the flag: per_row's last element
+    for body, index_buffer in ((branch.then_case, per_row), (branch.else_case, tiles)):
+        reads = [
+            load
+            for stmt in iter_stmts(body)
+            if isinstance(stmt, tirx.BufferStore)
+            for load in loads_of(stmt.value, weight)
+        ]
+        assert reads and all(loads_of(r.indices[0], index_buffer) for r in reads)
+        other = per_row if index_buffer is tiles else tiles
+        assert not any(loads_of(r.indices[0], other) for r in reads)

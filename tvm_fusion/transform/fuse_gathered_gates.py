@@ -41,7 +41,10 @@ sorted ids and its row-indexed gate-math inputs taken likewise) and the results 
 in row order (``take(result, argsort(perm))``); the down projection reads the gate-up's sorted
 result in place, in the same order (ids compared without the exporters' per-use wraps, see
 :func:`_sort_rows`). Two argsorts of ``S`` ids and a few row copies: 35 us at 2 rows. CPU
-targets only: on CUDA each row's GEMV reads its own expert whatever the order.
+targets only: on CUDA each row's GEMV reads its own expert whatever the order. From
+``2 * E * MR`` rows on, each expert's segment is also padded to whole register tiles (one
+expert per tile, ``_expert_tiles.py``): the kernels read ``take(x, src)`` and the expert of
+each tile, the results go back by ``take(result, dst)``.
 
 Ids out of range: the kernel reads ``W[ids[s]]`` without a check, so the pass fires only where
 the graph proves ``0 <= ids < E``: ids derived from ``topk`` (also once the CPU library
@@ -71,6 +74,7 @@ from tvm.ir.expr import GenericConst
 from .. import target as _target
 from ..tir_util import iter_stmts
 from ._common import get_logger, record_rewrite, skip
+from ._expert_tiles import group_tile, plan_layout
 from .check_gather_bounds import CHECKED_AXIS, CHECKED_SIGNED
 from .fuse_split_gates.emit import _Rewriter
 from .fuse_split_gates.match import _Block, _Gemm, _int, _op, _pieces, _shape, _slice_pieces
@@ -82,6 +86,9 @@ NAME = "FuseGatheredGates"
 _VIEWS = ("relax.reshape", "relax.expand_dims", "relax.squeeze", "relax.flatten")
 _INDEX_DTYPES = ("int32", "int64")
 _GATHERS = {"relax.take", "relax.gather_nd"}
+# One expert per register tile on CPUs (``_expert_tiles.py``); False: the rows sorted only, a
+# tile's rows each reading their own expert's weight (kept for A/B measurement)
+ENABLE_EXPERT_TILES = True
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -105,7 +112,7 @@ class FuseGatheredGates:
             key = _unwrapped(blk, group.gemms[0].ids)  # before _flat_ids: of the block
             _flat_ids(bb, group, rewriter)
             if sort:
-                _sort_rows(bb, group, rewriter, (blk, key), sorted_outputs)
+                _sort_rows(bb, group, rewriter, (blk, key), sorted_outputs, target)
 
         rewriter = _Rewriter(
             mod, target, find=lambda blk: _find_gathered(blk, mod), prepare=prepare
@@ -124,7 +131,9 @@ def _flat_ids(bb: relax.BlockBuilder, group, rewriter) -> None:
             gemm.ids = bb.emit(relax.op.reshape(rewriter.visit_expr(gemm.ids), [shape[0]]))
 
 
-def _sort_rows(bb: relax.BlockBuilder, group, rewriter, key, sorted_outputs: dict) -> None:
+def _sort_rows(
+    bb: relax.BlockBuilder, group, rewriter, key, sorted_outputs: dict, target=None
+) -> None:
     """The group's rows sorted by expert (``perm = argsort(ids)``): the kernel runs on
     ``take(x, perm)``, ``take(ids, perm)`` and row-indexed gate-math inputs taken likewise, and
     its results are put back in row order (``take(result, argsort(perm))``, set as
@@ -136,7 +145,12 @@ def _sort_rows(bb: relax.BlockBuilder, group, rewriter, key, sorted_outputs: dic
     I 2816, 8 experts, top 1, 1024 rows, the same kernel on ids sorted vs random, alternating,
     2 threads, load 4-4.7): 0.76x. Left unsorted: one row, several row axes, addends, GEMMs of
     different ids, a gate-math input that is neither row-indexed ``(S, n)`` nor broadcast
-    along the rows."""
+    along the rows.
+
+    One expert per register tile (``transform/_expert_tiles.py``): each expert's segment of
+    the sorted rows is padded to the rule's tile height, the kernel reads ``x[src]`` and the
+    expert of each tile, the results go back by ``take(result, dst)``; the down projection
+    reads the gate-up's padded result in place."""
     gemms = group.gemms
     ids = gemms[0].ids
     if ids is None or len(group.rows) != 1 or _int(group.rows[0]) == 1:
@@ -162,23 +176,31 @@ def _sort_rows(bb: relax.BlockBuilder, group, rewriter, key, sorted_outputs: dic
     same = lambda v: v[1] is blk and _same_value(blk, v[2], key)  # noqa: E731
     earlier = [v for v in sorted_outputs.values() if same(v)]
     if earlier:  # the same order as an earlier group's
-        perm, group.unsort = earlier[0][3:]
+        perm, group.unsort, layout = earlier[0][3:]
     else:
         perm = bb.emit(_argsort(bb, ids), "expert_order")
         group.unsort = bb.emit(_argsort(bb, perm), "row_order")
+        layout = plan_layout(bb, group, ids, perm, target) if ENABLE_EXPERT_TILES else None
+    order = perm
+    if layout is not None:  # rows padded to one expert per tile: read x[src], put back by dst
+        order, tiles, group.unsort, n_tiles, k_rows, mr = layout
+        group.expert_tiles = (mr, k_rows, n_tiles, group_tile(group, target, mr))
     for gemm in gemms:
         known = sorted_outputs.get(gemm.x) if isinstance(gemm.x, relax.Var) else None
         if known is not None and same(known):
             gemm.x = known[0]
         else:
-            gemm.x = bb.emit(relax.op.take(rewriter.visit_expr(gemm.x), perm, axis=0))
-        gemm.ids = bb.emit(relax.op.take(ids, perm, axis=0), "experts_sorted")
+            gemm.x = bb.emit(relax.op.take(rewriter.visit_expr(gemm.x), order, axis=0))
+        if layout is not None:
+            gemm.ids = tiles
+        else:
+            gemm.ids = bb.emit(relax.op.take(ids, perm, axis=0), "experts_sorted")
     group.external_args = [
-        bb.emit(relax.op.take(rewriter.visit_expr(e), perm, axis=0)) if p else e
+        bb.emit(relax.op.take(rewriter.visit_expr(e), order, axis=0)) if p else e
         for e, p in zip(group.externals, permuted, strict=True)
     ]
     group.sorted_outputs = sorted_outputs
-    group.sort_key = (blk, key, perm, group.unsort)
+    group.sort_key = (blk, key, perm, group.unsort, layout)
 
 
 def _argsort(bb: relax.BlockBuilder, values):

@@ -14,16 +14,24 @@ tile-local (``local`` scope): no buffer of ``rows x gates x D`` is ever allocate
 parallel. Symbolic rows are padded to a multiple of ``MR`` in the GEMMs (``pad_einsum``, then
 the inputs read in place with the row index clamped, see ``inline_padding``), so their tiles
 carry no tail predicate; the results are written for the real rows only.
+
+``unswitch`` (FuseGatheredGates' rows laid out one expert per tile): the kernel's expert index
+``select(flag, per_row[r], tiles[r // MR])`` is split into two kernels, each scheduled with
+its own tile (the tiled one with ``rows``, the sorted rows with at most ``PADDED_ROWS_MAX``),
+and spliced under one ``if flag`` (:func:`flag_branches`, :func:`splice`).
 """
 
 from __future__ import annotations
 
 import logging
 
+import tvm_ffi
 from tvm import s_tir, sym, tirx
+from tvm.ir.expr import TensorLoad
 from tvm.target import Target
 
 from ... import target as _target
+from ...tir_util import iter_stmts
 from .._common import (
     GATE_ATTR,
     CPURule,
@@ -127,6 +135,92 @@ def _rows_padded(sch: s_tir.Schedule, gemms: list, n_rows: int, mr: int) -> bool
     return True
 
 
+def _flag_load(cond):
+    """The load ``flag[i]`` of ``flag[i] != 0`` (maybe cast), else None."""
+    load = getattr(cond, "a", None) if isinstance(cond, tirx.NE) else None
+    return load.value if isinstance(load, tirx.Cast) else load
+
+
+def _flag_test(cond) -> bool:
+    """``flag[i] != 0`` of an integer buffer (FuseGatheredGates' ``per_row`` flag)."""
+    load = _flag_load(cond)
+    zero = getattr(cond, "b", None)
+    return (
+        isinstance(load, TensorLoad)
+        and "int" in str(load.source.dtype)
+        and isinstance(zero, tirx.IntImm)
+        and int(zero.value) == 0
+    )
+
+
+def flag_branches(func: tirx.PrimFunc):
+    """``(flag, func[select -> true value], func[select -> false value])`` for every
+    ``select(flag[i] != 0, a, b)`` of ``func`` whose ``flag`` is a parameter buffer
+    (FuseGatheredGates' kernels on rows laid out one expert per tile,
+    ``transform/_expert_tiles.py``: ``W[select(sorted only, per_row[r], tiles[r // MR])]``);
+    None when it has none."""
+    params = set(func.params)
+    found: list = []
+
+    def collect(node):
+        if isinstance(node, tirx.Select) and _flag_test(node.condition):
+            if _flag_load(node.condition).source in params:
+                found.append(node.condition)
+        return node
+
+    tvm_ffi.structural_map(func.body, [(tirx.Select, collect)])
+    if not found:
+        return None
+    flag = found[0]
+
+    def branch(value: bool):
+        def pick(node):
+            if isinstance(node, tirx.Select) and tvm_ffi.structural_equal(node.condition, flag):
+                return node.true_value if value else node.false_value
+            return node
+
+        return func.with_body(tvm_ffi.structural_map(func.body, [(tirx.Select, pick)]))
+
+    return flag, branch(True), branch(False)
+
+
+def splice(flag, then_func: tirx.PrimFunc, else_func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """One kernel ``if flag: then_func's body else: else_func's body`` of two scheduled
+    kernels with the same parameters (the branches of :func:`flag_branches`, each scheduled
+    with its own tile); None where a body is not one root block."""
+    roots = [f.body for f in (then_func, else_func)]
+    if not all(isinstance(r, s_tir.SBlockRealize) for r in roots):
+        return None
+    then_block, else_block = (r.block for r in roots)
+    # both define the same loop and block variables: fresh ones in the else branch
+    else_body = _fresh_vars(else_block.body)
+    block = s_tir.SBlock(
+        then_block.iter_vars,
+        then_block.reads,
+        then_block.writes,
+        then_block.name_hint,
+        tirx.IfThenElse(flag, then_block.body, else_body),
+        then_block.init,
+        [*then_block.alloc_buffers, *else_block.alloc_buffers],
+        then_block.match_buffers,
+        then_block.annotations,
+    )
+    return then_func.with_body(s_tir.SBlockRealize(roots[0].iter_values, roots[0].predicate, block))
+
+
+def _fresh_vars(stmt):
+    """``stmt`` with every loop and block iterator variable it defines replaced by a fresh
+    one (the other branch of :func:`splice` defines the same)."""
+    fresh = {}
+    for node in iter_stmts(stmt):
+        if isinstance(node, tirx.For):
+            fresh[node.loop_var] = tirx.Var(node.loop_var.name, node.loop_var.ty)
+        elif isinstance(node, s_tir.SBlock):
+            for iv in node.iter_vars:
+                fresh[iv.var] = tirx.Var(iv.var.name, iv.var.ty)
+    return tvm_ffi.structural_map(stmt, [(tirx.Var, lambda v: fresh.get(v, v))])
+
+
 class GateFusion(CPURule):
     def apply(self, func, target: Target, tunable: bool):
         if not self.applicable(func, target) or GATE_ATTR not in func.attrs:
@@ -135,6 +229,24 @@ class GateFusion(CPURule):
         block, gates = int(hints["block"]), int(hints["gates"])
         # "rows": FuseSplitGates built the GEMMs with their rows padded to this tile
         built = int(hints["rows"]) if "rows" in hints else None
+        branches = flag_branches(func) if "unswitch" in hints and built else None
+        if branches is not None:  # one expert per tile, or the rows sorted only
+            flag, by_rows, tiled = branches
+            # the rows sorted only read a weight pointer each: the gathered tile (at most
+            # PADDED_ROWS_MAX rows, see tile_rows), named by the kernel, else a divisor of
+            # the layout's tile
+            row_tile = int(hints["rows_sorted"]) if "rows_sorted" in hints else None
+            if row_tile is None:
+                row_tile = max(d for d in range(1, PADDED_ROWS_MAX + 1) if built % d == 0)
+            done = [self._built(f, target, block, gates, t) for f, t in
+                    ((by_rows, row_tile), (tiled, built))]  # fmt: skip
+            if all(d is not None for d in done):
+                spliced = splice(flag, *(d.mod["main"] for d in done))
+                if spliced is not None:
+                    return s_tir.Schedule(spliced)
+        return self._built(func, target, block, gates, built)
+
+    def _built(self, func, target: Target, block: int, gates: int, built):
         sch = self._schedule(func, target, block, gates, pad=True, built=built)
         if sch is None:  # padding refused: symbolic rows one at a time
             sch = self._schedule(func, target, block, gates, pad=False, built=built)

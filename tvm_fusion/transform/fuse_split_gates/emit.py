@@ -7,10 +7,13 @@ group of a dataflow block by ONE ``call_tir`` of that kernel, marked opaque (``o
 
 from __future__ import annotations
 
+import math
+
 from tvm import IRModule, relax, sym, te, tirx, topi
 from tvm.ir import is_prim_expr
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.tirx.analysis import undefined_vars
 
 from ... import target as _target
 from ...schedule._common import GATE_ATTR
@@ -25,7 +28,7 @@ logger = get_logger(__name__)
 
 def _gemm_stage(
     x, w, layout: str, block: int, width: int, gates: int, n_rows: int, name: str, ids=None,
-    pad_rows: int | None = None,
+    pad_rows: int | None = None, tile: int | None = None,
 ):  # fmt: skip
     """``Y[rows, gate, d] = sum_k x[rows, k] * W(gate, d, k)`` for one weight layout. With the
     blocked weight, ``Y`` is blocked like it, ``Y[rows, gate, d // V, d % V]``: every index is
@@ -34,8 +37,10 @@ def _gemm_stage(
     ``ids[rows]``, ``Wg[ids[rows], d // V, k, gate, d % V]``, read in place; with
     ``pad_rows``, ``Y`` has the rows rounded up to a multiple of it, the padded ones reading
     the last row (``pad_einsum`` refuses the indirect read: the rule's tile of ``pad_rows``
-    rows then has no tail). Half-precision ``x`` and ``w`` are widened: the sum accumulates
-    in float32."""
+    rows then has no tail). With ``tile`` (one expert per register tile, see
+    ``transform/_expert_tiles.py``), ``ids`` holds the expert of each ``tile`` rows:
+    ``Wg[ids[row // tile], ...]``, one weight vector per ``k`` for all the tile's rows.
+    Half-precision ``x`` and ``w`` are widened: the sum accumulates in float32."""
     kk = te.reduce_axis((0, x.shape[-1]), name="k")
 
     def mul(a, b):
@@ -51,9 +56,11 @@ def _gemm_stage(
 
         def gathered(*idx):
             rows, gate, do, di = idx[:n_rows], idx[n_rows], idx[n_rows + 1], idx[n_rows + 2]
+            row = rows[-1]
             if pad_rows is not None:
                 rows = (*rows[:-1], tirx.min(rows[-1], last))
-            return te.sum(mul(x[(*rows, kk)], w[ids[rows], do, kk, gate, di]), axis=kk)
+            expert = ids[rows] if tile is None else _tile_expert(ids, row, rows[-1], tile)
+            return te.sum(mul(x[(*rows, kk)], w[expert, do, kk, gate, di]), axis=kk)
 
         blocks = -(-width // block)
         return te.compute((*lead, gates, blocks, block), gathered, name=name)
@@ -79,9 +86,19 @@ def _gemm_stage(
     return te.compute((*x.shape[:-1], gates, width), body, name=name)
 
 
-def _bias_stage(y, bias, width: int, n_rows: int, name: str, ids=None):
+def _tile_expert(ids, row, clamped, tile: int):
+    """The expert of ``row`` laid out one expert per tile of ``tile`` rows: ``ids`` is
+    ``(tiles, per_row)`` (``transform/_expert_tiles.py``); ``per_row``'s last element set: the
+    rows are sorted only, each reads its own expert. The CPU gate rule unswitches the select
+    (``UNSWITCH``), each branch scheduled alike: one weight vector a ``k`` per tile."""
+    tiles, per_row = ids
+    flag = per_row[per_row.shape[0] - 1]
+    return tirx.Select(flag != 0, per_row[clamped], tiles[row // tile])
+
+
+def _bias_stage(y, bias, width: int, n_rows: int, name: str, ids=None, tile=None):
     """``y + bias``; with ``ids``, ``bias`` is ``(E, gates * width)`` and row ``r`` adds the
-    row of expert ``ids[r]``."""
+    row of expert ``ids[r]`` (``ids[r // tile]`` with ``tile``, see :func:`_gemm_stage`)."""
     if ids is not None:
         blocked = len(y.shape) == n_rows + 3
 
@@ -90,7 +107,9 @@ def _bias_stage(y, bias, width: int, n_rows: int, name: str, ids=None):
             d = idx[n_rows + 1] * y.shape[-1] + idx[n_rows + 2] if blocked else idx[n_rows + 1]
             if blocked and _int(y.shape[-1]) * _int(y.shape[-2]) != width:
                 d = tirx.min(d, width - 1)
-            value = bias[ids[idx[:n_rows]], gate * width + d]
+            row = idx[n_rows - 1]
+            expert = ids[idx[:n_rows]] if tile is None else _tile_expert(ids, row, row, tile)
+            value = bias[expert, gate * width + d]
             return y(*idx) + _widen(bias, value, y.dtype)
 
         return te.compute(y.shape, gathered, name=name)
@@ -153,10 +172,11 @@ def _piece_stage(y, gate: int, width: int, n_rows: int, name: str, rows=None):
 
 
 def _compute(
-    group: _Group, blk: _Block, block: int, fast_math: bool, layouts: list[str], pad_rows=None
-):
+    group: _Group, blk: _Block, block: int, fast_math: bool, layouts: list[str], pad_rows=None,
+    tile=None,
+):  # fmt: skip
     """The TE function for the group: (inputs...) -> outputs; ``pad_rows``: the row multiple
-    of gathered GEMMs (see :func:`_gemm_stage`)."""
+    of gathered GEMMs, ``tile``: their rows per expert (see :func:`_gemm_stage`)."""
     n_rows = len(group.rows)
     width = group.width
     # float16 / bfloat16: the gate math runs on float32 tensors (half-precision inputs widened
@@ -173,11 +193,16 @@ def _compute(
             if g.ids is not None:  # the expert of each row, after the weight
                 ids = tensors[pos]
                 pos += 1
+                if tile is not None:  # (tiles, per_row)
+                    ids = (ids, tensors[pos])
+                    pos += 1
             pad = pad_rows if layouts[gi] == "gathered" else None
-            y = _gemm_stage(x, w, layouts[gi], block, width, g.gates, n_rows, f"gemm{gi}", ids, pad)
+            y = _gemm_stage(
+                x, w, layouts[gi], block, width, g.gates, n_rows, f"gemm{gi}", ids, pad, tile
+            )
             if g.bias is not None:
                 row_ids = ids if g.gathered_bias else None
-                y = _bias_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_bias", row_ids)
+                y = _bias_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_bias", row_ids, tile)
                 pos += 1
             for ai in range(len(g.addends)):
                 y = _addend_stage(y, tensors[pos], width, n_rows, f"gemm{gi}_add{ai}")
@@ -286,7 +311,8 @@ class _Rewriter(PyExprMutator):
                 w = gemm.weight.value.numpy()
                 blocked = _gathered_weight(w, gemm.transposed, gemm.gates, gemm.width, group.block)
                 args.append(relax.const(blocked, str(gemm.weight.ty.dtype)))
-                args.append(self.visit_expr(gemm.ids))
+                ids = gemm.ids if isinstance(gemm.ids, tuple) else (gemm.ids,)
+                args += [self.visit_expr(i) for i in ids]
                 layouts.append("gathered")
             elif isinstance(gemm.weight, GenericConst):
                 w = gemm.weight.value.numpy()
@@ -306,10 +332,22 @@ class _Rewriter(PyExprMutator):
         # FuseGatheredGates' rows sorted by expert: the externals read in that order
         externals = getattr(group, "external_args", group.externals)
         args += [self.visit_expr(e) for e in externals]
-        pad = _pad_rows(group, self.target)  # not None: one row axis
+        tiled = getattr(group, "expert_tiles", None)
+        pad = _pad_rows(group, self.target) if tiled is None else None  # not None: one row axis
         rows = group.rows[0] if pad is not None else None
         call = None
-        if rows is not None and _int(rows) is None and not isinstance(rows, tirx.Var):
+        if tiled is not None:  # (MR, rows, tiles, the rule's tile)
+            mr, k_rows, k_tiles, pad = tiled
+            # the rows sorted only: the gathered tile (a weight pointer a row); the GEMM rows
+            # padded to a multiple of both tiles (only the tiles that the rows need are run)
+            sorted_tile = _sorted_tile(group, self.target)
+            multiple = math.lcm(mr, sorted_tile)
+            fn = _compute(group, self._blk, group.block, fast_math, layouts, multiple, tile=mr)
+            if _int(k_rows) is None:  # symbolic: the rows and tiles variables of the kernel
+                call = _call_on_rows(self.builder_, fn, args, k_rows, _name(group), k_tiles)
+            if call is None:
+                call = self.builder_.call_te(fn, *args, primfunc_name_hint=_name(group))
+        elif rows is not None and _int(rows) is None and not isinstance(rows, tirx.Var):
             # rows such as tokens * top_k: the kernel's rows one variable of its own
             fn = _compute(group, self._blk, group.block, fast_math, layouts, pad)
             call = _call_on_rows(self.builder_, fn, args, rows, _name(group))
@@ -327,6 +365,9 @@ class _Rewriter(PyExprMutator):
         }
         if pad is not None:  # the rule's tile: the rows the GEMMs were built padded to
             hints["rows"] = pad
+        if tiled is not None:  # the rule unswitches the expert select (see _tile_expert)
+            hints["unswitch"] = 1
+            hints["rows_sorted"] = sorted_tile
         self.builder_.update_func(gv, func.with_attrs({"op_pattern": 8, GATE_ATTR: hints}))
         self.count += 1
         if getattr(group, "unsort", None) is not None:
@@ -375,18 +416,39 @@ def _pad_rows(group: _Group, target) -> int | None:
     return mr
 
 
-def _call_on_rows(builder, fn, args: list, rows, name: str):
+def _sorted_tile(group: _Group, target) -> int:
+    """The CPU gate rule's tile for the group's gathered GEMMs on rows sorted only (each row
+    reads its own expert's weight): ``cpu/gate_fusion.tile_rows`` of a gathered kernel."""
+    from ...schedule import gate_tile_rows
+
+    return gate_tile_rows(target, None, max(g.gates for g in group.gemms), group.block, True)
+
+
+def _call_on_rows(builder, fn, args: list, rows, name: str, tiles=None):
     """``call_te(fn, *args)`` with the kernel's row count ``rows`` (an expression such as
     transformers' ``tokens * top_k``) one fresh variable of the kernel, bound by the rows of
     its first argument: with rows a product of symbols, TVM 0.27's ``compute_at`` refuses the
     results' tile over a GEMM built with padded rows ("not a stage pipeline"), and the gate
     rule fell to tiles of one row; over a plain variable it takes the tile. The call keeps the
-    Relax shapes (``rows``); None where an argument or result has another symbolic dim."""
+    Relax shapes (``rows``); None where an argument or result has another symbolic dim.
+    ``tiles``: the count of expert tiles (``transform/_expert_tiles.py``), a second variable
+    of the kernel (dims ``rows + c`` become ``n + c`` too: the flag after the row experts)."""
     n = tirx.Var("rows", "int64")
+    t = tirx.Var("tiles", "int64")
     analyzer = sym.Analyzer()
+    pairs = [(rows, n)] + ([(tiles, t)] if tiles is not None else [])
 
     def rebind(shape):
-        return [n if analyzer.can_prove_equal(d, rows) else d for d in shape]
+        out = []
+        for d in shape:
+            for expr, var in pairs:
+                extra = analyzer.simplify(d - expr)
+                if isinstance(extra, tirx.IntImm) and (tiles is not None or not int(extra)):
+                    out.append(var + extra if int(extra) else var)
+                    break
+            else:
+                out.append(d)
+        return out
 
     inputs = []
     for i, arg in enumerate(args):
@@ -397,19 +459,33 @@ def _call_on_rows(builder, fn, args: list, rows, name: str):
         inputs.append(te.placeholder(rebind(ty.shape.values), ty.dtype, hint))
     outs = fn(*inputs)
     outs = [outs] if isinstance(outs, te.Tensor) else list(outs)
-    dims = [d for t in [*inputs, *outs] for d in t.shape]
-    if any(not v.same_as(n) for d in dims for v in tirx.analysis.undefined_vars(d)):
+    dims = [d for x in [*inputs, *outs] for d in x.shape]
+    own = [var for _, var in pairs]
+    if any(not any(v.same_as(o) for o in own) for d in dims for v in undefined_vars(d)):
         return None
-    if not any(d.same_as(n) for d in inputs[0].shape):
+    binding = inputs[:1] if tiles is None else inputs  # each variable a whole dim somewhere
+    if not all(any(d.same_as(v) for x in binding for d in x.shape) for v in own):
         return None
     func = te.create_prim_func([*inputs, *outs], "int64").without_attr("global_symbol")
     gv = builder.add_func(func, name)
     vdevice = args[0].ty.vdevice
-    out_ty = [
-        relax.TensorType([rows if d.same_as(n) else d for d in t.shape], t.dtype, vdevice)
-        for t in outs
-    ]
+
+    def back(d):
+        for expr, var in pairs:
+            d = _substitute(d, var, expr)
+        return d
+
+    out_ty = [relax.TensorType([back(d) for d in x.shape], x.dtype, vdevice) for x in outs]
     return relax.call_tir(gv, args, out_ty[0] if len(out_ty) == 1 else out_ty)
+
+
+def _substitute(dim, var, value):
+    """``dim`` with ``var`` replaced by ``value`` (the kernel's row variable by the rows)."""
+    if dim.same_as(var):
+        return value
+    analyzer = sym.Analyzer()
+    analyzer.bind(var, value)
+    return analyzer.simplify(dim)
 
 
 def _name(group: _Group) -> str:
