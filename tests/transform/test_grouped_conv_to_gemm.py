@@ -1,10 +1,11 @@
 """GroupedConvToGemm: a grouped 1 x 1 convolution becomes an einsum per group over views of its
 input, its elementwise epilogue (bias, ReLU, a residual add) moved before the view back, so that
 FuseOps and the Matmul rule make one kernel of it; numbers against onnxruntime at odd shapes
-(groups 3 / 4, channels 6 / 68 / 136, widths 7 / 13 / 14) and a symbolic batch.
+(groups 2 / 3 / 4, channels 68 / 96 / 128 / 136, widths 7 / 13 / 14) and a symbolic batch.
 
-Must not fire: groups 1, a depthwise convolution, a 3 x 3 or strided grouped one, a weight that
-is no constant; an epilogue operand that broadcasts other than per channel stays on the view.
+Must not fire: groups 1, a depthwise convolution, fewer than 32 input channels a group, a 3 x 3
+or strided grouped one, a weight that is no constant; an epilogue operand that broadcasts other
+than per channel stays on the view.
 """
 
 import numpy as np
@@ -61,12 +62,13 @@ def _kernels(lowered) -> dict:
 
 
 CASES = {
-    # ShuffleNet's stage 2 / 3 / 4 shapes (channels cut), groups 4 and 3, odd widths
-    "g4_c68_14": (68, 68, (14, 14), 4, {}),
+    # ShuffleNet's stage 3 / 4 shapes (channels cut), groups 2 / 3 / 4, odd widths; a group
+    # of 32 input channels or more (MIN_GROUP_CHANNELS)
+    "g2_c68_14": (68, 68, (14, 14), 2, {}),
     "g4_c136_7": (136, 136, (7, 7), 4, {}),
-    "g3_c6_13": (6, 12, (13, 7), 3, {}),
-    "g3_c12_7_residual": (12, 12, (7, 13), 3, {"residual": True}),
-    "g4_c8_no_relu": (8, 8, (5, 14), 4, {"relu": False}),
+    "g3_c96_13": (96, 48, (13, 7), 3, {}),
+    "g3_c96_7_residual": (96, 96, (7, 13), 3, {"residual": True}),
+    "g4_c128_no_relu": (128, 128, (5, 14), 4, {"relu": False}),
 }
 
 
@@ -115,24 +117,25 @@ def _rewrites(mod) -> int:
 @pytest.mark.parametrize(
     "build",
     [
-        lambda x: R.nn.conv2d(x, _w(8, 8, 1, 1)),  # groups 1: a GEMM already
-        lambda x: R.nn.conv2d(x, _w(8, 1, 1, 1), groups=8),  # depthwise
-        lambda x: R.nn.conv2d(x, _w(8, 2, 3, 3), padding=[1, 1, 1, 1], groups=4),  # 3 x 3
-        lambda x: R.nn.conv2d(x, _w(8, 2, 1, 1), strides=[2, 2], groups=4),  # strided
+        lambda x: R.nn.conv2d(x, _w(64, 64, 1, 1)),  # groups 1: a GEMM already
+        lambda x: R.nn.conv2d(x, _w(64, 1, 1, 1), groups=64),  # depthwise
+        lambda x: R.nn.conv2d(x, _w(64, 16, 1, 1), groups=4),  # 16 channels a group
+        lambda x: R.nn.conv2d(x, _w(64, 32, 3, 3), padding=[1, 1, 1, 1], groups=2),  # 3 x 3
+        lambda x: R.nn.conv2d(x, _w(64, 32, 1, 1), strides=[2, 2], groups=2),  # strided
     ],
-    ids=["groups1", "depthwise", "3x3", "stride2"],
+    ids=["groups1", "depthwise", "short_group", "3x3", "stride2"],
 )
 def test_must_not_fire(build):
-    assert _rewrites(_module(build, (1, 8, 6, 7))) == 0
+    assert _rewrites(_module(build, (1, 64, 6, 7))) == 0
 
 
 def test_weight_not_constant_must_not_fire():
-    x = relax.Var("x", relax.TensorType((1, 8, 6, 7), "float32"))
-    w = relax.Var("w", relax.TensorType((8, 2, 1, 1), "float32"))
+    x = relax.Var("x", relax.TensorType((1, 64, 6, 7), "float32"))
+    w = relax.Var("w", relax.TensorType((64, 32, 1, 1), "float32"))
     bb = relax.BlockBuilder()
     with bb.function("main", [x, w]):
         with bb.dataflow():
-            out = bb.emit_output(R.nn.conv2d(x, w, groups=4))
+            out = bb.emit_output(R.nn.conv2d(x, w, groups=2))
         bb.emit_func_output(out)
     assert _rewrites(bb.get()) == 0
 
@@ -140,28 +143,28 @@ def test_weight_not_constant_must_not_fire():
 def test_epilogue_broadcast_stays_on_the_view(target):
     """An operand of shape (1, 1, 1, W) broadcasts along the positions, not per channel: the
     add reads the NCHW view (numbers still right), the bias before it is sunk."""
-    wt = RNG.standard_normal((8, 2, 1, 1)).astype("float32")
-    bias = RNG.standard_normal((1, 8, 1, 1)).astype("float32")
+    wt = (RNG.standard_normal((64, 32, 1, 1)) / 6).astype("float32")
+    bias = RNG.standard_normal((1, 64, 1, 1)).astype("float32")
     row = RNG.standard_normal((1, 1, 1, 7)).astype("float32")
 
     def build(x):
-        y = R.add(R.nn.conv2d(x, relax.const(wt), groups=4), relax.const(bias))
+        y = R.add(R.nn.conv2d(x, relax.const(wt), groups=2), relax.const(bias))
         return R.multiply(y, relax.const(row))
 
-    mod = _module(build, (2, 8, 6, 7))
+    mod = _module(build, (2, 64, 6, 7))
     after = GroupedConvToGemm()(mod)
     text = after.script()
     assert "einsum" in text and text.count("R.add(") == 1
-    x = RNG.standard_normal((2, 8, 6, 7)).astype("float32")
-    xt = x.reshape(2, 4, 2, 42)
-    ref = np.einsum("ngcp,gjc->ngjp", xt, wt.reshape(4, 2, 2)).reshape(2, 8, 6, 7)
+    x = RNG.standard_normal((2, 64, 6, 7)).astype("float32")
+    xt = x.reshape(2, 2, 32, 42)
+    ref = np.einsum("ngcp,gjc->ngjp", xt, wt.reshape(2, 32, 32)).reshape(2, 64, 6, 7)
     compiled = engine.compile_module(mod, target, "tvm_fusion")
     (got,) = engine.TvmRunner(compiled, [x]).outputs()
     np.testing.assert_allclose(got, (ref + bias) * row, rtol=1e-5, atol=1e-5)
 
 
 def test_pipeline_flag_switches_it_off(target):
-    model = _onnx_model(12, 12, (7, 7), 3, 1)
+    model = _onnx_model(96, 96, (7, 7), 3, 1)
     compiled = engine.compile_module(
         load_onnx(model), target, "tvm_fusion", grouped_conv_to_gemm=False
     )

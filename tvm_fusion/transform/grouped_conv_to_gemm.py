@@ -26,8 +26,9 @@ ONNX Runtime alternating, 2 threads on a shared Zen 3, load average 5-6): Shuffl
 epilogue (1.51 with the epilogue left behind the view); 544 -> 544 at 7 x 7, 1.53 -> 0.82;
 136 -> 136 at 28 x 28, 1.73 -> 1.28.
 
-Matches ``R.nn.conv2d`` with ``1 < groups``, ``CG = C / groups > 1`` (a depthwise convolution
-stays with the window rule), a 1 x 1 kernel, strides and dilations 1, no padding, NCHW / OIHW
+Matches ``R.nn.conv2d`` with ``1 < groups``, ``CG = C / groups >= 32`` (``MIN_GROUP_CHANNELS``:
+a shorter reduction stays with the GroupedConv rule, a depthwise convolution with the window
+rule), a 1 x 1 kernel, strides and dilations 1, no padding, NCHW / OIHW
 layouts, static channels and positions (the batch may be symbolic), a float dtype without an
 ``out_dtype`` change and a constant weight. Where it must run: before LegalizeOps (Phase 1),
 after BatchNorm folding (the folded bias is the epilogue).
@@ -67,6 +68,12 @@ _BINARY = {
     f"relax.{name}" for name in ("add", "subtract", "multiply", "divide", "maximum", "minimum")
 }
 _FLOATS = ("float32", "float64", "float16")
+# The einsum's tile accumulates output channels as vectors and writes them back to NCHW
+# transposed, a cost per output that the reduction over a group's input channels must outweigh:
+# at 28 x 28, groups 4 (kernels alone, alternating, load ~6.8), 24 -> 112 (6 channels a group)
+# took 3.7x the GroupedConv rule's time, 112 -> 112 (28) 1.15-1.4x, 128 -> 128 (32) 0.95,
+# 136 -> 136 (34) 0.48-0.68; 272 -> 272 at 14 x 14 (68) 0.69, 544 -> 544 at 7 x 7 (136) 0.58.
+MIN_GROUP_CHANNELS = 32
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -124,6 +131,8 @@ def grouped_1x1(call: relax.Call) -> tuple | None:
     cg, og = c // groups, k[0] // groups
     if cg == 1:
         return skip(logger, what, "depthwise")
+    if cg < MIN_GROUP_CHANNELS:
+        return skip(logger, what, f"{cg} input channels a group: the GroupedConv rule's")
     return groups, cg, og, h, wd
 
 
