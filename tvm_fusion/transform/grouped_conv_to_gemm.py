@@ -24,14 +24,15 @@ Measured (``scripts/bench_conv_layers.py``-style one-layer models, ``Relu(Conv +
 ONNX Runtime alternating, 2 threads on a shared Zen 3, load average 5-6): ShuffleNet's
 272 -> 272 at 14 x 14 groups 4, ours/ORT 1.36 as a convolution, 0.98 as the einsum with its
 epilogue (1.51 with the epilogue left behind the view); 544 -> 544 at 7 x 7, 1.53 -> 0.82;
-136 -> 136 at 28 x 28, 1.73 -> 1.28.
+136 -> 136 at 28 x 28, 1.73 -> 1.28. ShuffleNet end to end (the pass off and on, alternating
+with ORT in one run, BatchNorm folded or not, load 4.4-4.8): on / off 0.76, 0.80, 0.83.
 
 Matches ``R.nn.conv2d`` with ``1 < groups``, ``CG = C / groups >= 32`` (``MIN_GROUP_CHANNELS``:
 a shorter reduction stays with the GroupedConv rule, a depthwise convolution with the window
-rule), a 1 x 1 kernel, strides and dilations 1, no padding, NCHW / OIHW
-layouts, static channels and positions (the batch may be symbolic), a float dtype without an
-``out_dtype`` change and a constant weight. Where it must run: before LegalizeOps (Phase 1),
-after BatchNorm folding (the folded bias is the epilogue).
+rule), a 1 x 1 kernel, strides and dilations 1, no padding, NCHW / OIHW layouts, static channels
+and positions (the batch may be symbolic), a float dtype without an ``out_dtype`` change and a
+constant weight. Where it must run: before LegalizeOps (Phase 1), after BatchNorm folding (the
+folded bias is the epilogue).
 
 Left alone, with the reason logged at debug level: other convolutions, and epilogue ops whose
 operands broadcast other than per channel (those read the NCHW view, which stays).
