@@ -79,6 +79,7 @@ from ..transform._common import op_name
 from . import onnx_known_shapes
 from .onnx_dynamic import DYNAMIC as _DYNAMIC
 from .onnx_dynamic import fresh_shape as _fresh_shape
+from .onnx_elementwise import ELEMENTWISE as _ELEMENTWISE
 from .onnx_fixes import FIXES as _FIXES
 from .onnx_fixes import expand_to_runtime_shape
 from .onnx_known_shapes import KnownShapes
@@ -529,6 +530,7 @@ OVERRIDES = {
     **_GAPS,  # forms stock refuses: MaxPool Indices, integer Pow, run-time CumSum axis
     **_DYNAMIC,  # Size, Pad, Split with operands known at run time (onnx_dynamic.py)
     **_SUITE_FIXES,  # the same, found by the whole node suite (onnx_refusals.py)
+    **_ELEMENTWISE,  # Sum as pairwise adds, not stack + sum (onnx_elementwise.py)
 }
 
 CONVERTERS = {
