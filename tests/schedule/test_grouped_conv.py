@@ -3,6 +3,8 @@ padding, odd sizes, fused epilogues) as a GEMM per group, numbers against torch 
 batch of 1 and 3; every target of the matrix schedules them with the rule, no fallback kernel.
 
 Must not fire: a regular convolution (the Matmul rule's), a depthwise one (the window rule's).
+The pipeline's GroupedConvToGemm (which makes the 1 x 1 ones einsums for the Matmul rule) is off
+here: these tests are the rule's.
 """
 
 import numpy as np
@@ -119,7 +121,7 @@ def test_grouped_conv_numbers(name, target):
     for batch in (1, 3):
         x = RNG.standard_normal((batch, *shape)).astype("float32")
         if compiled is None:
-            (got,), compiled = run(mod, [x], target=target)
+            (got,), compiled = run(mod, [x], target=target, grouped_conv_to_gemm=False)
         else:
             (got,) = engine.TvmRunner(compiled, [x]).outputs()
         np.testing.assert_allclose(got, reference(x).numpy(), rtol=1e-5, atol=1e-5)
@@ -134,7 +136,9 @@ def test_grouped_conv_on_every_target(cpu_target, name):
     """Compile-only: each target of the matrix schedules it with the rule, none falls back."""
     build, shape, _ = CASES[name]
     with cpu_target:
-        lowered = build_pipeline(cpu_target)(_module(build, (1, *shape)))
+        lowered = build_pipeline(cpu_target, grouped_conv_to_gemm=False)(
+            _module(build, (1, *shape))
+        )
     rules = _rules(lowered)
     assert "GroupedConv" in rules.values(), rules
     assert not analysis.fallback_kernels(lowered), rules

@@ -24,8 +24,10 @@ def _pairwise(base):
     class Pairwise(base):
         @classmethod
         def _impl_v1(cls, bb, inputs, attr, params):
-            if all(isinstance(i, GenericConst) for i in inputs) or len(inputs) < 2:
+            if all(isinstance(i, GenericConst) for i in inputs):
                 return super()._impl_v1(bb, inputs, attr, params)
+            if len(inputs) == 1:  # the sum or mean of one tensor is that tensor
+                return inputs[0]
             return cls._impl_dynamic(bb, inputs)
 
     Pairwise.__name__ = base.__name__

@@ -22,6 +22,7 @@ from .fuse_grouped_gates import FuseGroupedGates
 from .fuse_linear_cross_entropy import FuseLinearCrossEntropy
 from .fuse_split_gates import FuseSplitGates
 from .gather_to_slice import GatherToSlice
+from .grouped_conv_to_gemm import GroupedConvToGemm
 from .order_for_memory import OrderForMemory
 from .place_shape_on_host import PlaceShapeOnHost
 from .sink_views_past_epilogues import SinkViewsPastEpilogues
@@ -44,6 +45,7 @@ GRAPH_PASSES: list[tuple[str, type]] = [
     ("fuse_split_gates", FuseSplitGates),
     ("fuse_attention", FuseAttention),
     ("sink_views_past_epilogues", SinkViewsPastEpilogues),
+    ("grouped_conv_to_gemm", GroupedConvToGemm),  # after BatchNorm folding: its bias
 ]
 POST_FUSION_PASSES: list[tuple[str, type]] = [
     ("strip_bookend_views", StripBookendViews),
@@ -63,6 +65,7 @@ __all__ = [
     "FuseSplitGates",
     "POST_FUSION_PASSES",
     "GatherToSlice",
+    "GroupedConvToGemm",
     "OrderForMemory",
     "PlaceShapeOnHost",
     "SinkViewsPastEpilogues",

@@ -3,10 +3,12 @@
 Matches a PrimFunc with exactly one reduction block ``Y[.., oc, oh, ow] += X[.., oc // OG * CG +
 rc, ..] * W[oc, rc, ..]``: the input channel index adds a floor division of an output-channel
 iterator (``oc // OG``, the group) and a reduction iterator (``rc``, the channel in the group).
-That is what the importers emit for ``Conv2d(C, K, k, groups=G)`` in NCHW (ShuffleNet's grouped
-1 x 1 convolutions, ResNeXt's grouped 3 x 3). The window rule would take it too (``oc // OG *
-CG + rc`` adds a spatial and a reduction iterator), as one dot product per output element: a
-broadcast weight per multiply-add and a copy of the group's input planes per output channel.
+That is what the importers emit for ``Conv2d(C, K, k, groups=G)`` in NCHW (ResNeXt's grouped
+3 x 3; ShuffleNet's grouped 1 x 1 convolutions with a constant weight are einsums for the Matmul
+rule since ``GroupedConvToGemm``, the measurements below are from before). The window rule
+would take it too (``oc // OG * CG + rc`` adds a spatial and a reduction iterator), as one dot
+product per output element: a broadcast weight per multiply-add and a copy of the group's input
+planes per output channel.
 
 The schedule, per group a GEMM ``W_g (OG x CG*kh*kw) @ X_g`` computed in place:
 
