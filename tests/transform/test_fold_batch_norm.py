@@ -119,8 +119,20 @@ def test_structure_conv_bias_bn():
         {"use_stats": True},
         {"axis": 2, "x_shape": (1, 4, 6, 6)},  # over H (6 rows, as many as the channels)
         {"bias": RNG.standard_normal((1, 1, 8, 1)).astype("float32")},  # a bias along H
+        # 1-D of the channels' length: numpy broadcasting puts it along W (6 = W = channels)
+        {"bias": RNG.standard_normal(6).astype("float32"), "x_shape": (1, 4, 6, 6)},
+        {"bias": RNG.standard_normal((2, 6, 1, 1)).astype("float32")},  # a bias that adds a batch
     ],
-    ids=["training", "weight_param", "conv_used_twice", "stats_used", "other_axis", "bias_h"],
+    ids=[
+        "training",
+        "weight_param",
+        "conv_used_twice",
+        "stats_used",
+        "other_axis",
+        "bias_h",
+        "bias_1d_along_w",
+        "bias_adds_batch",
+    ],
 )
 def test_must_not_fire(kwargs):
     before, _, _ = conv_bn(**kwargs)

@@ -137,9 +137,12 @@ class _Rewriter(PyExprMutator):
         bias = np.zeros(channels)
         if bias_var is not None:
             b = constant_value(bias_var, self.bound)
-            if b is None or b.ndim > ndim or b.size not in (1, channels):
+            if b is None or b.ndim > ndim:
                 return skip(logger, what, "a bias that is not a constant per channel") or None
-            if b.size == channels and b.ndim and b.shape[c_axis - (ndim - b.ndim)] != channels:
+            aligned = (1,) * (ndim - b.ndim) + tuple(b.shape)  # numpy's broadcasting
+            if aligned[c_axis] not in (1, channels) or any(
+                d != 1 for i, d in enumerate(aligned) if i != c_axis
+            ):
                 return skip(logger, what, "a bias along another axis") or None
             bias = np.broadcast_to(b.reshape(-1).astype("float64"), (channels,))
         gamma, beta, mean, var = (s.astype("float64") for s in stats)
