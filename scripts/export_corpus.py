@@ -356,6 +356,39 @@ def mistral():
     return _rope_lm(MistralConfig, MistralForCausalLM, sliding_window=S.max_pos)
 
 
+def mixtral():
+    """Mixtral: Mistral with a sparse MoE block (router, top-2 of 4 experts, renormalised) in
+    transformers' ``batched_mm`` experts form (``W[ids]`` gathers and bmm, the export-friendly
+    one; the default grouped form calls a custom op no exporter handles)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return _rope_lm(
+        MixtralConfig,
+        MixtralForCausalLM,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+        experts_implementation="batched_mm",
+    )
+
+
+def qwen2_moe():
+    """Qwen2-MoE: top-2 of 4 routed experts (not renormalised) plus a shared expert behind a
+    sigmoid gate, ``batched_mm`` experts form."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return _rope_lm(
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        moe_intermediate_size=S.inner // 2,
+        shared_expert_intermediate_size=S.inner,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        experts_implementation="batched_mm",
+    )
+
+
 def gpt_neox():
     """GPT-NeoX: fused qkv, partial rotary, parallel residual, GELU MLP."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
@@ -525,6 +558,7 @@ MODELS = {
 MODELS.update(
     {"opt": opt, "qwen2": qwen2, "phi3": phi3, "mistral": mistral}
     | {"gpt_neox": gpt_neox, "falcon": falcon}
+    | {"mixtral": mixtral, "qwen2_moe": qwen2_moe}
 )
 
 

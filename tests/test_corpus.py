@@ -87,6 +87,23 @@ EXPECT.update(
         "falcon": {"PlaceShapeOnHost": 2, "StripBookendViews": 1},
     }
 )
+# Mixture-of-experts decoders (issue #38), transformers' batched_mm experts: per layer the
+# routed experts' gate-up (SwiGLU) and down projections on gathered expert weights, each one
+# FuseGatheredGates kernel, from both exporters (the TorchScript one after fold_constants
+# folds its repeat_interleave's OneHot repeats); Qwen2-MoE's shared expert, a dense SwiGLU
+# behind a sigmoid gate: FuseSplitGates per layer.
+EXPECT.update(
+    {
+        "mixtral": {"PlaceShapeOnHost": 2, "StripBookendViews": 1, "FuseGatheredGates": 4},
+        "qwen2_moe": {
+            "PlaceShapeOnHost": 2,
+            "StripBookendViews": 1,
+            "FuseGatheredGates": 4,
+            "FuseSplitGates": 2,
+            "SinkViewsPastEpilogues": 2,
+        },
+    }
+)
 # FuseAttention (issue #41): both layers' attention, from both exporters; the families with a
 # symbolic sequence only (ViT's and the Whisper encoder's are static and short: under the size
 # gate of tvm_fusion.transform.fuse_attention, unfused is faster)
@@ -100,9 +117,11 @@ for _family in (
     "gpt_neox",
     "llama",
     "mistral",
+    "mixtral",
     "opt",
     "phi3",
     "qwen2",
+    "qwen2_moe",
 ):
     EXPECT[_family]["FuseAttention"] = 2
 # known gaps, strict: the test fails once the pass fires there, so this list stays true

@@ -512,3 +512,78 @@ def test_incomplete_shape_inference_writes_no_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert onnx_known_shapes._infer(model) is not None
     assert list(tmp_path.iterdir()) == []
+
+
+def _repeat_interleave_model():
+    """TorchScript's export of ``x.repeat_interleave(k, dim=0)`` with ``k`` read from a shape
+    (transformers' ``batched_mm`` experts: ``k`` is the top-k indices' last, static dim behind a
+    dynamic token dim): ``Shape`` -> ``Slice`` -> ``OneHot`` repeats -> ``Tile`` -> ``Reshape``."""
+    i64 = TensorProto.INT64
+    nodes = [
+        helper.make_node("Shape", ["ids"], ["ids_shape"]),
+        _const("minus_one", [-1]),
+        _const("big", [2**62]),
+        _const("zero", [0]),
+        helper.make_node("Slice", ["ids_shape", "minus_one", "big", "zero"], ["k1"]),
+        helper.make_node("Squeeze", ["k1", "zero"], ["k"]),
+        _const("one_shape", [1]),
+        helper.make_node("Reshape", ["k", "one_shape"], ["k_1"]),
+        _const("off", [1]),
+        helper.make_node("Concat", ["off", "k_1"], ["on_off"], axis=0),
+        _const("axis", [1]),
+        helper.make_node(  # a scalar depth, as the export writes it
+            "Constant", [], ["rank"], value=helper.make_tensor("rank", i64, [], [3])
+        ),
+        helper.make_node("OneHot", ["axis", "rank", "on_off"], ["reps_2d"], axis=-1),
+        helper.make_node("Reshape", ["reps_2d", "minus_one"], ["reps"]),
+        _const("one", [1]),
+        helper.make_node("Unsqueeze", ["x", "one"], ["x3"]),
+        helper.make_node("Tile", ["x3", "reps"], ["tiled"]),
+        _const("rows", [-1, 4]),
+        helper.make_node("Reshape", ["tiled", "rows"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["t", 4]),
+            helper.make_tensor_value_info("ids", i64, ["t", 2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["r", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_static_dim_of_a_shape_folds_repeat_interleave():
+    """The static dim of a dynamic tensor's ``Shape`` folds, and the ``OneHot`` repeats after
+    it: ``Tile`` keeps its static dims (stock's ``dyn_tile`` to fresh ``tile_dim`` vars hid the
+    rows of a gathered expert GEMM from FuseGatheredGates in the TorchScript Mixtral export),
+    and the numbers match ONNX Runtime at two token counts."""
+    import onnxruntime as ort
+
+    from tvm_fusion.build import engine
+    from tvm_fusion.frontend import fold_constants
+
+    model = _repeat_interleave_model()
+    folded, count = fold_constants(model)
+    assert count == 6, count  # Slice, Squeeze, Reshape, Concat, OneHot, Reshape
+    tile = next(n for n in folded.graph.node if n.op_type == "Tile")
+    assert tile.input[1] in {i.name for i in folded.graph.initializer}
+    mod = load_onnx(model)
+    y = mod["main"].body.blocks[0].bindings[-1].var
+    rows, cols = y.ty.shape.values
+    assert isinstance(cols, tvm.tirx.IntImm) and int(cols) == 4, y.ty
+    t = mod["main"].params[0].ty.shape.values[0]
+    assert tvm.sym.Analyzer().can_prove_equal(rows, t * 2), y.ty
+    assert "tile_dim" not in mod.script()
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    _, compiled = run(mod, [np.zeros((1, 4), "float32"), np.zeros((1, 2), "int64")])
+    for t in (3, 1):
+        x = np.arange(4 * t, dtype="float32").reshape(t, 4)
+        ids = np.zeros((t, 2), "int64")
+        want = session.run(None, {"x": x, "ids": ids})[0]
+        got = engine.TvmRunner(compiled, [x, ids]).outputs()[0]
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, np.repeat(x, 2, axis=0))
