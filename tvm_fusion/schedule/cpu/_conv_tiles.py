@@ -35,8 +35,9 @@ def window_tile(m_ext, j_ext, nr: int, lanes: int, regs: int, gates: int) -> tup
     few accumulators. On AVX2: 13 or 17 wide, one row x 8 vectors (256 channels), 12 (192),
     13 x 1 vector at 13 wide where the vectors have no divisor from 3 to 12 (208 channels);
     26 wide, 2 x 4 (was 2 x 2); 55 wide, 5 x 2 (was 11 x 1); 27 or 9 wide at 96, 192, 384
-    channels, 3 x 3 (was 9 x 1). 32 registers (AVX-512, NEON): changed only at widths of 1 to
-    3 rows a tile (111 = 3 x 37: 3 x 4 vectors, was 3 x 2), not timed.
+    channels, 3 x 3 (was 9 x 1). 32 registers (AVX-512, NEON): changed where the old tile held
+    8 accumulators or fewer (7 wide at 48 channels: 7 x 3 vectors, was 7 x 1; 111 = 3 x 37:
+    3 x 4 vectors, was 3 x 2), not timed.
 
     Single thread, CPU time, alternating, Zen 3, load average 5-6: SqueezeNet's 64->256 3x3 at
     13 x 13, 24 -> 64 GFLOP/s; AlexNet's 384->256 3x3 at 13 x 13, 24 -> 61; AlexNet's 11 x 11
