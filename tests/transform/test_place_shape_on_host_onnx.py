@@ -62,8 +62,12 @@ def test_llama_block_export():
     )
     mod = load_onnx(model)
     # stock's VM shape lowering cannot compute the dims the chains define (before load_onnx
-    # cast lost shapes to named dims, stock failed earlier: "ShapeExpr shape")
-    with pytest.raises(Exception, match="has not been computed|ShapeExpr shape"):
+    # cast lost shapes to named dims, stock failed earlier: "ShapeExpr shape"; since
+    # fold_constants folds the static dims of a Shape, it fails in VM codegen on a shape-value
+    # multiply left unlowered)
+    with pytest.raises(
+        Exception, match="has not been computed|ShapeExpr shape|CodeGenVM cannot emit"
+    ):
         engine.compile_module(mod, host_target(), "stock")
     compiled = engine.compile_module(mod, host_target(), "tvm_fusion")
     out = engine.TvmRunner(compiled, [x]).outputs()[0]
