@@ -217,8 +217,40 @@ def normalize_axis(axis: int, ndim: int) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Binding-level rewriters (FoldBatchNorm, SplitGroupedConv)
+
+
+def bound_values(func: relax.Function) -> dict:
+    """``var -> value`` of every binding in ``func``'s body."""
+    body = func.body
+    if not isinstance(body, relax.SeqExpr):
+        return {}
+    return {b.var: b.value for block in body.blocks for b in block.bindings}
+
+
+def rewrite_each_function(mod, make_rewriter, prune_first: bool = False) -> int:
+    """Run ``make_rewriter(mod, func)`` (a PyExprMutator counting its rewrites in ``count``)
+    over every Relax function of ``mod`` that is not primitive; a function it rewrote is
+    stored with its dead bindings removed. ``prune_first``: remove them before the rewriter
+    reads the function too (use counts of the importer's unused items). Returns the count."""
+    count = 0
+    for gv, func in list(mod.functions.items()):
+        if not isinstance(func, relax.Function) or func.attrs and "Primitive" in func.attrs:
+            continue
+        if prune_first:
+            func = relax.analysis.remove_all_unused(func)
+        rewriter = make_rewriter(mod, func)
+        new = rewriter.visit_expr(func)
+        if rewriter.count:
+            mod[gv] = relax.analysis.remove_all_unused(new)
+            count += rewriter.count
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
 # Constant operands of convolutions (FoldBatchNorm, SplitGroupedConv)
 
+CONVS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d")
 # ops whose output holds the input's values in another shape (the importer's bias reshape)
 _SAME_VALUES = ("relax.broadcast_to", "relax.reshape", "relax.expand_dims", "relax.squeeze")
 

@@ -34,18 +34,20 @@ from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._common import (
+    CONVS,
+    bound_values,
     constant_value,
     get_logger,
     op_name,
     plain_axis,
     record_rewrite,
+    rewrite_each_function,
     skip,
     use_counts,
 )
 
 logger = get_logger(__name__)
 NAME = "FoldBatchNorm"
-_CONVS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d")
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -57,17 +59,8 @@ class FoldBatchNorm:
         self.target = target
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
-        count = 0
-        for gv, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function) or func.attrs and "Primitive" in func.attrs:
-                continue
-            func = relax.analysis.remove_all_unused(func)  # the importer's unused stats items
-            rewriter = _Rewriter(mod, func)
-            new = rewriter.visit_expr(func)
-            if rewriter.count:
-                mod[gv] = relax.analysis.remove_all_unused(new)
-                count += rewriter.count
-        record_rewrite(NAME, count)
+        # pruned first: the importer's unused statistics items would count as uses
+        record_rewrite(NAME, rewrite_each_function(mod, _Rewriter, prune_first=True))
         return mod
 
 
@@ -75,9 +68,7 @@ class FoldBatchNorm:
 class _Rewriter(PyExprMutator):
     def __init__(self, mod: IRModule, func: relax.Function):
         super().__init__(mod)
-        self.bound: dict = {}
-        for binding in _bindings(func):
-            self.bound[binding.var] = binding.value
+        self.bound = bound_values(func)
         self.uses = use_counts(func)
         self.count = 0
 
@@ -108,13 +99,13 @@ class _Rewriter(PyExprMutator):
         producer = self.bound.get(data)
         if op_name(producer) == "relax.add":
             lhs, rhs = producer.args
-            if op_name(self.bound.get(rhs)) in _CONVS:
+            if op_name(self.bound.get(rhs)) in CONVS:
                 lhs, rhs = rhs, lhs
             if self.uses.get(data, 0) != 1:
                 return skip(logger, what, "the bias add has another use") or None
             bias_var, conv_var = rhs, lhs
             producer = self.bound.get(lhs)
-        if op_name(producer) not in _CONVS or not isinstance(conv_var, relax.Var):
+        if op_name(producer) not in CONVS or not isinstance(conv_var, relax.Var):
             return skip(logger, what, "not after a convolution") or None
         if self.uses.get(conv_var, 0) != 1:
             return skip(logger, what, "the convolution has another use") or None
@@ -159,10 +150,3 @@ class _Rewriter(PyExprMutator):
         new_conv = self.builder_.normalize(new_conv)
         return relax.op.add(new_conv, relax.const(new_bias.reshape(bias_shape)))
 
-
-def _bindings(func: relax.Function):
-    body = func.body
-    if not isinstance(body, relax.SeqExpr):
-        return
-    for block in body.blocks:
-        yield from block.bindings

@@ -34,14 +34,23 @@ from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import target as _target
-from ._common import constant_value, get_logger, op_name, plain_axis, record_rewrite, skip
+from ._common import (
+    CONVS,
+    bound_values,
+    constant_value,
+    get_logger,
+    op_name,
+    plain_axis,
+    record_rewrite,
+    rewrite_each_function,
+    skip,
+)
 
 logger = get_logger(__name__)
 NAME = "SplitGroupedConv"
 MAX_GROUPS = 4
 MIN_CHANNELS = 32  # output channels per group: four AVX2 vectors, two AVX-512 ones
 MIN_REDUCTION = 256  # input channels x window per group: a GEMM's K that repays its tiles
-_CONVS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d")
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -56,16 +65,7 @@ class SplitGroupedConv:
         target = _target.resolve_target(self.target)
         if not _target.is_cpu(target):
             return mod
-        count = 0
-        for gv, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function) or func.attrs and "Primitive" in func.attrs:
-                continue
-            rewriter = _Rewriter(mod, func)
-            new = rewriter.visit_expr(func)
-            if rewriter.count:
-                mod[gv] = relax.analysis.remove_all_unused(new)
-                count += rewriter.count
-        record_rewrite(NAME, count)
+        record_rewrite(NAME, rewrite_each_function(mod, _Rewriter))
         return mod
 
 
@@ -73,12 +73,7 @@ class SplitGroupedConv:
 class _Rewriter(PyExprMutator):
     def __init__(self, mod: IRModule, func: relax.Function):
         super().__init__(mod)
-        self.bound: dict = {}
-        body = func.body
-        if isinstance(body, relax.SeqExpr):
-            for block in body.blocks:
-                for binding in block.bindings:
-                    self.bound[binding.var] = binding.value
+        self.bound = bound_values(func)
         self.count = 0
 
     def visit_var_binding_(self, binding) -> None:
@@ -90,7 +85,7 @@ class _Rewriter(PyExprMutator):
         self.count += 1
 
     def _split(self, call, name: str):
-        if op_name(call) not in _CONVS:
+        if op_name(call) not in CONVS:
             return None
         attrs = call.attrs
         groups = int(attrs.groups)
