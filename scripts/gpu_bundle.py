@@ -434,7 +434,28 @@ KERNEL_CASES = [
     ("attn_f16", "attention", (1, 2, 515, 64), (1, 8, 2048, 64), "float16"),
     ("attn_causal_f32", "causal", (1, 2, 37, 64), (1, 8, 2048, 64), "float32"),
     ("attn_causal_f16", "causal", (1, 2, 37, 64), (1, 8, 2048, 64), "float16"),
+    # FuseGatheredGates on CUDA: a Mixtral-style MoE layer (router, top-k, W[ids] bmm, SwiGLU,
+    # down W[ids] bmm, weighted sum), torch.export; (tokens, hidden, inner, experts, top)
+    ("moe_f32_t1", "moe", (5, 64, 48, 4, 2), (1, 1024, 2816, 8, 2), "float32"),
+    ("moe_f32_t16", "moe", (5, 64, 48, 4, 2), (16, 1024, 2816, 8, 2), "float32"),
 ]
+
+
+def _moe_module(tokens: int, hidden: int, inner: int, experts: int, top: int):
+    """``tvm_fusion.testing.moe.batched_mm_moe`` through torch.export at static tokens, its
+    weights bound as constants; the reference is torch's output on this CPU."""
+    import torch
+
+    from tvm_fusion.frontend.load import import_exported_program
+    from tvm_fusion.testing.moe import batched_mm_moe
+
+    torch.manual_seed(0)
+    model = batched_mm_moe(hidden, inner, experts, top, scale=hidden**-0.5)
+    x = torch.randn(tokens, hidden)
+    mod = import_exported_program(torch.export.export(model, (x,)))
+    with torch.no_grad():
+        ref = model(x).numpy()
+    return mod, {"x": x.numpy()}, [ref]
 
 
 def _attention_module(b: int, h: int, s: int, d: int, dtype: str, causal: bool):
@@ -484,6 +505,13 @@ def _kernel_cases(picked: list[str] | None = None):
                     peer,
                     size,
                 )
+                continue
+            if kind == "moe":
+                mod, inputs, ref = _moe_module(*dims)
+                tokens, hidden, inner, experts, top = dims
+                peer = {"workload": "moe", "hidden": hidden, "inner": inner}
+                peer.update(experts=experts, top=top)
+                yield f"{name}.{size}", mod, mod, inputs, "main", ref, peer, size
                 continue
             rows, k, d = dims
             if kind == "linear":

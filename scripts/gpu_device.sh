@@ -8,11 +8,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,te
 python3 -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__)"
 cd /tmp && tar xzf "$R/${BUNDLE:-.gpu/gpu_bundle.tar.gz}" || exit 3
 export PYTHONUNBUFFERED=1
-K=tc_,cc_,gemv_,skinny_
+K=tc_,cc_,gemv_,skinny_,attn_,moe_
 timeout ${T1:-240} python3 gpu_bundle/run_gpu.py --out "$OUT/kernels" --only $K --repeat 30 > "$OUT/kernels.log" 2>&1
 echo "kernels rc=$?"; grep -v '^{' "$OUT/kernels.log" | tail -40
 rest=$(python3 -c "
 import json; m=json.load(open('gpu_bundle/manifest.json'))
-print(','.join(sorted({c['case'] for c in m['cases'] if not c['case'].startswith(('tc_','cc_','gemv_','skinny_'))})))")
+print(','.join(sorted({c['case'] for c in m['cases'] if not c['case'].startswith(('tc_','cc_','gemv_','skinny_','attn_','moe_'))})))")
 timeout ${T2:-240} python3 gpu_bundle/run_gpu.py --out "$OUT/rest" --only "$rest" --repeat 30 > "$OUT/rest.log" 2>&1
 echo "rest rc=$?"; grep -v '^{' "$OUT/rest.log" | tail -45
