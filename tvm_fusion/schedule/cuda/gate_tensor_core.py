@@ -39,10 +39,14 @@ thread blocks; when none does, the one with the most blocks (gate_2890, 64 x 3 x
 per block, 256 blocks). Static rows: the row block divides the rows padded to 16 (at most 15
 padded rows); symbolic rows are tiled as ``SYMBOLIC_ROWS`` static rows. Few rows (static
 ``<= SKINNY_ROWS``, or symbolic) stream the weight rather than compute: the pipeline gets 3 or
-4 stages (``SKINNY_STAGES``, as many bytes in flight as the shared memory allows; SwiGLU's 64
-x 2048 -> 2 x 5632 had one 12 KB step in flight per block and moved 0.58 TB/s on an H200;
-now 3 stages of 64, 36 KB, 42 registers, sm_90). ``BK``: the largest of
-64, 32, 16 whose zero padding of ``K`` is at most 15 or ``K / 16`` (:func:`reduction_steps`).
+4 stages (``SKINNY_STAGES``: the most stages that fit the shared memory, then the widest step).
+Measured on an H100 and an H200 (bench/gpu.md, 2026-11-26), SwiGLU's 64 x 2048 -> 2 x 5632
+float16 gate (4 x 1 x 2 warps): steps of 64 took 0.080 ms at 2 and at 3 stages, steps of 32
+0.056-0.058 ms at 2, 3 or 4 stages, steps of 16 at 4 stages 0.057 (torch's cuBLAS GEMM and
+two elementwise kernels 0.059-0.066): the step, not the depth, decided; this rule now takes 4
+stages of 32 there (the most stages, 32 KB); gate_2890 (4 stages of 64) and the GRU cell (4 of
+32) kept their tiles. ``BK``: the largest of 64, 32, 16 whose zero padding of ``K`` is at most
+15 or ``K / 16`` (:func:`reduction_steps`).
 
 Few rows: fewer than ``MIN_ROWS`` (16) static rows stay on the split-K GEMV. There both paths
 read the weight once (batch-1 decode is bound by the weight's bytes), but a 16-row mma tile
@@ -185,9 +189,9 @@ def choose_tile(rows, units: int, block: int, gates: int, k) -> TensorCoreTile |
 def _deepened(tile: TensorCoreTile, bks: list[int], ks: list[int]) -> TensorCoreTile:
     """Few rows: the weight stream, not the math, bounds the kernel, and a 2-stage pipeline
     leaves one step's slab in flight per block. Of ``SKINNY_STAGES`` x ``bks`` within the
-    shared memory, the one with the most bytes in flight (``bk x (stages - 1)``), fewer stages
-    on a tie, with at least ``2 x stages`` steps of every ``K``; ``tile`` when none is
-    deeper."""
+    shared memory, with at least ``2 x stages`` steps of every ``K``, the one with the most
+    stages, then the widest step (measured: the module docstring); ``tile`` when none has more
+    bytes in flight (``bk x (stages - 1)``)."""
     deeper = [
         TensorCoreTile(tile.wr, tile.wu, bk, tile.gates, tile.gemms, stages)
         for stages in SKINNY_STAGES
@@ -198,7 +202,7 @@ def _deepened(tile: TensorCoreTile, bks: list[int], ks: list[int]) -> TensorCore
         for t in deeper
         if smem_bytes(t) <= SMEM_BUDGET and all(padded(k, t.bk) // t.bk >= 2 * t.stages for k in ks)
     ]
-    best = max(deeper, key=lambda t: (t.bk * (t.stages - 1), -t.stages), default=tile)
+    best = max(deeper, key=lambda t: (t.stages, t.bk), default=tile)
     return best if best.bk * (best.stages - 1) > tile.bk * (tile.stages - 1) else tile
 
 
