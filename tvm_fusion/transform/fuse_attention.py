@@ -49,11 +49,15 @@ unfused), 0.92x / 0.97x at 512, 0.87x at 2048. The memory saving holds at any si
 2048, B = 1, H = 8, D = 64: 0.021x stock's planned peak; the kernel's packed K^T, a workspace
 the size of K allocated per call, is outside the plan).
 
-CUDA targets: the same chains, float32 or float16 (products, sums and softmax in float32, the
-output cast once), with head dims ``D, Dv <= 128`` (``Dv`` a multiple of 4), become
-:func:`tvm_fusion.lower.attention_cuda.attention_kernel_cuda` (one thread block per 64 query
-rows, the scores and running statistics in registers); the size gate is the CPU's (not measured
-on a GPU). Other GPU targets: the pass does nothing.
+CUDA targets: float32 chains without a mask, with head dims ``D, Dv <= 128`` (``Dv`` a
+multiple of 4), become :func:`tvm_fusion.lower.attention_cuda.attention_kernel_cuda` (thread
+blocks of 32 query rows, the scores and running statistics in registers, CUDA cores); the size
+gate is the CPU's. Masked and float16 chains stay unfused there, for stock's kernels: measured
+on an H100 (bench/gpu.md, 2026-11-26, B, H, S, D = 1, 8, 2048, 64), fused / stock: float32
+0.82x, float32 causal 1.62x, float16 1.63x (torch's flash attention: 0.02 ms against our 0.56).
+``FuseAttention(target, cuda_all_forms=True)`` (or ``CUDA_ALL_FORMS``) fuses them too
+(float16 computed in float32, the output cast once; causal blocks above the diagonal skipped).
+Other GPU targets: the pass does nothing.
 
 Left alone (reason at debug level): other dtypes (float16 / bfloat16 on the CPU), a softmax
 over another axis, a symbolic ``D`` / ``Dv``, a mask of another dtype, the mask added before
@@ -88,6 +92,7 @@ from ._common import (
 NAME = "FuseAttention"
 # the size gate (module docstring): static S * N of one (batch, head) below this stays unfused
 MIN_STATIC_SCORES = 512 * 512
+CUDA_ALL_FORMS = False  # CUDA: masked and float16 chains too (slower than stock: docstring)
 logger = get_logger(__name__)
 
 
@@ -96,8 +101,9 @@ class FuseAttention:
     """``softmax(Q K^T * scale + mask) V`` chains as one online-softmax kernel (see the module
     docstring). CPU and CUDA targets."""
 
-    def __init__(self, target=None):
+    def __init__(self, target=None, cuda_all_forms: bool | None = None):
         self.target = target
+        self.cuda_all_forms = CUDA_ALL_FORMS if cuda_all_forms is None else cuda_all_forms
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
         target = self.target or tvm.target.Target.current(allow_none=True)
@@ -105,7 +111,7 @@ class FuseAttention:
         if target is not None and not (cuda or _target.is_cpu(target)):
             return mod
         if cuda:
-            rewriter = _Rewriter(mod, None)
+            rewriter = _Rewriter(mod, None, self.cuda_all_forms)
         else:
             registers = _target.vector_registers(target) if target is not None else 16
             lanes = _target.vector_lanes(target) if target is not None else 8
@@ -127,10 +133,12 @@ class _Plan:
 
 
 class _Matcher:
-    def __init__(self, func: relax.Function, cuda: bool = False):
+    def __init__(self, func: relax.Function, cuda: bool = False, cuda_all_forms: bool = False):
         self.cuda = cuda
+        # CUDA: masked chains only with cuda_all_forms (slower than stock's kernels: measured)
+        self.cuda_masks = cuda_all_forms
         # float16 on CUDA: products, sums and the softmax in float32, the output cast once
-        self.dtypes = ("float32", "float16") if cuda else ("float32",)
+        self.dtypes = ("float32", "float16") if cuda and cuda_all_forms else ("float32",)
         self.bound: dict = {}
         for block in func.body.blocks:
             for binding in block.bindings:
@@ -383,6 +391,8 @@ class _Matcher:
         if self.cuda and not attention_cuda.supports(int(d), int(vs[3]), dtype):
             return skip(logger, what, f"no CUDA kernel for head dims {d}, {vs[3]}") or None
         mask, where_fill = mask
+        if self.cuda and mask is not None and not self.cuda_masks:
+            return skip(logger, what, "masked: stock's CUDA kernels are faster (measured)") or None
         if isinstance(_s, tirx.IntImm) and isinstance(n, tirx.IntImm):
             small = int(_s) * int(n) < MIN_STATIC_SCORES
             if small and not self._skips_blocks(mask, where_fill):
@@ -473,11 +483,14 @@ def _mask_dims(mask, dims, dtype: str):
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule, registers: tuple[int, int] | None):
+    def __init__(
+        self, mod: IRModule, registers: tuple[int, int] | None, cuda_all_forms: bool = False
+    ):
         """``registers``: the CPU's SIMD registers and lanes; None: CUDA."""
         super().__init__(mod)
         self.mod = mod
         self.registers = registers
+        self.cuda_all_forms = cuda_all_forms
         self.count = 0
         self.plans: dict = {}
 
@@ -485,7 +498,7 @@ class _Rewriter(PyExprMutator):
         for gv, func in self.mod.functions_items():
             if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
                 continue
-            matcher = _Matcher(func, cuda=self.registers is None)
+            matcher = _Matcher(func, self.registers is None, self.cuda_all_forms)
             self.plans = {}
             for value in matcher.bound.values():
                 if op_name(value) == "relax.matmul":
