@@ -169,3 +169,31 @@ def test_pipeline_flag_switches_it_off(target):
         load_onnx(model), target, "tvm_fusion", grouped_conv_to_gemm=False
     )
     assert not any("einsum" in n for n in _kernels(compiled.lowered))
+
+
+def test_epilogue_of_shared_elementwise_ops_sinks(target):
+    """The epilogue ops are the elementwise table SinkViewsPastEpilogues uses too
+    (``_common.ELEMENTWISE_*``): a per-channel ``where`` and a tanh-GELU move onto the GEMM's
+    layout as well (the old table stopped at them: their kernels read the NCHW view)."""
+    wt = (RNG.standard_normal((64, 32, 1, 1)) / 6).astype("float32")
+    keep = RNG.standard_normal((1, 64, 1, 1)) > 0
+
+    def build(x):
+        y = R.nn.conv2d(x, relax.const(wt), groups=2)
+        y = R.where(relax.const(keep), y, relax.const(np.float32(0.5)))
+        return R.nn.gelu_tanh(y)
+
+    mod = _module(build, (2, 64, 6, 7))
+    after = GroupedConvToGemm()(mod)
+    text = after.script()
+    assert "einsum" in text and text.count("R.reshape(") == 3, text  # x, the mask, the result
+    x = RNG.standard_normal((2, 64, 6, 7)).astype("float32")
+    xt = x.reshape(2, 2, 32, 42)
+    ref = np.einsum("ngcp,gjc->ngjp", xt, wt.reshape(2, 32, 32)).reshape(2, 64, 6, 7)
+    ref = np.where(keep, ref, 0.5)
+    ref = 0.5 * ref * (1 + np.tanh(np.sqrt(2 / np.pi) * (ref + 0.044715 * ref**3)))
+    compiled = engine.compile_module(mod, target, "tvm_fusion")
+    (got,) = engine.TvmRunner(compiled, [x]).outputs()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    kernels = _kernels(compiled.lowered)
+    assert not any("where" in n or "gelu" in n for n in kernels if "einsum" not in n), kernels

@@ -251,6 +251,46 @@ def rewrite_each_function(mod, make_rewriter, prune_first: bool = False) -> int:
 # Constant operands of convolutions (FoldBatchNorm, SplitGroupedConv)
 
 CONVS = ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d")
+# elementwise ops whose operands a layout rewrite may view differently (one value per element:
+# what the result's element reads is the same element of each operand, broadcasts aside)
+ELEMENTWISE_UNARY = frozenset(
+    f"relax.{name}"
+    for name in (
+        "exp",
+        "log",
+        "tanh",
+        "sigmoid",
+        "sqrt",
+        "rsqrt",
+        "erf",
+        "negative",
+        "abs",
+        "square",
+        "sin",
+        "cos",
+        "floor",
+        "ceil",
+        "round",
+        "sign",
+        "astype",
+        "clip",
+        "nn.relu",
+        "nn.gelu",
+        "nn.gelu_tanh",
+        "nn.silu",
+    )
+)
+ELEMENTWISE_BINARY = frozenset(
+    f"relax.{name}"
+    for name in ("add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "where")
+)
+
+
+def same_dims(a: list, b: list) -> bool:
+    """Two shapes of the same rank whose dims are provably equal."""
+    return len(a) == len(b) and all(prove_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 # ops whose output holds the input's values in another shape (the importer's bias reshape)
 _SAME_VALUES = ("relax.broadcast_to", "relax.reshape", "relax.expand_dims", "relax.squeeze")
 

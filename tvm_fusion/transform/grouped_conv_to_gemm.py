@@ -45,29 +45,22 @@ from tvm import IRModule, relax
 from tvm.ir.expr import GenericConst
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import const_int, get_logger, op_name, prove_equal, record_rewrite, skip
+from ._common import (
+    ELEMENTWISE_BINARY,
+    ELEMENTWISE_UNARY,
+    const_int,
+    get_logger,
+    op_name,
+    prove_equal,
+    record_rewrite,
+    same_dims,
+    skip,
+)
 from ._common import static_shape as _shape
 
 logger = get_logger(__name__)
 NAME = "GroupedConvToGemm"
 
-_UNARY = {
-    f"relax.{name}"
-    for name in (
-        "exp",
-        "tanh",
-        "sigmoid",
-        "negative",
-        "abs",
-        "clip",
-        "nn.relu",
-        "nn.gelu",
-        "nn.silu",
-    )
-}
-_BINARY = {
-    f"relax.{name}" for name in ("add", "subtract", "multiply", "divide", "maximum", "minimum")
-}
 _FLOATS = ("float32", "float64", "float16")
 # The einsum's tile accumulates output channels as vectors and writes them back to NCHW
 # transposed, a cost per output that the reduction over a group's input channels must outweigh:
@@ -165,7 +158,7 @@ class _Rewriter(PyExprMutator):
             if found:
                 self._rewrite(binding, *found)
                 return None
-        elif (name in _UNARY or name in _BINARY) and self._sink(binding):
+        elif (name in ELEMENTWISE_UNARY or name in ELEMENTWISE_BINARY) and self._sink(binding):
             return None
         return super().visit_var_binding_(binding)
 
@@ -225,7 +218,7 @@ class _Rewriter(PyExprMutator):
             prove_equal(a, b) for a, b in zip(out_shape, shape, strict=True)
         ):
             return skip(logger, what, "its result does not have the convolution's shape")
-        if any(not _same(self.flat[a][2], flat_shape) for a in sunk):
+        if any(not same_dims(self.flat[a][2], flat_shape) for a in sunk):
             return skip(logger, what, "its operands are grouped differently")
         if str(var.ty.dtype) != str(sunk[0].ty.dtype):
             return skip(logger, what, "it changes the dtype")
@@ -244,7 +237,3 @@ class _Rewriter(PyExprMutator):
         self.flat[var] = (flat_out, shape, flat_shape)
         self._emit_back(var, flat_out, shape)
         return True
-
-
-def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(prove_equal(x, y) for x, y in zip(a, b, strict=True))

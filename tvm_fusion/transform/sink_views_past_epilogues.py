@@ -51,42 +51,21 @@ import tvm
 from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import get_logger, op_name, prove_equal, record_rewrite, skip, static_shape
+from ._common import (
+    ELEMENTWISE_BINARY,
+    ELEMENTWISE_UNARY,
+    get_logger,
+    op_name,
+    prove_equal,
+    record_rewrite,
+    same_dims,
+    skip,
+    static_shape,
+)
 
 logger = get_logger(__name__)
 NAME = "SinkViewsPastEpilogues"
 
-_UNARY = {
-    f"relax.{name}"
-    for name in (
-        "exp",
-        "log",
-        "tanh",
-        "sigmoid",
-        "sqrt",
-        "rsqrt",
-        "erf",
-        "negative",
-        "abs",
-        "square",
-        "sin",
-        "cos",
-        "floor",
-        "ceil",
-        "round",
-        "sign",
-        "astype",
-        "clip",
-        "nn.relu",
-        "nn.gelu",
-        "nn.gelu_tanh",
-        "nn.silu",
-    )
-}
-_BINARY = {
-    f"relax.{name}"
-    for name in ("add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "where")
-}
 _GEMMS = ("relax.matmul",)
 
 
@@ -103,10 +82,6 @@ class SinkViewsPastEpilogues:
         mod = rewriter.transform()
         record_rewrite(NAME, rewriter.count)
         return mod
-
-
-def _same_shape(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(prove_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _is_one(dim) -> bool:
@@ -142,7 +117,7 @@ class _Rewriter(PyExprMutator):
         if name == "relax.reshape":
             if self._view(binding):
                 return None
-        elif name in _UNARY or name in _BINARY:
+        elif name in ELEMENTWISE_UNARY or name in ELEMENTWISE_BINARY:
             if self._sink(binding):
                 return None
         return super().visit_var_binding_(binding)
@@ -160,7 +135,7 @@ class _Rewriter(PyExprMutator):
             flat_shape = static_shape(flat_value)
             if prove_equal(flat_shape[-1], shape[-1]):
                 self.flat[var] = (flat_value, shape)  # a view of a view: the same data
-            if _same_shape(flat_shape, shape) and isinstance(var, relax.DataflowVar):
+            if same_dims(flat_shape, shape) and isinstance(var, relax.DataflowVar):
                 self.set_var_remap(var, flat_value)
             else:
                 new = self.builder_.normalize(relax.op.reshape(flat_value, shape))
@@ -184,12 +159,12 @@ class _Rewriter(PyExprMutator):
         name = op_name(value)
         if name in _GEMMS:
             return True
-        if depth == 0 or (name not in _UNARY and name not in _BINARY):
+        if depth == 0 or (name not in ELEMENTWISE_UNARY and name not in ELEMENTWISE_BINARY):
             return False
         shape = static_shape(var)
         return shape is not None and any(
             isinstance(a, relax.Var)
-            and _same_shape(static_shape(a) or [], shape)
+            and same_dims(static_shape(a) or [], shape)
             and self._gemm_result(a, depth - 1)
             for a in value.args
         )
@@ -203,9 +178,9 @@ class _Rewriter(PyExprMutator):
         what = f"{op_name(call)} {var.name}"
         views = [self.flat[a] for a in sunk]
         flat_shape = static_shape(views[0][0])
-        if not all(_same_shape(s, shape) for _, s in views):
+        if not all(same_dims(s, shape) for _, s in views):
             return skip(logger, what, "its result does not have the view's shape")
-        if any(not _same_shape(static_shape(f), flat_shape) for f, _ in views):
+        if any(not same_dims(static_shape(f), flat_shape) for f, _ in views):
             return skip(logger, what, "its views flatten differently")
         bb = self.builder_
         args = []
@@ -226,7 +201,7 @@ class _Rewriter(PyExprMutator):
                     args.append(new)
                 else:
                     args.append(bb.emit(relax.op.reshape(new, [arg_shape[-1]])))
-            elif _same_shape(arg_shape, shape):
+            elif same_dims(arg_shape, shape):
                 args.append(bb.emit(relax.op.reshape(new, flat_shape)))
             else:
                 return skip(logger, what, f"operand {arg} broadcasts other than by the last axis")
