@@ -28,9 +28,10 @@ demo: $(VENV)/.installed
 		--dim batch=8 --dim seq=64 --repeat 10 --budget 1 --output ''
 	$(PY) tutorials/shape_on_host.py --size small
 
-# two exported models of the corpus: stock TVM cannot import BERT's loss; the LSTM gates fuse.
+# three exported models of the corpus: stock TVM cannot import BERT's loss; the LSTM gates fuse;
+# Mixtral's routed experts run without the gathered W[ids] copy (FuseGatheredGates).
 # Then the shape idioms: shape-only kernels and copies of their CUDA builds, stock vs ours.
-DEMO_MODELS := bert_mlm_torchscript,lstm_cell_torchscript
+DEMO_MODELS := bert_mlm_torchscript,lstm_cell_torchscript,mixtral_torchscript
 
 # One pytest worker per core, whole files per worker; TVM's pool one thread per worker, so the
 # workers do not take each other's cores.
