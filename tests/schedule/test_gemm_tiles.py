@@ -176,27 +176,30 @@ def _update_loops(func):
     return [sch.get(loop) for loop in sch.get_loops(sch.get_sblock(update))]
 
 
-@pytest.mark.parametrize("shape", [(1021, 1031, 129), (1029, 1040, 7)])
-def test_row_blocks_numbers(shape):
-    """A constant B, A over 4 MiB (1021 x 1031, 1029 x 1040 float32) with a bias and a ReLU
-    fused: the rows run in blocks (a serial loop outside the parallel panel loop, the
-    epilogue under each row tile), the numbers equal numpy's (an AVX2 build). AVX-512 keeps
-    the panel loop outermost."""
+@pytest.mark.parametrize(
+    "shape,const", [((1021, 1031, 129), True), ((1029, 1040, 7), True), ((1021, 1031, 129), False)]
+)
+def test_row_blocks_numbers(shape, const):
+    """A over 4 MiB (1021 x 1031, 1029 x 1040 float32), B a constant or a model input (then
+    packed whole, up front, not per panel), a bias and a ReLU fused: the rows run in blocks
+    (a serial loop outside the parallel panel loop, the epilogue under each row tile), the
+    numbers equal numpy's (an AVX2 build). AVX-512 keeps the panel loop outermost."""
     m, k, n = shape
     rng = np.random.default_rng(43)
     x = rng.standard_normal((m, k)).astype("float32")
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype("float32")
     bias = rng.standard_normal(n).astype("float32")
     xv = relax.Var("x", relax.TensorType((m, k), "float32"))
+    wv = relax.Var("w", relax.TensorType((k, n), "float32"))
     bb = relax.BlockBuilder()
-    with bb.function("main", [xv]):
+    with bb.function("main", [xv] if const else [xv, wv]):
         with bb.dataflow():
-            y = bb.emit(R.add(R.matmul(xv, relax.const(w)), relax.const(bias)))
+            y = bb.emit(R.add(R.matmul(xv, relax.const(w) if const else wv), relax.const(bias)))
             out = bb.emit_output(R.nn.relu(y))
         bb.emit_func_output(out)
     mod = bb.get()
     avx2 = tvm.target.Target(AVX2)
-    out, compiled = run(mod, [x], "tvm_fusion", target=avx2)
+    out, compiled = run(mod, [x] if const else [x, w], "tvm_fusion", target=avx2)
     np.testing.assert_allclose(out[0], np.maximum(x @ w + bias, 0), rtol=1e-4, atol=1e-4)
     (func,) = [f for f in compiled.lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
     loops = _update_loops(func)

@@ -9,6 +9,7 @@ from .._common import is_static
 K_BLOCK_MIN = 1024  # shorter reductions keep a panel's whole K x NR block in L1/L2
 K_WIDE_MIN = 256  # shorter reductions keep standard_tile's tile (the wide one is not measured)
 A_BLOCK_BYTES = 4 << 20  # A's rows above this are read in blocks of at most this (row_block)
+RUNTIME_PACK_MAX = 32 << 20  # a run-time B up to this is packed whole for row_block's blocks
 
 
 def padded(extent: int, tile: int) -> int:

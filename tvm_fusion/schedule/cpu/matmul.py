@@ -26,8 +26,9 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
   static rows get 12 accumulators: 4 rows x 3 vectors for K >= 256 (B's columns padded in its
   packing when needed, ``wide_tile``), else 6 x 2 or a divisor of the rows (``_tiles.py``);
 - the loop over (column panels, row tiles) is parallel (column panels alone when K is blocked);
-- on AVX2, a constant B's GEMM whose A exceeds 4 MiB runs its rows in blocks of at most 4 MiB
-  outside the (parallel) panel loop, each block read from L2/L3 by every panel (``row_block``);
+- on AVX2, a GEMM of packed B whose A exceeds 4 MiB runs its rows in blocks of at most 4 MiB
+  outside the (parallel) panel loop, each block read from L2/L3 by every panel (``row_block``;
+  a run-time B of at most 32 MiB is then packed whole up front, not per panel);
 - symbolic rows (``batch * seq``) and a symbolic vector axis (attention's ``seq`` columns) are
   padded to a multiple of the tile (``pad_einsum``: operands copied into padded buffers, the
   result cut back where it is written), so the tile loops carry no tail predicate, which would
@@ -74,6 +75,7 @@ from .._common import (
 from ._conv import compact_strided, flatten_rows, is_mac, is_window, merge_rows
 from ._conv_tiles import block_channels, window_tile
 from ._tiles import (
+    RUNTIME_PACK_MAX,
     compact_pays,
     dividing_width,
     k_block,
@@ -415,7 +417,7 @@ class Matmul(CPURule):
         tile_loop = io if io is not None else jo
         outer = other_outer + panel_loops
         tile_bytes = mr * n_gates * nr * DataType(dtype).bits // 8
-        kc = None
+        kc = rb = None
         if not window:
             kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores)
         elif io is not None and outer and mr <= 2:
@@ -432,10 +434,13 @@ class Matmul(CPURule):
             loop_of[k_var] = ko
             tile_loop = jo
         else:
-            a_item = DataType(str(a_load.source.dtype)).bits // 8
-            rb = None
-            if io is not None and const_pack and not window and not other_outer:
-                rb = row_block(extent(sch, io), mr, k_ext, a_item, regs)
+            # a run-time B of at most RUNTIME_PACK_MAX is then packed whole, not per panel
+            b_item = DataType(str(b_load.source.dtype)).bits // 8
+            whole_b = static_cols and is_static(k_ext) and not outer_cols
+            whole_b = whole_b and pb is not None and k_ext * j_ext * b_item <= RUNTIME_PACK_MAX
+            if io is not None and (const_pack or whole_b) and not other_outer:
+                a_item = DataType(str(a_load.source.dtype)).bits // 8
+                rb = row_block(extent(sch, io), mr, k_ext, a_item, regs) if not window else None
             if rb:
                 # A in blocks of rows, each read by every (parallel) panel from L2/L3
                 ic, io = sch.split(io, [None, rb])
@@ -494,6 +499,7 @@ class Matmul(CPURule):
             and not outer_cols
             and panels is not None
             and panels >= cores * 8
+            and not rb  # A in row blocks: B packed once, up front
         )
         if pb is not None and not const_pack and not per_panel:
             schedule_copy(sch, pb, lanes, cores)
