@@ -14,9 +14,9 @@ from tvm.relax import op as R
 
 from tvm_fusion import target as _target
 from tvm_fusion import tir_util
-from tvm_fusion.build import pipeline
+from tvm_fusion.build import engine, pipeline
 from tvm_fusion.schedule import cpu
-from tvm_fusion.schedule.cpu._tiles import standard_tile, wide_tile
+from tvm_fusion.schedule.cpu._tiles import row_block, standard_tile, wide_tile
 
 AVX2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
 ZEN3 = {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}
@@ -154,3 +154,57 @@ def test_padded_rows_wide_tile_numbers(shape, wide):
     (func,) = [f for f in compiled.lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
     (packed,) = [p for p in func.params if len(p.shape) == 3]  # B's panels [cols / NR, k, NR]
     assert (int(packed.shape[-1]) == 24) == wide, packed.shape
+
+
+def test_row_block_arithmetic():
+    """A of over 4 MiB is read in blocks of rows (at most 4 MiB, a divisor of the row tiles
+    at least a quarter of that) on 16 registers: 2048 x 2048 float32 in tiles of 4 rows, 512
+    tiles of 32 KiB: blocks of 128 tiles; 1024 x 1024 (4 MiB): none; a prime count of tiles:
+    none (no divisor near the size); 32 registers (AVX-512, NEON): none."""
+    assert row_block(512, 4, 2048, 4, 16) == 128
+    assert row_block(1024, 4, 1024, 4, 16) == 256  # 4096 x 1024: 1024 rows a block
+    assert row_block(256, 4, 1024, 4, 16) is None  # A is 4 MiB: one block
+    assert row_block(521, 4, 2048, 4, 16) is None  # 521 tiles: prime
+    assert row_block(171, 6, 1031, 4, 16) == 57  # 1021 rows padded to 1026, tiles of 6
+    assert row_block(512, 4, 2048, 4, 32) is None
+    assert row_block(tirx.Var("t", "int64"), 4, 2048, 4, 16) is None
+
+
+def _update_loops(func):
+    sch = tvm.s_tir.Schedule(func)
+    (update,) = [b for b in tir_util.block_names(func) if b.endswith("_update")]
+    return [sch.get(loop) for loop in sch.get_loops(sch.get_sblock(update))]
+
+
+@pytest.mark.parametrize(
+    "shape,const", [((1021, 1031, 129), True), ((1029, 1040, 7), True), ((1021, 1031, 129), False)]
+)
+def test_row_blocks_numbers(shape, const):
+    """A over 4 MiB (1021 x 1031, 1029 x 1040 float32), B a constant or a model input (then
+    packed whole, up front, not per panel), a bias and a ReLU fused: the rows run in blocks
+    (a serial loop outside the parallel panel loop, the epilogue under each row tile), the
+    numbers equal numpy's (an AVX2 build). AVX-512 keeps the panel loop outermost."""
+    m, k, n = shape
+    rng = np.random.default_rng(43)
+    x = rng.standard_normal((m, k)).astype("float32")
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype("float32")
+    bias = rng.standard_normal(n).astype("float32")
+    xv = relax.Var("x", relax.TensorType((m, k), "float32"))
+    wv = relax.Var("w", relax.TensorType((k, n), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [xv] if const else [xv, wv]):
+        with bb.dataflow():
+            y = bb.emit(R.add(R.matmul(xv, relax.const(w) if const else wv), relax.const(bias)))
+            out = bb.emit_output(R.nn.relu(y))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    avx2 = tvm.target.Target(AVX2)
+    out, compiled = run(mod, [x] if const else [x, w], "tvm_fusion", target=avx2)
+    np.testing.assert_allclose(out[0], np.maximum(x @ w + bias, 0), rtol=1e-4, atol=1e-4)
+    (func,) = [f for f in compiled.lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    loops = _update_loops(func)
+    assert loops[0].kind == tirx.ForKind.SERIAL and int(loops[0].extent) > 1, loops[0]
+    assert loops[1].kind == tirx.ForKind.PARALLEL, [str(lp.kind) for lp in loops]
+    avx512 = engine.compile_module(mod, tvm.target.Target(AVX512), "tvm_fusion")
+    (func,) = [f for f in avx512.lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert _update_loops(func)[0].kind == tirx.ForKind.PARALLEL

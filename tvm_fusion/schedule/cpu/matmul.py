@@ -26,6 +26,9 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
   static rows get 12 accumulators: 4 rows x 3 vectors for K >= 256 (B's columns padded in its
   packing when needed, ``wide_tile``), else 6 x 2 or a divisor of the rows (``_tiles.py``);
 - the loop over (column panels, row tiles) is parallel (column panels alone when K is blocked);
+- on AVX2, a GEMM of packed B whose A exceeds 4 MiB runs its rows in blocks of at most 4 MiB
+  outside the (parallel) panel loop, each block read from L2/L3 by every panel (``row_block``;
+  a run-time B of at most 32 MiB is then packed whole up front, not per panel);
 - symbolic rows (``batch * seq``) and a symbolic vector axis (attention's ``seq`` columns) are
   padded to a multiple of the tile (``pad_einsum``: operands copied into padded buffers, the
   result cut back where it is written), so the tile loops carry no tail predicate, which would
@@ -72,9 +75,11 @@ from .._common import (
 from ._conv import compact_strided, flatten_rows, is_mac, is_window, merge_rows
 from ._conv_tiles import block_channels, window_tile
 from ._tiles import (
-    K_BLOCK_MIN,
+    RUNTIME_PACK_MAX,
     compact_pays,
     dividing_width,
+    k_block,
+    row_block,
     standard_tile,
     unpadded_tile,
     wide_tile,
@@ -412,7 +417,7 @@ class Matmul(CPURule):
         tile_loop = io if io is not None else jo
         outer = other_outer + panel_loops
         tile_bytes = mr * n_gates * nr * DataType(dtype).bits // 8
-        kc = None
+        kc = rb = None
         if not window:
             kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores)
         elif io is not None and outer and mr <= 2:
@@ -429,6 +434,18 @@ class Matmul(CPURule):
             loop_of[k_var] = ko
             tile_loop = jo
         else:
+            # a run-time B of at most RUNTIME_PACK_MAX is then packed whole, not per panel
+            b_item = DataType(str(b_load.source.dtype)).bits // 8
+            whole_b = static_cols and is_static(k_ext) and not outer_cols
+            whole_b = whole_b and pb is not None and k_ext * j_ext * b_item <= RUNTIME_PACK_MAX
+            if io is not None and (const_pack or whole_b) and not other_outer:
+                a_item = DataType(str(a_load.source.dtype)).bits // 8
+                rb = row_block(extent(sch, io), mr, k_ext, a_item, regs) if not window else None
+            if rb:
+                # A in blocks of rows, each read by every (parallel) panel from L2/L3
+                ic, io = sch.split(io, [None, rb])
+                sch.reorder(ic, *panel_loops)
+                tile_loop = io
             outer += [io] if io is not None else []
         acc = sch.cache_write(block, 0, "local")
         self._vector_axis_last(sch, block, j_var, () if flat else merged)
@@ -482,6 +499,7 @@ class Matmul(CPURule):
             and not outer_cols
             and panels is not None
             and panels >= cores * 8
+            and not rb  # A in row blocks: B packed once, up front
         )
         if pb is not None and not const_pack and not per_panel:
             schedule_copy(sch, pb, lanes, cores)
@@ -591,30 +609,11 @@ class Matmul(CPURule):
 
     @staticmethod
     def _k_block(sch, pb, outer: list, io, k_loop, tile_bytes: int, cores: int) -> int | None:
-        """KC for blocking the reduction of a packed-B GEMM (the MLAS/GotoBLAS order ``panel,
-        k block, row tile, k``), or None. Only where it pays and stays small: B packed (its
-        panel's KC x NR block is contiguous), a long static K (1024 or more) with a block of
-        256 (else 512, 128) dividing it, several static row tiles re-reading each block, the
-        panel's accumulators (all its rows) within 32 KiB, and enough panels above to feed the
-        cores (the row tiles are no longer parallel). SwiGLU's down projection (64 x 5632 @
-        5632 x 2048): 10.7 -> 10.1-10.4 ms, 9.9 -> 9.1 in another phase (the whole 5632 x 16
-        panel, 360 KiB, was re-read from L2 by each of the 16 row tiles)."""
+        """KC for blocking the reduction of a packed-B GEMM, or None (``_tiles.k_block``)."""
         if pb is None or io is None:
             return None
-        k_ext, tiles = extent(sch, k_loop), extent(sch, io)
-        if not is_static(k_ext) or k_ext < K_BLOCK_MIN or not is_static(tiles) or tiles < 2:
-            return None
-        if tiles * tile_bytes > 32 * 1024:
-            return None
-        work = 1
-        for loop in outer:
-            ext = extent(sch, loop)
-            if not is_static(ext):
-                return None
-            work *= ext
-        if work < cores * 8:
-            return None
-        return next((kc for kc in (256, 512, 128) if k_ext % kc == 0), None)
+        outer_exts = [extent(sch, loop) for loop in outer]
+        return k_block(extent(sch, k_loop), extent(sch, io), tile_bytes, outer_exts, cores)
 
     @staticmethod
     def _read_index(stmt, buffer) -> int | None:
