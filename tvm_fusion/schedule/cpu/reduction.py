@@ -293,6 +293,16 @@ def _row_chunk(total: int, lanes: int, cores: int) -> int | None:
     return chunk
 
 
+def _window(sch, block) -> bool:
+    """Whether ``block`` reads its input through a window (pooling, a depthwise convolution):
+    the window rule's (``window_reduction``), which vectorises the output row. Without a
+    padding block before it (SqueezeNet's and GoogLeNet's unpadded max pooling) it came here,
+    a scalar loop of 9 maxima per output."""
+    from .window import window_reduction  # noqa: PLC0415 - window imports _conv, not this
+
+    return window_reduction(sch, block) is None
+
+
 class RowReduction(CPURule):
     def apply(self, func, target: Target, tunable: bool):
         if not self.applicable(func, target):
@@ -445,6 +455,8 @@ class RowReduction(CPURule):
         if _short_reduction(sch, block, rows, lanes, cores):
             return sch
         if inlined:
+            return None
+        if _window(sch, block):
             return None
         rf = self._rfactor(sch, block, lanes)
         work = loop_nest_work(sch, block)
