@@ -98,3 +98,20 @@ def test_unit_stride_keeps_stock_legalisation(target):
     np.testing.assert_array_equal(got, _reference(x, pool, (1, 1), (1, 1, 1, 1), False))
     (func,) = [f for f in compiled.lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
     assert "tvm_fusion.deinterleave" not in func.script()
+
+
+@pytest.mark.parametrize("kind", ["llvm", "cuda"])
+def test_deinterleaved_on_cpu_targets_only(kind):
+    """GPU targets keep the stock legalisation (dlight's rules inline such a copy)."""
+    from tvm_fusion import target as _target
+    from tvm_fusion.build import pipeline
+
+    shape, pool, strides, padding, ceil = CASES["squeezenet_k3s2_odd"]
+    target = AVX2 if kind == "llvm" else _target.parse_target("cuda:sm_80")
+    with target:
+        mod = tvm.transform.Sequential(pipeline.lowering_passes(fast_math=True))(
+            _module(shape, pool, strides, padding, ceil)
+        )
+    funcs = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    deinterleaved = any("tvm_fusion.deinterleave" in f.script() for f in funcs)
+    assert deinterleaved == (kind == "llvm")

@@ -9,11 +9,14 @@ planes deinterleaved once, ``d[n, c, h, p, j] = x_padded[n, c, h, s * j + p]`` (
 whose innermost index moves by one with ``ow``: the window rule computes the copy of a plane
 under its parallel loop and vectorises the row with plain vector loads. Exact (the same
 maxima of the same elements). Other layouts, dilations, dtypes and unit strides keep the stock
-legalisation (``None``)."""
+legalisation (``None``), and so do GPU targets (dlight's rules inline the copy)."""
 
 from __future__ import annotations
 
+import tvm
 from tvm import relax, te, tirx
+
+from .. import target as _target
 
 _FLOAT = ("float32", "float64", "float16")
 
@@ -29,6 +32,9 @@ def _static(values) -> list[int] | None:
 
 def strided_max_pool2d(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr | None:
     """The legalisation of ``relax.nn.max_pool2d`` (see the module docstring), or None."""
+    current = tvm.target.Target.current(allow_none=True)
+    if current is not None and _target.is_gpu(current):
+        return None  # dlight's rules inline the copy back into the loads: nothing to gain
     attrs = call.attrs
     x = call.args[0]
     out_shape = getattr(call.ty, "shape", None)
