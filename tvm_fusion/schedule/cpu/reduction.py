@@ -49,6 +49,7 @@ from .._common import (
     vectorize_innermost,
     vectorize_with_tail,
 )
+from .window import window_reduction
 
 logger = logging.getLogger(__name__)
 
@@ -298,8 +299,6 @@ def _window(sch, block) -> bool:
     the window rule's (``window_reduction``), which vectorises the output row. Without a
     padding block before it (SqueezeNet's and GoogLeNet's unpadded max pooling) it came here,
     a scalar loop of 9 maxima per output."""
-    from .window import window_reduction  # noqa: PLC0415 - window imports _conv, not this
-
     return window_reduction(sch, block) is None
 
 
