@@ -5,7 +5,8 @@ window rule vectorises the output row with contiguous loads. Checked: the number
 torch at odd sizes (a vector tail, rows narrower than a vector, padding, ceil mode, k < s,
 k > 2 s, a fused ReLU before the pool), the rule (before, an unpadded pool went to the row rule
 as a scalar loop, a padded one to the window rule with its row left plain) and the vectorised
-row, on an explicit AVX2 target.
+row, on an explicit AVX2 target; and the window rule's row with a vector tail (its init split off
+first), which the deinterleaved pool rows take too.
 """
 
 import re
@@ -115,3 +116,24 @@ def test_deinterleaved_on_cpu_targets_only(kind):
     funcs = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
     deinterleaved = any("tvm_fusion.deinterleave" in f.script() for f in funcs)
     assert deinterleaved == (kind == "llvm")
+
+
+def test_row_with_tail_splits_its_init_first(target):
+    """A window row of whole vectors and a tail (depthwise 3 x 3, 19 wide): the init is split
+    off before the row is partitioned, so no part keeps it inside the window loops (a branch
+    that TVM's vectoriser scalarised); the numbers against torch."""
+    weight = RNG.standard_normal((4, 1, 3, 3)).astype("float32")
+    x_var = relax.Var("x", relax.TensorType((1, 4, 7, 19), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x_var]):
+        with bb.dataflow():
+            conv = R.nn.conv2d(x_var, relax.const(weight), padding=[1, 1, 1, 1], groups=4)
+            out = bb.emit_output(conv)
+        bb.emit_func_output(out)
+    x = RNG.standard_normal((1, 4, 7, 19)).astype("float32")
+    (got,), compiled = run(bb.get(), [x], target=target)
+    want = F.conv2d(torch.from_numpy(x), torch.from_numpy(weight), padding=1, groups=4)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+    (func,) = [f for f in compiled.lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert func.attrs["tvm_fusion.schedule_rule"] == "WindowReduction"
+    assert "T.init()" not in func.script()
