@@ -47,6 +47,8 @@ from collections.abc import Callable
 from tvm import relax, te, tirx, topi
 from tvm.relax.transform.legalize_ops.common import LegalizeFunc
 
+from .pooling import strided_max_pool2d
+
 _FLOAT = ("float32",)
 _HALF = ("float16", "bfloat16")
 
@@ -494,6 +496,7 @@ def legalize_map(fast_math: bool) -> dict[str, LegalizeFunc]:
         "relax.power": _integer_power,
         "relax.reshape": _reshape_as_view,
         "relax.matmul": _matmul,
+        "relax.nn.max_pool2d": strided_max_pool2d,
     }
     if fast_math:
         table.update(fast_math_legalize_map())

@@ -49,6 +49,7 @@ from .._common import (
     vectorize_innermost,
     vectorize_with_tail,
 )
+from .window import window_reduction
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +294,14 @@ def _row_chunk(total: int, lanes: int, cores: int) -> int | None:
     return chunk
 
 
+def _window(sch, block) -> bool:
+    """Whether ``block`` reads its input through a window (pooling, a depthwise convolution):
+    the window rule's (``window_reduction``), which vectorises the output row. Without a
+    padding block before it (SqueezeNet's and GoogLeNet's unpadded max pooling) it came here,
+    a scalar loop of 9 maxima per output."""
+    return window_reduction(sch, block) is None
+
+
 class RowReduction(CPURule):
     def apply(self, func, target: Target, tunable: bool):
         if not self.applicable(func, target):
@@ -445,6 +454,8 @@ class RowReduction(CPURule):
         if _short_reduction(sch, block, rows, lanes, cores):
             return sch
         if inlined:
+            return None
+        if _window(sch, block):
             return None
         rf = self._rfactor(sch, block, lanes)
         work = loop_nest_work(sch, block)
