@@ -39,9 +39,10 @@ Measured (``scripts/bench_window.py``, bench/window.md): faster than the fallbac
 every case, the depthwise 7 x 7 by an order of magnitude. Tried and not kept: a register tile
 of 8 output rows x 8 lanes for the depthwise convolution (ConvNeXt's 1 x 96 x 56 x 56:
 0.2755 against 0.2798 ms for the row of accumulators in L1, the same run); its padding is not
-what costs (0.29 ms unpadded on a 62 x 62 input). Not done: max pooling without the per-plane
-padded copy (1 x 64 x 112 x 112, k3 s2, padded 0.183 ms, ONNX Runtime 0.108; unpadded on
-113 x 113, 0.085 ms, ONNX Runtime 0.110).
+what costs (0.29 ms unpadded on a 62 x 62 input). Max pooling with a width stride
+arrives with its input planes split into the stride's phases (lower/pooling.py, CPU targets),
+so an output row reads contiguous vectors (ResNet's stem pool 4.3x -> 0.5x ONNX Runtime's
+time, loaded); the padded pools' copy keeps its bounds checks.
 
 Skipped (left to the next rule, the reason logged at debug level): more than one reduction
 block, a reduction over a non-window axis of extent > 1, other update forms, non-float dtypes.
