@@ -54,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     target = host_target()
     rng = np.random.default_rng(1)
-    winograd_conv.MIN_IN_CHANNELS = winograd_conv.MIN_OUT_CHANNELS = 0
+    winograd_conv.MIN_IN_CHANNELS = winograd_conv.MIN_OUT_CHANNELS = winograd_conv.MIN_TILES = 0
     print("layer              direct GF/s  F(2,3) GF/s  F(4,3) GF/s  F2/direct  F4/direct  load")
     for spec in args.layers.split(","):
         channels, size = spec.split("@")
@@ -62,10 +62,9 @@ def main() -> None:
         size = int(size)
         x = rng.standard_normal((1, c, size, size)).astype("float32")
         runs, outs = {}, {}
-        for label, pixels in (("direct", None), ("F2", 1 << 40), ("F4", 0)):
-            if pixels is not None:
-                winograd_conv.F4_MIN_PIXELS = pixels
-            flags = {"winograd_conv": pixels is not None}
+        for label, sizes in (("direct", ()), ("F2", (2,)), ("F4", (4,))):
+            winograd_conv.TILE_SIZES = sizes
+            flags = {"winograd_conv": bool(sizes)}
             compiled = engine.compile_module(layer(c, k, size), target, "tvm_fusion", **flags)
             runs[label] = engine.TvmRunner(compiled, [x])
             outs[label] = runs[label].outputs()[0]

@@ -5,7 +5,7 @@ Must not fire: stride 2, dilation 2, groups 2, a weight that is a parameter, 1 x
 kernels, NHWC, symbolic shapes, too few channels, a CUDA target. Numbers: against a float64
 NumPy convolution at odd sizes (13 x 7, 5 x 5, 1 x 1, 7 x 13), padding 1, 0 and asymmetric,
 batch 3, both tile sizes; float32 accuracy at 512 input channels; an ONNX Conv + BatchNorm +
-Relu against ONNX Runtime (FoldBatchNorm first) and the pipeline flag.
+residual Add + Relu against ONNX Runtime (FoldBatchNorm first) and the pipeline flag.
 """
 
 import numpy as np
@@ -72,7 +72,7 @@ def _calls(func) -> list[str]:
 
 
 def test_structure_and_fused_epilogue():
-    mod, _, _ = conv_relu((1, 64, 13, 7), (64, 64, 3, 3))
+    mod, _, _ = conv_relu((1, 64, 13, 13), (64, 64, 3, 3))  # F(4,3): 16 tiles, F(2,3): 49
     out, n = _rewrite(mod)
     assert n == 1
     calls = _calls(out["main"])
@@ -102,16 +102,17 @@ def test_structure_and_fused_epilogue():
 @pytest.mark.parametrize(
     "x_shape, w_shape, kwargs",
     [
-        ((1, 64, 9, 9), (64, 64, 3, 3), {"strides": 2}),
-        ((1, 64, 9, 9), (64, 64, 3, 3), {"dilation": 2}),
-        ((1, 64, 9, 9), (64, 32, 3, 3), {"groups": 2}),
-        ((1, 64, 9, 9), (64, 64, 3, 3), {"param": True}),
-        ((1, 64, 9, 9), (64, 64, 1, 1), {"padding": 0}),
-        ((1, 64, 9, 9), (64, 64, 5, 5), {"padding": 2}),
-        ((1, 9, 9, 64), (64, 3, 3, 64), {"layout": ("NHWC", "OHWI")}),
-        ((1, 16, 9, 9), (64, 16, 3, 3), {}),  # SqueezeNet's 16 -> 64: too few channels
+        ((1, 64, 28, 28), (64, 64, 3, 3), {"strides": 2}),
+        ((1, 64, 28, 28), (64, 64, 3, 3), {"dilation": 2}),
+        ((1, 64, 28, 28), (64, 32, 3, 3), {"groups": 2}),
+        ((1, 64, 28, 28), (64, 64, 3, 3), {"param": True}),
+        ((1, 64, 28, 28), (64, 64, 1, 1), {"padding": 0}),
+        ((1, 64, 28, 28), (64, 64, 5, 5), {"padding": 2}),
+        ((1, 28, 28, 64), (64, 3, 3, 64), {"layout": ("NHWC", "OHWI")}),
+        ((1, 16, 55, 55), (64, 16, 3, 3), {}),  # SqueezeNet's 16 -> 64: too few channels
+        ((1, 512, 7, 7), (512, 512, 3, 3), {}),  # ResNet's last: 16 tiles of F(2, 3)
     ],
-    ids=["stride2", "dilation2", "groups2", "weight_param", "1x1", "5x5", "nhwc", "16ch"],
+    ids=["stride2", "dilation2", "groups2", "weight_param", "1x1", "5x5", "nhwc", "16ch", "7x7"],
 )
 def test_must_not_fire(x_shape, w_shape, kwargs):
     mod, _, _ = conv_relu(x_shape, w_shape, **kwargs)
@@ -120,15 +121,17 @@ def test_must_not_fire(x_shape, w_shape, kwargs):
 
 
 def test_symbolic_shape_left_alone():
-    mod, _, _ = conv_relu((tvm.tirx.Var("n", "int64"), 64, 9, 9), (64, 64, 3, 3))
+    mod, _, _ = conv_relu((tvm.tirx.Var("n", "int64"), 64, 28, 28), (64, 64, 3, 3))
     _, n = _rewrite(mod)
     assert n == 0
 
 
 def test_cuda_left_alone():
-    mod, _, _ = conv_relu((1, 64, 9, 9), (64, 64, 3, 3))
+    mod, _, _ = conv_relu((1, 64, 28, 28), (64, 64, 3, 3))
     _, n = _rewrite(mod, parse_target("cuda"))
     assert n == 0
+    _, n = _rewrite(mod)  # fires on the CPU
+    assert n == 1
 
 
 @pytest.mark.parametrize(
@@ -145,7 +148,8 @@ def test_cuda_left_alone():
     ids=["13x7_f2", "13x7_f4", "pad0_batch3_f2", "pad0_f4", "1x1_f4", "asym_f4", "asym_f2"],
 )
 def test_matches_numpy(x_shape, padding, m, monkeypatch):
-    monkeypatch.setattr(winograd_conv, "F4_MIN_PIXELS", 0 if m == 4 else 1 << 40)
+    monkeypatch.setattr(winograd_conv, "MIN_TILES", 0)
+    monkeypatch.setattr(winograd_conv, "TILE_SIZES", (m,))
     mod, w, b = conv_relu(x_shape, (72, 32, 3, 3), padding=padding)
     x = RNG.standard_normal(x_shape).astype("float32")
     expected = reference(x, w, b, padding)
@@ -157,7 +161,8 @@ def test_matches_numpy(x_shape, padding, m, monkeypatch):
 
 @pytest.mark.parametrize("m", [2, 4])
 def test_float32_accuracy_at_512_channels(m, monkeypatch):
-    monkeypatch.setattr(winograd_conv, "F4_MIN_PIXELS", 0 if m == 4 else 1 << 40)
+    monkeypatch.setattr(winograd_conv, "MIN_TILES", 0)
+    monkeypatch.setattr(winograd_conv, "TILE_SIZES", (m,))
     mod, w, b = conv_relu((1, 512, 8, 8), (64, 512, 3, 3))
     x = RNG.standard_normal((1, 512, 8, 8)).astype("float32")
     expected = reference(x, w, b, (1, 1, 1, 1))
@@ -169,7 +174,7 @@ def test_float32_accuracy_at_512_channels(m, monkeypatch):
     assert error < 2e-5, error  # float32 rounding: 1e-7 per operation, 4608-term sums
 
 
-def _onnx_conv_bn_relu(c, k, size):
+def _onnx_conv_bn_add_relu(c, k, size):
     from onnx import TensorProto, helper, numpy_helper
 
     arrays = {
@@ -184,7 +189,8 @@ def _onnx_conv_bn_relu(c, k, size):
     nodes = [
         helper.make_node("Conv", ["x", "W", "B"], ["c"], pads=[1, 1, 1, 1]),
         helper.make_node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], ["bn"]),
-        helper.make_node("Relu", ["bn"], ["out"]),
+        helper.make_node("Add", ["bn", "x"], ["res"]),  # a residual add (c == k)
+        helper.make_node("Relu", ["res"], ["out"]),
     ]
     graph = helper.make_graph(
         nodes,
@@ -196,15 +202,19 @@ def _onnx_conv_bn_relu(c, k, size):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
 
 
-def test_onnx_conv_bn_relu_matches_ort_and_flag():
+def test_onnx_conv_bn_add_relu_matches_ort_and_flag():
     from tvm_fusion import load_onnx
 
-    model = _onnx_conv_bn_relu(32, 64, 11)
-    x = RNG.standard_normal((1, 32, 11, 11)).astype("float32")
+    model = _onnx_conv_bn_add_relu(64, 64, 11)
+    x = RNG.standard_normal((1, 64, 11, 11)).astype("float32")
     expected = engine.onnxruntime_runner(model, {"x": x}, 1)()
     with collect_rewrites() as counts:
-        matches_reference(load_onnx(model), [([x], expected)], rtol=1e-4, atol=1e-4)
+        compiled = matches_reference(load_onnx(model), [([x], expected)], rtol=1e-4, atol=1e-4)
     assert counts.get("FoldBatchNorm", 0) == 1
+    # the bias, residual add and ReLU in one kernel after the output transform
+    assert any(
+        "add" in gv.name_hint and "relu" in gv.name_hint for gv in compiled.lowered.functions
+    )
     assert counts.get("WinogradConv", 0) == 1
     with collect_rewrites() as counts:
         engine.compile_module(load_onnx(model), host_target(), "tvm_fusion", winograd_conv=False)

@@ -43,6 +43,8 @@ targets other than CPUs.
 
 from __future__ import annotations
 
+from math import prod
+
 import tvm
 from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -64,7 +66,8 @@ logger = get_logger(__name__)
 NAME = "WinogradConv"
 MIN_IN_CHANNELS = 32
 MIN_OUT_CHANNELS = 64
-F4_MIN_PIXELS = 56 * 56  # output height x width from which F(4, 3) beats F(2, 3)
+MIN_TILES = 32  # tiles (N x TH x TW): the rows of the GEMM, the uses of each weight value
+TILE_SIZES = (4, 2)  # m of F(m, 3), in the order tried
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -151,7 +154,10 @@ class _Rewriter(PyExprMutator):
         out_h, out_w = h_ + top + bottom - 2, w_ + left + right - 2
         if out_h < 1 or out_w < 1 or n_ < 1:
             return skip(logger, what, "an empty output") or None
-        m = 4 if out_h * out_w >= F4_MIN_PIXELS else 2
+        tiles = {m: n_ * prod(kernels.tiles(out_h, out_w, m)) for m in TILE_SIZES}
+        m = next((m for m in TILE_SIZES if tiles[m] >= MIN_TILES), 0)
+        if not m:
+            return skip(logger, what, f"fewer than {MIN_TILES} tiles of {out_h} x {out_w}") or None
         return self._emit(x, weight, dims, (top, left, bottom, right), (out_h, out_w), m, name)
 
     def _emit(self, x, weight, dims, pads, out_hw, m, name):
