@@ -26,10 +26,10 @@ expressions ran at 1.6-3.9x the direct convolution's time for the whole layer (1
 
 from __future__ import annotations
 
-import numpy as np
-from tvm import s_tir, te, tirx
+import functools
 
-_ATTRS = {"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8}
+import numpy as np
+import tvm
 
 # (B^T, G, A^T) for output tiles of m = 2 and m = 4
 MATRICES = {
@@ -81,31 +81,6 @@ def tiles(out_h: int, out_w: int, m: int) -> tuple[int, int]:
     return -(-out_h // m), -(-out_w // m)
 
 
-def _coefficient(table: np.ndarray, row, col: int):
-    """``table[row, col]`` for a PrimExpr ``row``: a Select chain (folds to a constant once
-    ``row`` is one); None when the column is all zeros."""
-    values = table[:, col]
-    if not values.any():
-        return None
-    expr = tirx.const(float(values[-1]), "float32")
-    for k in range(len(values) - 2, -1, -1):
-        expr = tirx.Select(row == k, tirx.const(float(values[k]), "float32"), expr)
-    return expr
-
-
-def _lanes(extent: int, lanes: int) -> int:
-    while lanes > 1 and extent % lanes:
-        lanes //= 2
-    return lanes
-
-
-def _finish(sch: s_tir.Schedule):
-    func = sch.mod["main"]
-    for key, value in _ATTRS.items():
-        func = func.with_attr(key, value)
-    return func.without_attr("global_symbol")
-
-
 def padded_shape(x_shape, m: int, pads) -> tuple[int, int]:
     """The input's height and width padded to whole tiles: ``TH * m + 2`` x ``TW * m + 2``."""
     _, _, h_, w_ = x_shape
@@ -114,74 +89,90 @@ def padded_shape(x_shape, m: int, pads) -> tuple[int, int]:
     return th_ * m + 2, tw_ * m + 2
 
 
+def _lanes(extent: int, lanes: int) -> int:
+    while lanes > 1 and extent % lanes:
+        lanes //= 2
+    return lanes
+
+
+def _sum(terms) -> str:
+    """The TVMScript text of ``sum(coefficient * value)``, zero coefficients left out."""
+    parts = []
+    for coefficient, text in terms:
+        if coefficient == 1:
+            parts.append(text)
+        elif coefficient:
+            parts.append(f"T.float32({float(coefficient)!r}) * {text}")
+    return " + ".join(parts) if parts else "T.float32(0.0)"
+
+
+_HEADER = """@T.prim_func(private=True, s_tir=True)
+def {name}({a}: T.Buffer({a_shape}, "float32"), {b}: T.Buffer({b_shape}, "float32")):
+    T.func_attr({{"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8}})
+    with T.sblock("root"):
+        for outer in T.parallel({outer}):
+            for lane in T.vectorized({lanes}):
+"""
+
+
+def _tile(p: str, th_: int, tw_: int) -> tuple[str, str, str]:
+    """Image, tile row and tile column of tile ``p`` (text)."""
+    return f"({p} // {th_ * tw_})", f"({p} // {tw_} % {th_})", f"({p} % {tw_})"
+
+
+@functools.lru_cache(maxsize=64)
 def input_transform(xp_shape, m: int, lanes: int):
-    """The scheduled PrimFunc ``(xp, V)`` and V's shape; ``xp`` is the input padded to whole
-    tiles (:func:`padded_shape`): no bounds checks in the kernel (with them, F(4, 3)'s 1296
-    unrolled terms took LLVM 40-50 s to compile)."""
+    """The PrimFunc ``(xp, V)`` and V's shape ``[alpha^2, P, C]``; ``xp`` is the input in NHWC
+    padded to whole tiles (:func:`padded_shape`)."""
     bt = MATRICES[m][0]
     alpha = m + 2
-    n_, c_, hp_, wp_ = xp_shape
+    n_, hp_, wp_, c_ = xp_shape
     th_, tw_ = (hp_ - 2) // m, (wp_ - 2) // m
-    x = te.placeholder(xp_shape, "float32", name="xp")
-
-    def element(a, p, c):
-        xi, nu = a // alpha, a % alpha
-        n, th, tw = p // (th_ * tw_), p // tw_ % th_, p % tw_
-        total = None
-        for i in range(alpha):
-            ci = _coefficient(bt, xi, i)
-            for j in range(alpha if ci is not None else 0):
-                cj = _coefficient(bt, nu, j)
-                if cj is None:
-                    continue
-                term = ci * cj * x[n, c, th * m + i, tw * m + j]
-                total = term if total is None else total + term
-        return total
-
+    lanes = _lanes(c_, lanes)
+    blocks = c_ // lanes
+    p = f"(outer // {blocks})"
+    n, th, tw = _tile(p, th_, tw_)
+    c = f"(outer % {blocks} * {lanes} + lane)"
     v_shape = (alpha * alpha, n_ * th_ * tw_, c_)
-    v = te.compute(v_shape, element, name="winograd_v")
-    sch = s_tir.Schedule(te.create_prim_func([x, v]))
-    block = sch.get_sblock("winograd_v")
-    a, p, c = sch.get_loops(block)
-    c_outer, c_inner = sch.split(c, [None, _lanes(c_, lanes)])
-    sch.reorder(p, c_outer, a, c_inner)
-    sch.parallel(sch.fuse(p, c_outer))
-    sch.unroll(a)
-    sch.vectorize(c_inner)
-    return _finish(sch), v_shape
+    text = _HEADER.format(
+        name="winograd_input", a="xp", a_shape=tuple(xp_shape), b="v", b_shape=v_shape,
+        outer=n_ * th_ * tw_ * blocks, lanes=lanes,
+    )  # fmt: skip
+    for xi in range(alpha):
+        for nu in range(alpha):
+            terms = [
+                (bt[xi, i] * bt[nu, j], f"xp[{n}, {th} * {m} + {i}, {tw} * {m} + {j}, {c}]")
+                for i in range(alpha)
+                for j in range(alpha)
+            ]
+            text += f"                v[{xi * alpha + nu}, {p}, {c}] = {_sum(terms)}\n"
+    return tvm.script.from_source(text), v_shape
 
 
+@functools.lru_cache(maxsize=64)
 def output_transform(n_: int, k_: int, out_h: int, out_w: int, m: int, lanes: int):
-    """The scheduled PrimFunc ``(M, Y)`` and Y's shape ``[N, K, TH*m, TW*m]``."""
+    """The PrimFunc ``(M, Y)`` and Y's shape ``[N, K, TH*m, TW*m]``."""
     at = MATRICES[m][2]
     alpha = m + 2
     th_, tw_ = tiles(out_h, out_w, m)
-    mm = te.placeholder((alpha * alpha, n_ * th_ * tw_, k_), "float32", name="m")
-
-    def element(n, k, h, w):
-        p = n * th_ * tw_ + h // m * tw_ + w // m
-        total = None
-        for xi in range(alpha):
-            cx = _coefficient(at, h % m, xi)
-            for nu in range(alpha if cx is not None else 0):
-                cy = _coefficient(at, w % m, nu)
-                if cy is None:
-                    continue
-                term = cx * cy * mm[xi * alpha + nu, p, k]
-                total = term if total is None else total + term
-        return total
-
+    lanes = _lanes(k_, lanes)
+    blocks = k_ // lanes
+    p = f"(outer // {blocks})"
+    n, th, tw = _tile(p, th_, tw_)
+    k = f"(outer % {blocks} * {lanes} + lane)"
+    tiles_ = n_ * th_ * tw_
     y_shape = (n_, k_, th_ * m, tw_ * m)
-    y = te.compute(y_shape, element, name="winograd_y")
-    sch = s_tir.Schedule(te.create_prim_func([mm, y]))
-    block = sch.get_sblock("winograd_y")
-    n, k, h, w = sch.get_loops(block)
-    th, i = sch.split(h, [None, m])
-    tw, j = sch.split(w, [None, m])
-    k_outer, k_inner = sch.split(k, [None, _lanes(k_, lanes)])
-    sch.reorder(n, th, tw, k_outer, i, j, k_inner)
-    sch.parallel(sch.fuse(n, th, tw, k_outer))
-    sch.unroll(i)
-    sch.unroll(j)
-    sch.vectorize(k_inner)
-    return _finish(sch), y_shape
+    text = _HEADER.format(
+        name="winograd_output", a="mm", a_shape=(alpha * alpha, tiles_, k_), b="y",
+        b_shape=y_shape, outer=tiles_ * blocks, lanes=lanes,
+    )  # fmt: skip
+    for i in range(m):
+        for j in range(m):
+            terms = [
+                (at[i, xi] * at[j, nu], f"mm[{xi * alpha + nu}, {p}, {k}]")
+                for xi in range(alpha)
+                for nu in range(alpha)
+            ]
+            store = f"y[{n}, {k}, {th} * {m} + {i}, {tw} * {m} + {j}]"
+            text += f"                {store} = {_sum(terms)}\n"
+    return tvm.script.from_source(text), y_shape

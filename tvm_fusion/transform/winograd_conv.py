@@ -166,19 +166,17 @@ class _Rewriter(PyExprMutator):
         hp_, wp_ = kernels.padded_shape(dims, m, pads)
         top, left = pads[:2]
         bottom, right = hp_ - dims[2] - top, wp_ - dims[3] - left
-        in_func, v_shape = kernels.input_transform((*dims[:2], hp_, wp_), m, self.lanes)
+        in_func, v_shape = kernels.input_transform((dims[0], hp_, wp_, dims[1]), m, self.lanes)
         out_func, y_shape = kernels.output_transform(dims[0], k_, *out_hw, m, self.lanes)
         in_gv = bb.add_func(in_func, f"winograd_input_f{m}")
         out_gv = bb.add_func(out_func, f"winograd_output_f{m}")
         f32 = "float32"
-        xp = self.visit_expr(x)
-        if (top, left, bottom, right) != (0, 0, 0, 0):
-            xp = bb.emit(
-                relax.op.nn.pad(xp, [0, 0, 0, 0, top, bottom, left, right]), name_hint=f"{name}_x"
-            )
+        # NHWC, padded to whole tiles: one injective kernel, fused with x's producer's epilogue
+        xp = bb.emit(relax.op.permute_dims(self.visit_expr(x), [0, 2, 3, 1]))
+        pad = [0, 0, top, bottom, left, right, 0, 0]
+        xp = bb.emit(relax.op.nn.pad(xp, pad), name_hint=f"{name}_x") if any(pad) else xp
         v = bb.emit(
-            relax.call_tir(in_gv, [xp], relax.TensorType(v_shape, f32)),
-            name_hint=f"{name}_v",
+            relax.call_tir(in_gv, [xp], relax.TensorType(v_shape, f32)), name_hint=f"{name}_v"
         )
         u = relax.const(kernels.weight_transform(weight, m).astype(f32))
         mm = bb.emit(relax.op.matmul(v, u), name_hint=f"{name}_m")
