@@ -2,39 +2,48 @@
 
 Matches ``R.nn.conv2d`` in NCHW / OIHW / NCHW with a 3 x 3 kernel, stride 1, dilation 1,
 groups 1, float32, a constant weight (after FoldBatchNorm), static shapes and any padding, with
-at least ``MIN_IN_CHANNELS`` input and ``MIN_OUT_CHANNELS`` output channels. It emits
+at least ``MIN_IN_CHANNELS`` input and ``MIN_OUT_CHANNELS`` output channels and enough tiles
+(below). It emits
 
-    V = winograd_input(x)          # [alpha^2, P, C]: B^T d B of every tile, padding inside
-    M = matmul(V, U)               # U = G g G^T [alpha^2, C, K], a constant (float64 -> f32)
-    Y = winograd_output(M)         # [N, K, TH*m, TW*m]: A^T m A of every tile
-    y = Y[:, :, :OH, :OW]          # only where the tiles overhang the output
+    xp = pad(permute_dims(x, NHWC))  # to whole tiles: one injective copy, fused upstream
+    V = winograd_input(xp)           # [alpha^2, P, C]: B^T d B of every tile
+    M = matmul(V, U)                 # U = G g G^T [alpha^2, C, K], a constant (float64 -> f32)
+    Y = winograd_output(M)           # [N, K, TH*m, TW*m]: A^T m A of every tile
+    y = Y[:, :, :OH, :OW]            # only where the tiles overhang the output
 
 with ``alpha = m + 2`` and ``P = N x TH x TW`` tiles. The batched GEMM is our GEMM rule's
-(rows = tiles, columns = output channels, U packed at compile time); the transforms are two
-scheduled kernels (``_winograd_kernels.py``). The conv's bias, activation and residual add stay
-where they were and fuse with each other (and the slice) into one injective kernel after the
-output transform, not into it: the output transform written as an injective TE expression,
-which FuseOps would have fused with them, took 1.6-3.9x the direct convolution's time.
+(rows = tiles, columns = output channels, U packed at compile time; the other orientation,
+``U[alpha^2, K, C] x V[alpha^2, C, P]``, took 1.2-2.4x its time, the GEMMs alone, at the
+layers below; the constant is then not the packed operand). The transforms are two
+scheduled kernels (``_winograd_kernels.py``). The conv's bias, activation and residual add
+stay where they were and fuse with each other (and the slice) into one injective kernel after
+the output transform, not into it: the output transform written as an injective TE
+expression, which FuseOps fuses with them, took 1.6-3.9x the direct convolution's time for the
+whole layer (the separate epilogue: 0.04 ms at 64 x 56 x 56).
 
-Tile: F(4, 3) (4x fewer multiplies than direct) when the output has at least
-``F4_MIN_PIXELS`` pixels, else F(2, 3) (2.25x fewer). Measured per layer, bias + ReLU, 2
-threads, alternating with the direct convolution of the pipeline without this pass in one run
-(``scripts/bench_winograd.py``, load 2.9-4.2; Winograd / direct time):
+Tile: F(4, 3) (4x fewer multiplies than direct) when it gives at least ``MIN_TILES`` tiles,
+else F(2, 3) (2.25x fewer) when that does, else none. Measured per layer, bias + ReLU, batch 1,
+2 threads, alternating with the direct kernel (the pipeline with ``winograd_conv=False``) in
+one run (``scripts/bench_winograd.py``, other jobs on the machine: load 4.0-6.1; Winograd /
+direct time, * = the tile the rule picks):
 
-    channels, size        F(2,3)  F(4,3)       channels, size        F(2,3)  F(4,3)
-    64 -> 64 at 56        1.28    0.77         64 -> 64 at 224       0.95    0.76
-    128 -> 128 at 28      0.34    0.57         256 -> 256 at 56      0.54    0.38
-    256 -> 256 at 14      0.65    0.77         512 -> 512 at 14      0.53    0.72
-    512 -> 512 at 7       0.76    1.05         64 -> 256 at 13       0.59    0.63
-    48 -> 192 at 13       0.89    0.91         16 -> 64 at 55        1.12    1.04
+    in -> out at size     F(2,3)  F(4,3)       in -> out at size     F(2,3)  F(4,3)
+    64 -> 64 at 56        0.64    0.49*        64 -> 64 at 224       0.96    0.75*
+    128 -> 128 at 28      0.50    0.21*        256 -> 256 at 56      0.42    0.28*
+    256 -> 256 at 14      0.27*   0.49         512 -> 512 at 14      0.44*   0.54
+    512 -> 512 at 7       0.65    0.74 (none)  64 -> 256 at 13       0.42*   0.48
+    48 -> 192 at 13       0.62*   0.67         16 -> 64 at 55        0.97    0.74*
 
-The small tile wins where there are few tiles (14 x 14 and less: F(4,3)'s 4 x 4 tiles overhang
-7 x 7 by 30 %), the large one on large images. Below 32 input channels the GEMM's reduction
-is too short to repay the two transforms (SqueezeNet's 16 -> 64).
+F(4, 3) wins on large images; at 14 x 14 and less its 4 x 4 tiles are few and overhang (16
+tiles at 13 and 14, 4 at 7 x 7: 8 x 8 computed for 7 x 7). ``MIN_TILES`` = 32 leaves ResNet's
+512-channel 7 x 7 layers alone: there each value of the transformed weight (16 MB for F(2, 3),
+against 9 MB direct) is used by 16 tiles only, and an earlier run (slower transforms, load 3.4)
+measured 1.25x the direct time; the run above, 0.65. Not settled: a quiet machine should decide.
 
 Float32 error: the weight transform is exact to rounding; F(4, 3)'s input transform
-multiplies by up to 5 and the output's by up to 8, so its error grows (1e-5 relative at 128
-channels against the direct kernel, within 1e-4 at 512; F(2, 3): 1e-6).
+multiplies by up to 25 and the output's by up to 64, so its error grows (1e-5 relative to the
+largest output at 128 channels against the direct kernel, < 2e-5 at 512 against float64;
+F(2, 3): 1e-6).
 
 Left alone: other layouts (NHWC, blocked), kernels other than 3 x 3, stride or dilation > 1,
 groups > 1, a weight that is not a constant, symbolic shapes, other dtypes, fewer channels,
@@ -64,7 +73,7 @@ from ._common import (
 
 logger = get_logger(__name__)
 NAME = "WinogradConv"
-MIN_IN_CHANNELS = 32
+MIN_IN_CHANNELS = 16
 MIN_OUT_CHANNELS = 64
 MIN_TILES = 32  # tiles (N x TH x TW): the rows of the GEMM, the uses of each weight value
 TILE_SIZES = (4, 2)  # m of F(m, 3), in the order tried
