@@ -145,11 +145,11 @@ def rel_err(outputs, reference) -> float:
     return worst
 
 
-def _compile(mod, target, pipeline: str):
+def _compile(mod, target, pipeline: str, **flags):
     from tvm_fusion.build import engine
     from tvm_fusion.tools import analysis
 
-    compiled = engine.compile_module(mod, target, pipeline)
+    compiled = engine.compile_module(mod, target, pipeline, **flags)
     info = {
         "compile_s": round(compiled.compile_s, 2),
         "kernels": analysis.kernel_count(compiled.lowered),
@@ -181,11 +181,14 @@ def bench_model(name: str, target, args) -> dict:
     row["ort_outputs"] = [{"std": float(np.std(r)), "max": float(np.abs(r).max())} for r in ref]
     runs = {}
     engines = [("tvm-fusion", "tvm_fusion"), ("tvm-stock", "stock")][: 2 if args.stock else 1]
+    if args.without:
+        engines.append((f"tvm-fusion-no-{args.without}", "tvm_fusion"))
     for engine_name, pipeline in engines:
         start = time.perf_counter()
+        flags = {args.without: False} if engine_name.startswith("tvm-fusion-no-") else {}
         try:
             mod = load_onnx(model) if pipeline == "tvm_fusion" else stock_from_onnx(model)
-            compiled, info = _compile(mod, target, pipeline)
+            compiled, info = _compile(mod, target, pipeline, **flags)
             runner = engine.TvmRunner(compiled, [x])
             info["rel_err"] = rel_err(runner.outputs(), ref)
             info["ok"] = info["rel_err"] <= MAX_REL_ERR
@@ -208,6 +211,10 @@ def bench_model(name: str, target, args) -> dict:
         row["ours/ort"] = round(med["tvm-fusion"] / med["onnxruntime"], 3)
         if "tvm-stock" in med:
             row["ours/stock"] = round(med["tvm-fusion"] / med["tvm-stock"], 3)
+        without = f"tvm-fusion-no-{args.without}"
+        if without in med:
+            row[f"ours/no-{args.without}"] = round(med["tvm-fusion"] / med[without], 3)
+            row[f"no-{args.without}/ort"] = round(med[without] / med["onnxruntime"], 3)
     print(f"{name}: {row['times']}", flush=True)
     return row
 
@@ -314,6 +321,13 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-batch3", dest="batch3", action="store_false")
     parser.add_argument(
         "--no-stock", dest="stock", action="store_false", help="ours and ORT only (stock is slow)"
+    )
+    parser.add_argument(
+        "--without",
+        default=None,
+        metavar="FLAG",
+        help="also time ours with the pipeline flag FLAG off (an A/B of one pass, e.g. "
+        "winograd_conv), in the same alternating rounds",
     )
     parser.add_argument("--note", default="", help="what else ran on the machine")
     parser.add_argument("--output", default="bench/cnn.json")

@@ -28,12 +28,14 @@ from .place_shape_on_host import PlaceShapeOnHost
 from .sink_views_past_epilogues import SinkViewsPastEpilogues
 from .split_grouped_conv import SplitGroupedConv
 from .strip_bookend_views import StripBookendViews
+from .winograd_conv import WinogradConv
 
 GRAPH_PASSES: list[tuple[str, type]] = [
     ("choose_recurrence", ChooseRecurrence),  # first: the others read what it makes
     ("place_shape_on_host", PlaceShapeOnHost),
     ("fold_batch_norm", FoldBatchNorm),
     ("split_grouped_conv", SplitGroupedConv),  # after FoldBatchNorm: it folds into the group
+    ("winograd_conv", WinogradConv),  # after FoldBatchNorm: its weight must be a constant
     # before CheckGatherBounds: its check reads the log-probabilities' shape, a use that stops
     # the fusion; the fused kernel reads the target's column t mod V, never out of bounds
     ("fuse_cross_entropy", FuseCrossEntropy),
@@ -71,5 +73,6 @@ __all__ = [
     "SinkViewsPastEpilogues",
     "SplitGroupedConv",
     "StripBookendViews",
+    "WinogradConv",
     "collect_rewrites",
 ]
