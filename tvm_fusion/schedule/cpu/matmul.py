@@ -72,7 +72,14 @@ from .._common import (
     vectorize_innermost,
     write_order,
 )
-from ._conv import compact_strided, flatten_rows, is_mac, is_window, merge_rows
+from ._conv import (
+    compact_strided,
+    flatten_rows,
+    is_mac,
+    is_window,
+    merge_rows,
+    pointwise_k_block,
+)
 from ._conv_tiles import block_channels, window_tile
 from ._tiles import (
     RUNTIME_PACK_MAX,
@@ -419,7 +426,8 @@ class Matmul(CPURule):
         tile_bytes = mr * n_gates * nr * DataType(dtype).bits // 8
         kc = rb = None
         if not window:
-            kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores)
+            pointwise = regs == 16 and bool(merged)  # a 1x1 convolution on AVX2
+            kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores, pointwise)
         elif io is not None and outer and mr <= 2:
             # the row's tiles under each block of input channels (_conv_tiles.channel_block)
             itemsize = DataType(dtype).bits // 8
@@ -608,12 +616,16 @@ class Matmul(CPURule):
             schedule_copy(sch, pb, lanes, cores)
 
     @staticmethod
-    def _k_block(sch, pb, outer: list, io, k_loop, tile_bytes: int, cores: int) -> int | None:
-        """KC for blocking the reduction of a packed-B GEMM, or None (``_tiles.k_block``)."""
+    def _k_block(sch, pb, outer, io, k_loop, tile_bytes, cores, pointwise) -> int | None:
+        """KC for blocking the reduction of a packed-B GEMM, or None (``_tiles.k_block``; a 1x1
+        convolution's merged rows on AVX2, ``pointwise``: ``_conv.pointwise_k_block``)."""
         if pb is None or io is None:
             return None
         outer_exts = [extent(sch, loop) for loop in outer]
-        return k_block(extent(sch, k_loop), extent(sch, io), tile_bytes, outer_exts, cores)
+        kc = k_block(extent(sch, k_loop), extent(sch, io), tile_bytes, outer_exts, cores)
+        if kc is None and pointwise:
+            kc = pointwise_k_block(extent(sch, k_loop), outer_exts, cores)
+        return kc
 
     @staticmethod
     def _read_index(stmt, buffer) -> int | None:
