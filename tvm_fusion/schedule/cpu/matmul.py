@@ -25,6 +25,7 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
   row tile, k``, so a panel's KC x NR block of B is read from L1 by every row tile; on AVX2,
   static rows get 12 accumulators: 4 rows x 3 vectors for K >= 256 (B's columns padded in its
   packing when needed, ``wide_tile``), else 6 x 2 or a divisor of the rows (``_tiles.py``);
+  on AVX2 a 1x1 convolution's K above 256 too (``_conv.pointwise_k_block``);
 - the loop over (column panels, row tiles) is parallel (column panels alone when K is blocked);
 - on AVX2, a GEMM of packed B whose A exceeds 4 MiB runs its rows in blocks of at most 4 MiB
   outside the (parallel) panel loop, each block read from L2/L3 by every panel (``row_block``;
