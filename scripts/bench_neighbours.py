@@ -100,7 +100,7 @@ def child(args) -> None:
     model = onnx.load(args.onnx)
     ort = engine.onnxruntime_runner(model, inputs, threads)
     before = engine.onnxruntime_runner(model, inputs, threads) if args.condition == "ort" else None
-    stop = threading.Event()
+    stop, spinner = threading.Event(), None
     if args.condition == "torch":
         import torch
 
@@ -111,7 +111,8 @@ def child(args) -> None:
             while not stop.is_set():
                 torch.mm(a, a)
 
-        threading.Thread(target=spin, daemon=True).start()
+        spinner = threading.Thread(target=spin, daemon=True)
+        spinner.start()
     runs = {"ours": lambda: main(*tensors), "ort": ort}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(args.warmup + args.calls):
@@ -123,6 +124,8 @@ def child(args) -> None:
             if i >= args.warmup:
                 times[name].append((time.perf_counter() - start) * 1e3)
     stop.set()
+    if spinner is not None:  # a daemon thread inside torch.mm at exit aborts the process
+        spinner.join()
     print(json.dumps({k: statistics.median(v) for k, v in times.items()}), flush=True)
 
 
