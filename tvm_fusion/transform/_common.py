@@ -231,8 +231,9 @@ def bound_values(func: relax.Function) -> dict:
 def rewrite_each_function(mod, make_rewriter, prune_first: bool = False) -> int:
     """Run ``make_rewriter(mod, func)`` (a PyExprMutator counting its rewrites in ``count``)
     over every Relax function of ``mod`` that is not primitive; a function it rewrote is
-    stored with its dead bindings removed. ``prune_first``: remove them before the rewriter
-    reads the function too (use counts of the importer's unused items). Returns the count."""
+    stored with its dead bindings removed, with the PrimFuncs the rewriter added to its
+    builder (``bb.add_func``). ``prune_first``: remove them before the rewriter reads the
+    function too (use counts of the importer's unused items). Returns the count."""
     count = 0
     for gv, func in list(mod.functions.items()):
         if not isinstance(func, relax.Function) or func.attrs and "Primitive" in func.attrs:
@@ -242,6 +243,9 @@ def rewrite_each_function(mod, make_rewriter, prune_first: bool = False) -> int:
         rewriter = make_rewriter(mod, func)
         new = rewriter.visit_expr(func)
         if rewriter.count:
+            for kernel_gv, kernel in rewriter.builder_.get().functions.items():
+                if isinstance(kernel, tirx.PrimFunc) and kernel_gv not in mod.functions:
+                    mod[kernel_gv] = kernel
             mod[gv] = relax.analysis.remove_all_unused(new)
             count += rewriter.count
     return count

@@ -53,6 +53,7 @@ from ._common import (
     op_name,
     prove_equal,
     record_rewrite,
+    rewrite_each_function,
     same_dims,
     skip,
 )
@@ -78,9 +79,7 @@ class GroupedConvToGemm:
         self.target = target
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
-        rewriter = _Rewriter(mod)
-        mod = rewriter.transform()
-        record_rewrite(NAME, rewriter.count)
+        record_rewrite(NAME, rewrite_each_function(mod, _Rewriter))
         return mod
 
 
@@ -132,23 +131,11 @@ def grouped_1x1(call: relax.Call) -> tuple | None:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule):
+    def __init__(self, mod: IRModule, _func: relax.Function):
         super().__init__(mod)
-        self.mod = mod
         self.count = 0
         # var (original, NCHW) -> (its value on the GEMM layout, NCHW shape, GEMM shape)
         self.flat: dict = {}
-
-    def transform(self) -> IRModule:
-        for gv, func in self.mod.functions_items():
-            if not isinstance(func, relax.Function) or func.attrs.get("Primitive", False):
-                continue
-            self.flat = {}
-            before = self.count
-            new_func = self.visit_expr(func)
-            if self.count > before:  # a function it leaves alone stays as it was
-                self.builder_.update_func(gv, relax.analysis.remove_all_unused(new_func))
-        return self.builder_.get() if self.count else self.mod
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value

@@ -67,6 +67,7 @@ from ._common import (
     get_logger,
     op_name,
     record_rewrite,
+    rewrite_each_function,
     skip,
     static_shape,
 )
@@ -92,19 +93,8 @@ class WinogradConv:
         if not _target.is_cpu(target):
             return mod
         lanes = _target.vector_lanes(target, "float32")
-        count = 0
-        for gv, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function) or func.attrs and "Primitive" in func.attrs:
-                continue
-            rewriter = _Rewriter(mod, func, lanes)
-            new = rewriter.visit_expr(func)
-            if rewriter.count:
-                # the transform kernels the rewriter added to its builder's module
-                for kernel_gv, kernel in rewriter.builder_.get().functions.items():
-                    if isinstance(kernel, tvm.tirx.PrimFunc) and kernel_gv not in mod.functions:
-                        mod[kernel_gv] = kernel
-                mod[gv] = relax.analysis.remove_all_unused(new)
-                count += rewriter.count
+        # the transform kernels the rewriters add to their builders come along
+        count = rewrite_each_function(mod, lambda m, func: _Rewriter(m, func, lanes))
         record_rewrite(NAME, count)
         return mod
 
