@@ -16,6 +16,7 @@ from tvm.relax import op as R
 
 from tvm_fusion import analysis, build_pipeline
 from tvm_fusion.build import engine
+from tvm_fusion.target import vector_lanes
 from tvm_fusion.tir_util import iter_stmts
 
 torch = pytest.importorskip("torch")
@@ -84,7 +85,8 @@ CASES = {
     ),
 }
 
-# rows of 13 and 11 (prime): no vector tail in the rule, the window rule's (numbers still right)
+# rows of 13 and 11 (prime): one vector of the row where it fits (AVX-512's 16 lanes: 13 or 11
+# of them), else no vector tail in the rule: the window rule's (AVX2, NEON; numbers still right)
 DECLINED = {
     "g3_1x1_13": (
         lambda x: R.nn.conv2d(x, relax.const(W_G3), groups=3),
@@ -97,6 +99,14 @@ DECLINED = {
         lambda x: F.conv2d(_t(x), _t(W_G4_3), padding=1, groups=4),
     ),
 }
+
+
+ROWS = {"g3_1x1_13": 13, "g4_3x3_11": 11}
+
+
+def _takes(name: str, target) -> bool:
+    """Whether the rule takes case ``name`` on ``target``: a prime row only as one vector."""
+    return name in CASES or ROWS[name] <= vector_lanes(target, "float32")
 
 
 def _module(build, shape):
@@ -126,8 +136,22 @@ def test_grouped_conv_numbers(name, target):
             (got,) = engine.TvmRunner(compiled, [x]).outputs()
         np.testing.assert_allclose(got, reference(x).numpy(), rtol=1e-5, atol=1e-5)
     rules = _rules(compiled.lowered)
-    assert ("GroupedConv" in rules.values()) == (name in CASES), rules
+    assert ("GroupedConv" in rules.values()) == _takes(name, target), rules
     assert not analysis.fallback_kernels(compiled.lowered)
+
+
+@pytest.mark.parametrize("name", list(DECLINED))
+def test_prime_rows_follow_the_lanes(cpu_target, name):
+    """Compile-only: rows of 13 and 11 are the rule's where one vector holds them (16 lanes),
+    the window rule's where they do not (8 and 4 lanes); no fallback kernel either way."""
+    build, shape, _ = DECLINED[name]
+    with cpu_target:
+        lowered = build_pipeline(cpu_target, grouped_conv_to_gemm=False)(
+            _module(build, (1, *shape))
+        )
+    rules = _rules(lowered)
+    assert ("GroupedConv" in rules.values()) == _takes(name, cpu_target), rules
+    assert not analysis.fallback_kernels(lowered), rules
 
 
 # rows of 12: 3/4 of a vector or more on every target of the matrix (4, 8, 16 lanes)
