@@ -23,6 +23,7 @@ from tvm.relax import op as R
 
 from tvm_fusion.frontend import import_exported_program, load_onnx
 from tvm_fusion.lower.attention import KERNEL_NAME
+from tvm_fusion.schedule import serial_small_kernels
 from tvm_fusion.transform import FuseAttention, collect_rewrites, fuse_attention
 
 LLVM = tvm.target.Target({"kind": "llvm"})
@@ -146,8 +147,13 @@ def test_onnx_form_numbers(form, s):
     np.testing.assert_allclose(_run(mod, inputs), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_symbolic_sequence():
-    """S a named dim: one kernel for every length, checked at 1, 7 and 33."""
+@pytest.mark.parametrize("path", ["parallel", "serial"])
+def test_symbolic_sequence(path, monkeypatch):
+    """S a named dim: one kernel for every length, checked at 1, 7 and 33; its parallel loops
+    as scheduled, and the serial copy SerialSmallKernels adds (its threshold moved so that
+    every length takes that path)."""
+    below = {"parallel": 0, "serial": 1 << 40}[path]
+    monkeypatch.setattr(serial_small_kernels, "SERIAL_BELOW_DENSE", below)
     mod = load_onnx(_onnx_model(s="S", mask=(B, 1, 1, "S")))
     assert _fused(mod) == 1
     ex = tvm.compile(mod, LLVM, relax_pipeline="tvm_fusion")

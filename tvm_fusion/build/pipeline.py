@@ -46,9 +46,13 @@ PIPELINE_NAME = "tvm_fusion"
 _EMPTY = tvm.transform.Sequential([])
 
 
+# Flags of passes after the rules (Phase 4), not in the transform stage's lists.
+SCHEDULE_FLAGS = ("serial_small_kernels",)
+
+
 def pass_flags() -> list[str]:
     """Keyword flags that switch one of our passes on or off."""
-    return [flag for flag, _ in GRAPH_PASSES + POST_FUSION_PASSES]
+    return [flag for flag, _ in GRAPH_PASSES + POST_FUSION_PASSES] + list(SCHEDULE_FLAGS)
 
 
 def _check_flags(flags: dict) -> None:
@@ -263,8 +267,12 @@ def fuse_tir_passes() -> list[tvm.transform.Pass]:
     return [relax.transform.FuseTIR()]
 
 
-def schedule_passes(target: Target, tuning_db: str | None = None) -> list[tvm.transform.Pass]:
-    """Phase 4: tuned schedules from ``tuning_db`` first, then our rules and dlight's."""
+def schedule_passes(
+    target: Target, tuning_db: str | None = None, serial_small_kernels: bool = True
+) -> list[tvm.transform.Pass]:
+    """Phase 4: tuned schedules from ``tuning_db`` first, then our rules and dlight's; on CPU,
+    ``SerialSmallKernels`` after them (kernels with little work run serially, chosen at run
+    time where extents are symbolic)."""
     from ..schedule import default_schedule_pass, finish_passes, prepare_passes
 
     passes = [*prepare_passes()]
@@ -272,7 +280,15 @@ def schedule_passes(target: Target, tuning_db: str | None = None) -> list[tvm.tr
         passes.append(apply_database_pass(tuning_db))
     passes.append(default_schedule_pass(target))
     passes += finish_passes()
+    if serial_small_kernels and _target.is_cpu(target):
+        from ..schedule.serial_small_kernels import SerialSmallKernels
+
+        passes.append(SerialSmallKernels())
     return passes
+
+
+def _schedule_flags(flags: dict) -> dict:
+    return {flag: flags[flag] for flag in SCHEDULE_FLAGS if flag in flags}
 
 
 def _backend(target: Target):
@@ -386,7 +402,11 @@ def build_pipeline(
                     dump(0, "input"),
                     *fused_passes(tgt, fast_math, dump, **flags),
                     # Phase 4: schedules
-                    *(schedule_passes(tgt, tuning_db) if schedule else []),
+                    *(
+                        schedule_passes(tgt, tuning_db, **_schedule_flags(flags))
+                        if schedule
+                        else []
+                    ),
                     dump(4, "scheduled"),
                     # Phase 5: stock finalisation
                     *_backend(tgt).dataflow_lower_passes(tgt),

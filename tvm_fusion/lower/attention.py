@@ -462,7 +462,14 @@ def _attention_kernel(
 
     @T.prim_func(private=True, s_tir=True)
     def fused_attention(p_q: T.handle, p_k: T.handle, p_v: T.handle, p_m: T.handle, p_o: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8})
+        T.func_attr(
+            {
+                "tirx.is_scheduled": True,
+                "tirx.noalias": True,
+                "op_pattern": 8,
+                "tvm_fusion.dense_kernel": True,
+            }
+        )
         b = T.int64()
         h = T.int64()
         s = T.int64()
