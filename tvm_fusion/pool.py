@@ -16,6 +16,14 @@ what the user left unset (``os.environ.setdefault``), so a user's own value alwa
 - ``TVM_THREAD_POOL_SPIN_COUNT``: left to TVM (its workers spin about 250 ms after a run;
   benchmarks pause between engines for it, see :func:`tvm_fusion.build.engine.time_interleaved`).
 
+Kernels with little work do not use the pool at all: the pipeline's ``SerialSmallKernels``
+(:mod:`tvm_fusion.schedule.serial_small_kernels`) runs them on the calling thread, chosen at
+run time where extents are symbolic. A parallel launch costs the caller a wait for each worker;
+beside busy threads of another runtime that wait is an OS time slice (issue #37: a small
+dynamic LSTM export at 739x its quiet time beside a busy torch thread before the pass, 1.3x
+after). A larger model still launches its larger kernels; with busy neighbours on every core,
+``TVM_NUM_THREADS=1`` avoids the pool (README, "Beside other runtimes").
+
 :func:`threads` is the count that the pool has (or will have) and that the other engines of a
 benchmark are given, so that every engine runs on as many threads.
 """

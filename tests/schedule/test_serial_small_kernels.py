@@ -18,7 +18,7 @@ from tvm.script import tirx as T
 
 import tvm_fusion
 from tvm_fusion import tir_util
-from tvm_fusion.schedule.serial_small_kernels import ATTR, SerialSmallKernels, serialize_small
+from tvm_fusion.schedule.serial_small_kernels import ATTR, serialize_small
 
 
 def _parallel_loops(func) -> list:
@@ -194,15 +194,11 @@ class MatmulSoftmax:
 
 def test_pipeline_runs_both_paths():
     target = tvm_fusion.host_target()
-    from tvm_fusion.build import pipeline
-
     with target:
-        scheduled = tvm.transform.Sequential(
-            [*pipeline.fused_passes(target), *pipeline.schedule_passes(target)]
-        )(MatmulSoftmax)
+        lowered = tvm_fusion.build_pipeline(target)(MatmulSoftmax)
     marked = [
         gv.name_hint
-        for gv, f in scheduled.functions_items()
+        for gv, f in lowered.functions_items()
         if isinstance(f, tirx.PrimFunc) and ATTR in (f.attrs or {})
     ]
     assert any("softmax" in name for name in marked), marked
@@ -220,13 +216,16 @@ def test_pipeline_runs_both_paths():
         np.testing.assert_allclose(out, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
 
 
-def test_not_in_cuda_pipelines():
+def test_cpu_only_and_flag():
     from tvm_fusion.build import pipeline
 
-    names = [type(p).__name__ for p in pipeline.schedule_passes(tvm.target.Target("cuda"))]
-    assert not any("SerialSmallKernels" in n for n in names)
-    cpu = pipeline.schedule_passes(tvm_fusion.host_target())
-    assert any(isinstance(p, SerialSmallKernels) or "SerialSmallKernels" in str(p) for p in cpu)
+    assert pipeline.serial_passes(tvm.target.Target("cuda")) == []
+    assert pipeline.serial_passes(tvm_fusion.host_target(), serial_small_kernels=False) == []
+    (cpu,) = pipeline.serial_passes(tvm_fusion.host_target())
+    assert "SerialSmallKernels" in str(cpu.info.name)
+    with tvm_fusion.host_target():
+        off = tvm_fusion.build_pipeline(serial_small_kernels=False)(MatmulSoftmax)
+    assert not [f for f in off.functions.values() if ATTR in (getattr(f, "attrs", None) or {})]
 
 
 @T.prim_func(private=True, s_tir=True)

@@ -152,6 +152,9 @@ def _unrolled_around(stmt, block: str, outer: int = 1) -> list[int]:
         elif isinstance(node, tvm.tirx.SeqStmt):
             for s in node.seq:
                 walk(s, product)
+        elif isinstance(node, tvm.tirx.IfThenElse):  # SerialSmallKernels' two paths
+            walk(node.then_case, product)
+            walk(node.else_case, product)
         elif hasattr(node, "body"):
             walk(node.body, product)
 

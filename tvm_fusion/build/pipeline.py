@@ -46,7 +46,7 @@ PIPELINE_NAME = "tvm_fusion"
 _EMPTY = tvm.transform.Sequential([])
 
 
-# Flags of passes after the rules (Phase 4), not in the transform stage's lists.
+# Flags of passes after the rules (Phase 5), not in the transform stage's lists.
 SCHEDULE_FLAGS = ("serial_small_kernels",)
 
 
@@ -267,12 +267,8 @@ def fuse_tir_passes() -> list[tvm.transform.Pass]:
     return [relax.transform.FuseTIR()]
 
 
-def schedule_passes(
-    target: Target, tuning_db: str | None = None, serial_small_kernels: bool = True
-) -> list[tvm.transform.Pass]:
-    """Phase 4: tuned schedules from ``tuning_db`` first, then our rules and dlight's; on CPU,
-    ``SerialSmallKernels`` after them (kernels with little work run serially, chosen at run
-    time where extents are symbolic)."""
+def schedule_passes(target: Target, tuning_db: str | None = None) -> list[tvm.transform.Pass]:
+    """Phase 4: tuned schedules from ``tuning_db`` first, then our rules and dlight's."""
     from ..schedule import default_schedule_pass, finish_passes, prepare_passes
 
     passes = [*prepare_passes()]
@@ -280,14 +276,22 @@ def schedule_passes(
         passes.append(apply_database_pass(tuning_db))
     passes.append(default_schedule_pass(target))
     passes += finish_passes()
-    if serial_small_kernels and _target.is_cpu(target):
-        from ..schedule.serial_small_kernels import SerialSmallKernels
-
-        passes.append(SerialSmallKernels())
     return passes
 
 
-def _schedule_flags(flags: dict) -> dict:
+def serial_passes(target: Target, serial_small_kernels: bool = True) -> list:
+    """On CPU, after the stock dataflow lowering (whose RewriteDataflowReshape must still see
+    the reshape kernels as scheduled, to make them views): ``SerialSmallKernels``, kernels
+    with little work per parallel launch run serially, chosen at run time where extents are
+    symbolic."""
+    if not (serial_small_kernels and _target.is_cpu(target)):
+        return []
+    from ..schedule.serial_small_kernels import SerialSmallKernels
+
+    return [SerialSmallKernels()]
+
+
+def _serial_flags(flags: dict) -> dict:
     return {flag: flags[flag] for flag in SCHEDULE_FLAGS if flag in flags}
 
 
@@ -402,14 +406,11 @@ def build_pipeline(
                     dump(0, "input"),
                     *fused_passes(tgt, fast_math, dump, **flags),
                     # Phase 4: schedules
-                    *(
-                        schedule_passes(tgt, tuning_db, **_schedule_flags(flags))
-                        if schedule
-                        else []
-                    ),
+                    *(schedule_passes(tgt, tuning_db) if schedule else []),
                     dump(4, "scheduled"),
                     # Phase 5: stock finalisation
                     *_backend(tgt).dataflow_lower_passes(tgt),
+                    *(serial_passes(tgt, **_serial_flags(flags)) if schedule else []),
                     *_backend(tgt).finalize_passes(tgt),
                     RestrictSingleBufferKernels(),
                     dump(5, "final"),

@@ -271,6 +271,23 @@ def serialize_small(func: tirx.PrimFunc, threshold: int | None = None) -> tirx.P
     return new
 
 
+def _called(mod: tvm.IRModule) -> set:
+    """The GlobalVars the module's Relax functions refer to (a reshape kernel that the stock
+    RewriteDataflowReshape made a view is left uncalled: not worth a copy)."""
+    from tvm import relax
+
+    found: set = set()
+
+    def visit(expr):
+        if isinstance(expr, relax.GlobalVar):
+            found.add(expr)
+
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func.body, visit)
+    return found
+
+
 @tvm.transform.module_pass(opt_level=0, name="SerialSmallKernels")
 class SerialSmallKernels:
     """:func:`serialize_small` on every PrimFunc of the module (CPU builds)."""
@@ -279,9 +296,9 @@ class SerialSmallKernels:
         self.threshold = threshold
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        changed = {}
+        changed, called = {}, _called(mod)
         for gv, func in mod.functions_items():
-            if isinstance(func, tirx.PrimFunc):
+            if isinstance(func, tirx.PrimFunc) and gv in called:
                 new = serialize_small(func, self.threshold)
                 if not new.same_as(func):
                     changed[gv] = new
