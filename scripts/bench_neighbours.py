@@ -4,7 +4,8 @@
 For each workload (ONNX: a corpus model with its saved inputs, or ``gemm``, a 64x768 @ 768x3072
 MatMul with a constant weight), ours is compiled once here and exported as a library; then
 ``--processes`` fresh processes per condition load it and an ONNX Runtime session of the same
-model, and time both, calls alternating, medians per process. Conditions:
+model, and time both in alternating blocks of calls with pauses between (each pool spins on
+after a run), medians per process. Conditions:
 
 - ``alone``: nothing else;
 - ``ort``: another ONNX Runtime session (of the same model) runs once before each timed call;
@@ -115,13 +116,20 @@ def child(args) -> None:
         spinner.start()
     runs = {"ours": lambda: main(*tensors), "ort": ort}
     times: dict[str, list[float]] = {k: [] for k in runs}
-    for i in range(args.warmup + args.calls):
-        for name, run in runs.items():
-            if before is not None:
-                before()
-            start = time.perf_counter()
+    for _ in range(args.warmup):
+        for run in runs.values():
             run()
-            if i >= args.warmup:
+    # Engines in blocks of calls with a pause between (each pool's workers spin on after a run:
+    # TVM's for about 250 ms), the first call after a pause untimed.
+    for b in range(0, args.calls, args.block):
+        for name, run in runs.items():
+            time.sleep(args.pause)
+            run()
+            for _ in range(min(args.block, args.calls - b)):
+                if before is not None:
+                    before()
+                start = time.perf_counter()
+                run()
                 times[name].append((time.perf_counter() - start) * 1e3)
     stop.set()
     if spinner is not None:  # a daemon thread inside torch.mm at exit aborts the process
@@ -139,6 +147,7 @@ def run_condition(files: dict, condition: str, args) -> list[dict]:
     command = [sys.executable, __file__, "--child", "--condition", condition]
     command += ["--lib", files["lib"], "--onnx", files["onnx"], "--inputs", files["inputs"]]
     command += ["--calls", str(args.calls), "--warmup", str(args.warmup)]
+    command += ["--block", str(args.block), "--pause", str(args.pause)]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -212,6 +221,8 @@ def main(argv=None) -> int:
     parser.add_argument("--processes", type=int, default=20, help="fresh processes per condition")
     parser.add_argument("--calls", type=int, default=100, help="timed calls per engine and process")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--block", type=int, default=25, help="calls of one engine in a row")
+    parser.add_argument("--pause", type=float, default=0.3, help="seconds between blocks")
     parser.add_argument("--child-timeout", type=float, default=300, help="seconds per process")
     parser.add_argument("--mcpu", default=None, help="build for this CPU (LLVM's name)")
     parser.add_argument("--output", default="bench/neighbours.json")
