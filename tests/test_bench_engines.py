@@ -224,3 +224,32 @@ def test_other_engines_get_the_pools_threads(monkeypatch):
     assert engine.threads_for(target) == 1
     monkeypatch.setenv("TVM_NUM_THREADS", "64")
     assert engine.threads_for(target) == 4
+
+
+def test_bench_neighbours_smoke(tmp_path):
+    """scripts/bench_neighbours.py end to end on its GEMM, one process per condition, a few
+    calls in blocks (no timing asserted), and a bad condition refused in one line (exit 2)."""
+    script = ROOT / "scripts" / "bench_neighbours.py"
+    out = tmp_path / "n.json"
+    args = ["--workloads", "gemm", "--processes", "1", "--calls", "3", "--warmup", "1"]
+    args += ["--block", "2", "--pause", "0", "--output", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(script), *args, "--conditions", "alone,ort"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["workloads"]["gemm"]
+    for condition in ("alone", "ort"):
+        for engine_name in ("ours", "ort"):
+            assert rows[condition][engine_name]["median_ms"] > 0
+    assert "| gemm | ort |" in out.with_suffix(".md").read_text()
+    bad = subprocess.run(
+        [sys.executable, str(script), *args, "--conditions", "nearby"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2
+    assert len(bad.stderr.strip().splitlines()) == 1 and "nearby" in bad.stderr, bad.stderr
