@@ -42,7 +42,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, sym, tirx
 
-from ..tir_util import expr_children, vars_in
+from ..tir_util import expr_children, iter_stmts, vars_in
 
 logger = logging.getLogger(__name__)
 
@@ -68,59 +68,37 @@ def threshold_of(func: tirx.PrimFunc) -> int:
 
 
 _LEAVES = (tirx.BufferStore, tirx.Evaluate, tirx.Bind, tirx.DeclBuffer, tirx.AllocBuffer)
+# The statement kinds the pass was written and tested for; a kernel with another is left alone.
+_KNOWN = (
+    *_LEAVES,
+    tirx.For,
+    tirx.SeqStmt,
+    tirx.IfThenElse,
+    tirx.AttrStmt,
+    s_tir.SBlock,
+    s_tir.SBlockRealize,
+)
 
 
 def _serial_copy(stmt):
-    """``stmt`` with its parallel loops serial; None where a statement kind is not known."""
-    if stmt is None or isinstance(stmt, _LEAVES):
-        return stmt
-    if isinstance(stmt, tirx.For):
-        body = _serial_copy(stmt.body)
-        if body is None:
-            return None
-        kind = tirx.ForKind.SERIAL if stmt.kind == tirx.ForKind.PARALLEL else stmt.kind
+    """``stmt`` with its parallel loops serial (``tvm_ffi.structural_map``, as
+    :func:`~tvm_fusion.tir_util.replace_buffer` rebuilds TIR)."""
+
+    def on_for(loop):
+        if loop.kind != tirx.ForKind.PARALLEL:
+            return loop
         return tirx.For(
-            stmt.loop_var,
-            stmt.min,
-            stmt.extent,
-            kind,
-            body,
-            stmt.thread_binding,
-            stmt.annotations,
-            stmt.step,
+            loop.loop_var,
+            loop.min,
+            loop.extent,
+            tirx.ForKind.SERIAL,
+            loop.body,
+            loop.thread_binding,
+            loop.annotations,
+            loop.step,
         )
-    if isinstance(stmt, tirx.SeqStmt):
-        seq = [_serial_copy(s) for s in stmt.seq]
-        return None if any(s is None for s in seq) else tirx.SeqStmt(seq)
-    if isinstance(stmt, s_tir.SBlockRealize):
-        block = _serial_copy(stmt.block)
-        return (
-            None if block is None else s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block)
-        )
-    if isinstance(stmt, s_tir.SBlock):
-        body, init = _serial_copy(stmt.body), _serial_copy(stmt.init)
-        if body is None or (stmt.init is not None and init is None):
-            return None
-        return s_tir.SBlock(
-            stmt.iter_vars,
-            stmt.reads,
-            stmt.writes,
-            stmt.name_hint,
-            body,
-            init,
-            stmt.alloc_buffers,
-            stmt.match_buffers,
-            stmt.annotations,
-        )
-    if isinstance(stmt, tirx.IfThenElse):
-        then, other = _serial_copy(stmt.then_case), _serial_copy(stmt.else_case)
-        if then is None or (stmt.else_case is not None and other is None):
-            return None
-        return tirx.IfThenElse(stmt.condition, then, other)
-    if isinstance(stmt, tirx.AttrStmt):
-        body = _serial_copy(stmt.body)
-        return None if body is None else tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body)
-    return None
+
+    return tvm_ffi.structural_map(stmt, [(tirx.For, on_for)])
 
 
 def _work(stmt):
@@ -215,8 +193,6 @@ def _bound_copy(func: tirx.PrimFunc, serial):
 def _launch_works(func: tirx.PrimFunc) -> list | None:
     """The work of each parallel loop, per launch (its extent times its body's), simplified;
     None where one is not countable from the function's parameters alone."""
-    from ..tir_util import iter_stmts
-
     free, analyzer, works = _free_vars(func), sym.Analyzer(), []
     for stmt in iter_stmts(func.body):
         if isinstance(stmt, tirx.For) and stmt.kind == tirx.ForKind.PARALLEL:
@@ -239,9 +215,9 @@ def serialize_small(func: tirx.PrimFunc, threshold: int | None = None) -> tirx.P
         return func
     if any(_least(w) >= threshold for w in works):
         return func  # a launch with enough work at the smallest shapes: parallel as scheduled
-    serial = _serial_copy(func.body)
-    if serial is None:
+    if not all(isinstance(s, _KNOWN) for s in iter_stmts(func.body)):
         return func
+    serial = _serial_copy(func.body)
     symbolic = [w for w in works if not isinstance(w, tirx.IntImm)]
     if not symbolic:
         return func.with_body(serial)
