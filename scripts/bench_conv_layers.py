@@ -110,7 +110,7 @@ def bench_layer(layer, count: int, target, args) -> dict:
     compiled = engine.compile_module(load_onnx(model), target, "tvm_fusion")
     ours = engine.TvmRunner(compiled, [x])
     err = rel_err(ours.outputs(), [np.asarray(o) for o in ort()])
-    rules = sorted({i.rule for i in analysis.schedule_info(compiled.lowered)})
+    rules = sorted({i.rule or "pre-scheduled" for i in analysis.schedule_info(compiled.lowered)})
     timings = engine.time_interleaved(
         {"ours": ours, "ort": ort}, repeat=args.repeat, budget_s=args.budget, min_time_s=0.5
     )

@@ -149,4 +149,3 @@ class _Rewriter(PyExprMutator):
         new_conv = relax.Call(conv.op, args, conv.attrs, conv.ty_args)
         new_conv = self.builder_.normalize(new_conv)
         return relax.op.add(new_conv, relax.const(new_bias.reshape(bias_shape)))
-

@@ -39,9 +39,10 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
 - a convolution (_conv.py): a k x k window keeps its reduction loops (channels, kh, kw; B
   packed as ``[cols / NR, c, kh, kw, NR]``), where one flat ``k`` read its input at
   ``k // 9, h + k % 9 // 3, w + k % 3``; a 1x1 convolution's rows ``(h, w)`` become one axis
-  (its accumulators and write-back too), tiled as a GEMM's rows, padded through flat copies
-  where the tile's height does not divide them (7 x 7: 49 rows in tiles of 4 on AVX2) or
-  the wide tile pads its columns (SqueezeNet's 1000 channels: 1008).
+  (its accumulators and write-back too): the GEMM's columns where they are whole vectors
+  (the channels its rows, as MLAS: ``channels_as_rows``), else its rows, padded through flat
+  copies where the tile's height does not divide them (7 x 7: 49 rows in tiles of 4 on AVX2)
+  or the wide tile pads its columns (SqueezeNet's 1000 channels: 1008).
 """
 
 from __future__ import annotations
@@ -74,12 +75,15 @@ from .._common import (
     write_order,
 )
 from ._conv import (
+    channels_as_rows,
     compact_strided,
     flatten_rows,
     is_mac,
     is_window,
     merge_rows,
+    merged_layout,
     pointwise_k_block,
+    weights_outweigh,
 )
 from ._conv_tiles import block_channels, window_tile
 from ._tiles import (
@@ -113,16 +117,6 @@ def _is_cheap(store) -> bool:
     while isinstance(value, tirx.Cast):
         value = value.value
     return isinstance(value, TensorLoad) or expr_size(store.value, 16) <= 8
-
-
-def _weights_outweigh(a_buf, j_ext, k_ext) -> bool:
-    """B (columns x reduction, static) larger than one image of A (its static dims)."""
-    if not (is_static(j_ext) and is_static(k_ext)):
-        return False
-    a_size = 1
-    for dim in a_buf.shape:
-        a_size *= int(dim) if isinstance(dim, tirx.IntImm) else 1
-    return j_ext * k_ext > a_size
 
 
 class _WideRefused(Exception):
@@ -169,7 +163,8 @@ class Matmul(CPURule):
             return None
         flat = None  # merged rows padded through flat buffers (flatten_rows)
         lanes = _target.vector_lanes(target, str(sch.get(red.block_rv).writes[0].source.dtype))
-        pays = partial(compact_pays, lanes=lanes, regs=_target.vector_registers(target))
+        regs = _target.vector_registers(target)
+        pays = partial(compact_pays, lanes=lanes, regs=regs)
         compact = compact_strided(sch, red.block_rv, pays) if not window and merge_ok else None
         merged = merge_rows(sch, red.block_rv) if not window and merge_ok else ()
         stmt = sch.get(red.block_rv)
@@ -177,6 +172,9 @@ class Matmul(CPURule):
         if mac is None:
             return None
         a_load, b_load = mac
+        swapped = bool(merged) and channels_as_rows(stmt, merged, lanes, regs)
+        if swapped:  # the output channels as rows, (h, w) as the vector axis (_conv.py)
+            a_load, b_load = b_load, a_load
         iters = [iv.var for iv in stmt.iter_vars]
         # a convolution keeps its reduction loops (channels, kh, kw): fused into one flat k,
         # its input's index is k // 9, h + k % 9 // 3, w + k % 3, a division per step of k
@@ -224,7 +222,6 @@ class Matmul(CPURule):
         block = red.block_rv
 
         lanes = _target.vector_lanes(target, dtype)
-        regs = _target.vector_registers(target)
         loops = sch.get_loops(block)
         loop_of = dict(zip(iters, loops, strict=True))
 
@@ -261,6 +258,8 @@ class Matmul(CPURule):
         for k in k_vars:
             k_ext = k_ext * extent(sch, loop_of[k])
         wide = wide_tile(m_ext, j_ext, k_ext, lanes, regs, n_gates) if wide_ok else None
+        if swapped and wide is not None and (j_ext % wide[0] or m_ext % wide[1]):
+            wide = None  # (h, w) or the channels would be padded: through copies of x
         if wide is not None:
             nr, mr = wide
             logger.debug("matmul: %s rows x %s columns in tiles of %s x %s", m_ext, j_ext, mr, nr)
@@ -280,6 +279,7 @@ class Matmul(CPURule):
             padded = self._pad(sch, block, iters, factors, epilogue)
             nr_u, mr_u = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates) if merged else (0, 0)
             flat_rows = pad_rows and is_static(m_ext) and mr_u * nr_u < mr * nr
+            flat_rows = flat_rows and not swapped
             if padded is None and merged and (flat_rows or (pad_cols and wide is not None)):
                 # 49 rows: 13 tiles of 4 x 2 vectors on AVX2, not 7 tiles of 7 x 1 vector
                 flat = flatten_rows(sch, block, merged)
@@ -401,7 +401,7 @@ class Matmul(CPURule):
             io, ii = None, None
         other_outer = [loop_of[v] for v in spatial if v not in cols and v is not i_var]
         panel_loops = [loop_of[v] for v in outer_cols] + [jo]
-        if window and _weights_outweigh(a_load.source, j_ext, k_ext):
+        if window and weights_outweigh(a_load.source, j_ext, k_ext):
             # VGG's 512-channel layers (9.4 MB of weights, a 14 x 14 or 28 x 28 image): the
             # panel loop outside the output rows, each panel of weights read from memory once
             # and reused from L2 by every row, not streamed again for every row
@@ -427,7 +427,7 @@ class Matmul(CPURule):
         tile_bytes = mr * n_gates * nr * DataType(dtype).bits // 8
         kc = rb = None
         if not window:
-            pointwise = regs == 16 and bool(merged)  # a 1x1 convolution on AVX2
+            pointwise = regs == 16 and bool(merged) and not swapped  # a 1x1 conv on AVX2
             kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores, pointwise)
         elif io is not None and outer and mr <= 2:
             # the row's tiles under each block of input channels (_conv_tiles.channel_block)
@@ -457,7 +457,10 @@ class Matmul(CPURule):
                 tile_loop = io
             outer += [io] if io is not None else []
         acc = sch.cache_write(block, 0, "local")
-        self._vector_axis_last(sch, block, j_var, () if flat else merged)
+        if swapped:
+            sch.transform_layout(block, ("write", 0), merged_layout(merged))
+        else:
+            self._vector_axis_last(sch, block, j_var, () if flat else merged)
         # Epilogue on the tile: elementwise consumers fold into the write-back, the rest are
         # computed under the tile loop.
         for info in epilogue:
