@@ -15,6 +15,7 @@ stripped: ``fused_conv2d6_add6_add7_relu_prepacked`` and its siblings) with thei
 
     python scripts/profile_kernels.py resnet50               # a light model-zoo CNN
     python scripts/profile_kernels.py path/to/model.onnx --runs 30 --top 25
+    python scripts/profile_kernels.py squeezenet --kernels --ort-nodes  # one by one, both
 """
 
 from __future__ import annotations
