@@ -323,7 +323,7 @@ class Matmul(CPURule):
                 a_pads, epilogue = padded
                 # A's copy is read in place with its rows clamped; B's (padded columns, its
                 # vector axis) stays a copy: clamped lanes would make its packing a gather.
-                a_buf = is_mac(sch.get(block).body)[0].source
+                a_buf = is_mac(sch.get(block).body)[int(swapped)].source
                 rows_pad = [p for p in a_pads if sch.get(p).writes[0].source.same_as(a_buf)]
                 inlined = inline_padding(sch, rows_pad) if rows_pad else None
                 if inlined is not None:
@@ -335,7 +335,7 @@ class Matmul(CPURule):
                     a_pads = same_blocks(sch, inlined, kept)
                     sch = inlined
                 stmt = sch.get(block)
-                a_load, b_load = is_mac(stmt.body)
+                a_load, b_load = is_mac(stmt.body)[:: -1 if swapped else 1]
                 loops = sch.get_loops(block)
                 loop_of = dict(zip(iters, loops, strict=True))
                 j_ext = extent(sch, loop_of[j_var])
@@ -458,7 +458,8 @@ class Matmul(CPURule):
             outer += [io] if io is not None else []
         acc = sch.cache_write(block, 0, "local")
         if swapped:
-            sch.transform_layout(block, ("write", 0), merged_layout(merged))
+            if not flat:  # (flat copies write (h, w) flat already)
+                sch.transform_layout(block, ("write", 0), merged_layout(merged))
         else:
             self._vector_axis_last(sch, block, j_var, () if flat else merged)
         # Epilogue on the tile: elementwise consumers fold into the write-back, the rest are
