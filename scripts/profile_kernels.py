@@ -37,14 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def load_model(spec: str):
     import onnx
 
+    from tvm_fusion.errors import ModelError, UsageError
+
     path = Path(spec)
     if path.suffix == ".onnx" and path.exists():
-        return onnx.load(str(path))
+        try:
+            return onnx.load(str(path))
+        except Exception as err:  # noqa: BLE001 - protobuf's DecodeError and kin: one line
+            raise ModelError(f"{path} is not an ONNX model: {err}") from None
     from bench_cnn import light_dir, randomized
 
     light = light_dir() / f"light_{spec}.onnx"
     if not light.exists():
-        raise SystemExit(f"profile_kernels: no model {spec!r} (an .onnx path or a light model)")
+        raise UsageError(f"profile_kernels: no model {spec!r} (an .onnx path or a light model)")
     return randomized(onnx.load(str(light)))
 
 
@@ -150,12 +155,17 @@ def main(argv=None) -> int:
 
     from tvm_fusion import load_onnx
     from tvm_fusion.build import engine
+    from tvm_fusion.errors import TvmFusionError
     from tvm_fusion.target import host_target
 
-    model = load_model(args.model)
-    name, x = dummy_input(model, 1)
-    target = host_target(mcpu=args.mcpu)
-    compiled = engine.compile_module(load_onnx(model), target, "tvm_fusion")
+    try:
+        model = load_model(args.model)
+        name, x = dummy_input(model, 1)
+        target = host_target(mcpu=args.mcpu)
+        compiled = engine.compile_module(load_onnx(model), target, "tvm_fusion")
+    except (TvmFusionError, OSError, ValueError) as err:
+        print(f"profile_kernels: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
     threads = engine.threads_for(target)
     times, whole = profile_ours(compiled, [x], args.runs)
     families: dict[str, list] = defaultdict(lambda: [0, 0.0])

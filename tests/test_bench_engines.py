@@ -253,3 +253,52 @@ def test_bench_neighbours_smoke(tmp_path):
     )
     assert bad.returncode == 2
     assert len(bad.stderr.strip().splitlines()) == 1 and "nearby" in bad.stderr, bad.stderr
+
+
+def _tiny_cnn(path: Path) -> Path:
+    """A 1x1 and a 3x3 convolution with ReLU on an 8 x 8 image: a model for script smoke tests."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal(s).astype("float32"), name)
+        for name, s in (("w1", (16, 4, 1, 1)), ("w3", (8, 16, 3, 3)))
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["a"]),
+        helper.make_node("Relu", ["a"], ["b"]),
+        helper.make_node("Conv", ["b", "w3"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny_cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_profile_kernels_smoke(tmp_path, capsys):
+    """scripts/profile_kernels.py on a tiny CNN: every kernel timed inside the model (the VM's
+    instrument hook), ONNX Runtime's nodes beside; an unknown model or a corrupt file refused
+    in one line (exit 2). No timing asserted."""
+    script = _script("profile_kernels")
+    model = _tiny_cnn(tmp_path / "tiny.onnx")
+    assert script.main([str(model), "--runs", "2", "--kernels", "--ort-nodes"]) == 0
+    out = capsys.readouterr().out
+    assert "ours: model" in out and "ONNX Runtime: model" in out, out
+    kernels = [line for line in out.splitlines() if "conv2d" in line]
+    assert len(kernels) >= 2, out  # the two convolutions, in call order and as a family
+    assert "Conv " in out  # ORT's nodes by name
+    assert script.main(["no_such_model"]) == 2
+    assert "no_such_model" in _error_line(capsys)
+    (tmp_path / "bad.onnx").write_bytes(b"not a model")
+    assert script.main([str(tmp_path / "bad.onnx")]) == 2
+    assert "bad.onnx" in _error_line(capsys)
