@@ -255,19 +255,21 @@ def vectorize_innermost(
     return None
 
 
-def vectorize_with_tail(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int) -> bool:
+def vectorize_with_tail(
+    sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int, min_vectors: int = 2
+) -> bool:
     """A static innermost loop that :func:`vectorize_innermost` left scalar because ``lanes``
     does not divide it (a softmax row of 77, 999): partitioned into the whole vectors,
     vectorised, and a tail of fewer than ``lanes`` iterations, vectorised too: LLVM computes a
     13-lane vector in one register (its loads and stores in pieces of 8, 4, 1), where a scalar
     tail evaluated softmax's polynomial exp 13 times per row of 77. The last step of a
-    schedule: the block is replaced by the two parts (``block`` is no longer valid). Returns
-    whether it did so."""
+    schedule: the block is replaced by the two parts (``block`` is no longer valid). Only
+    where the loop holds ``min_vectors`` whole vectors or more. Returns whether it did so."""
     loops = sch.get_loops(block)
     if not loops or is_vectorized(sch, loops[-1]):
         return False
     ext = extent(sch, loops[-1])
-    if not is_static(ext) or ext < 2 * lanes or ext % lanes == 0:
+    if not is_static(ext) or ext < min_vectors * lanes or ext % lanes == 0:
         return False
     try:
         head, tail = sch.loop_partition(loops[-1], [ext - ext % lanes, None])
