@@ -255,6 +255,12 @@ def vectorize_innermost(
     return None
 
 
+def takes_vector_tail(ext, lanes: int, min_vectors: int = 2) -> bool:
+    """Whether :func:`vectorize_with_tail` vectorises an innermost loop of extent ``ext``:
+    static, ``min_vectors`` whole vectors or more, and a remainder."""
+    return is_static(ext) and ext >= min_vectors * lanes and ext % lanes != 0
+
+
 def vectorize_with_tail(
     sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int, min_vectors: int = 2
 ) -> bool:
@@ -269,7 +275,7 @@ def vectorize_with_tail(
     if not loops or is_vectorized(sch, loops[-1]):
         return False
     ext = extent(sch, loops[-1])
-    if not is_static(ext) or ext < min_vectors * lanes or ext % lanes == 0:
+    if not takes_vector_tail(ext, lanes, min_vectors):
         return False
     try:
         head, tail = sch.loop_partition(loops[-1], [ext - ext % lanes, None])

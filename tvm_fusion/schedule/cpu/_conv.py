@@ -234,14 +234,7 @@ def flatten_rows(sch, block, sizes: tuple):
     reads = [i for i, r in enumerate(stmt.reads) if r.source.same_as(a_buffer)]
     if len(reads) != 1:
         return None
-    n = len(sizes)
-
-    def flat(*idx):
-        f = idx[len(idx) - n]
-        for i, size in zip(idx[len(idx) - n + 1 :], sizes[1:], strict=True):
-            f = f * size + i
-        return (*idx[: len(idx) - n], f)
-
+    flat = merged_layout(sizes)
     try:
         copy = trial.cache_read(block, reads[0], "global")
         trial.transform_layout(block, ("read", reads[0]), flat)

@@ -17,11 +17,11 @@ from .._common import (
     block_dtype,
     extent,
     is_reduction,
-    is_static,
     is_trivial_reduction,
     is_vectorized,
     loop_nest_work,
     parallelize_outer,
+    takes_vector_tail,
     try_inline_safe,
     vectorize_innermost,
     vectorize_with_tail,
@@ -62,10 +62,8 @@ def schedule_spatial(sch: s_tir.Schedule, block, target: Target, cores: int) -> 
     tail = False
     if loops and is_vectorized(sch, loops[-1]):
         loops = loops[:-1]
-    elif len(loops) > 1 and is_static(extent(sch, loops[-1])):
-        inner = extent(sch, loops[-1])
-        tail = inner > lanes and inner % lanes != 0
-        loops = loops[:-1] if tail else loops
+    elif len(loops) > 1 and takes_vector_tail(extent(sch, loops[-1]), lanes, min_vectors=1):
+        tail, loops = True, loops[:-1]
     parallelize_outer(sch, loops, cores, work=work)
     if tail:
         vectorize_with_tail(sch, block, lanes, min_vectors=1)

@@ -545,14 +545,13 @@ class Matmul(CPURule):
         if len(dims) != 1 or dims[0] == len(indices) - 1:
             return
         d = dims[0]
-        n = len(merged)  # trailing row axes merged into one (_merge_rows): one axis here too
+        # trailing row axes merged into one (_merge_rows): one axis here too
+        merge = merged_layout(merged) if merged else None
 
         def last(*idx):
-            if n:
-                flat = idx[len(idx) - n]
-                for i, size in zip(range(len(idx) - n + 1, len(idx)), merged[1:], strict=True):
-                    flat = flat * size + idx[i]
-                rest = [x for i, x in enumerate(idx[: len(idx) - n]) if i != d]
+            if merge is not None:
+                *rest, flat = merge(*idx)
+                rest = [x for i, x in enumerate(rest) if i != d]
                 return (*rest, flat, idx[d])
             return (*idx[:d], *idx[d + 1 :], idx[d])
 
