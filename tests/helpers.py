@@ -15,6 +15,27 @@ from tvm_fusion.target import host_target
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
 
+def fused_prim_funcs(mod, target, layout_free: bool = True, containing: str | None = None) -> list:
+    """The PrimFuncs of ``mod`` after Phases 0-3 of the pipeline for ``target`` (fused, not
+    yet scheduled: what a schedule rule is given), constant arguments marked layout-free
+    (``layout_free``); with ``containing``, only those whose script has that text (the
+    ``"conv"`` kernel)."""
+    from tvm import relax
+
+    from tvm_fusion.build import pipeline
+
+    passes = pipeline.lowering_passes(fast_math=True) + pipeline.fuse_tir_passes()
+    if layout_free:
+        passes.append(relax.transform.AttachAttrLayoutFreeBuffers())
+    with target:
+        mod = tvm.transform.Sequential(passes)(mod)
+    return [
+        f
+        for f in mod.functions.values()
+        if isinstance(f, tvm.tirx.PrimFunc) and (containing is None or containing in f.script())
+    ]
+
+
 def run(mod: tvm.IRModule, inputs, pipeline: str = "tvm_fusion", target=None, **options):
     compiled = engine.compile_module(mod, target or host_target(), pipeline, **options)
     return engine.TvmRunner(compiled, list(inputs)).outputs(), compiled

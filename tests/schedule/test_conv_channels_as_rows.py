@@ -10,13 +10,12 @@ symbolic batch, residual epilogue, on the host's own build."""
 import numpy as np
 import pytest
 import tvm
-from helpers import run
+from helpers import fused_prim_funcs, run
 from tvm import relax
 from tvm.relax import op as R
 
 from tvm_fusion import target as _target
 from tvm_fusion import tir_util
-from tvm_fusion.build import pipeline
 from tvm_fusion.schedule import cpu
 
 RNG = np.random.default_rng(7)
@@ -41,17 +40,7 @@ def _module(w, bias, shape, residual: bool):
 
 
 def _conv_kernel(mod, target):
-    with target:
-        lowered = tvm.transform.Sequential(
-            pipeline.lowering_passes(fast_math=True)
-            + pipeline.fuse_tir_passes()
-            + [relax.transform.AttachAttrLayoutFreeBuffers()]
-        )(mod)
-    (func,) = [
-        f
-        for f in lowered.functions.values()
-        if isinstance(f, tvm.tirx.PrimFunc) and "conv" in f.script()
-    ]
+    (func,) = fused_prim_funcs(mod, target, containing="conv")
     return func
 
 

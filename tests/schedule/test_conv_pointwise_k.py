@@ -7,12 +7,11 @@ schedule (the channel loop split) and on the numbers against numpy at odd sizes.
 import numpy as np
 import pytest
 import tvm
-from helpers import run
+from helpers import fused_prim_funcs, run
 from tvm import relax
 from tvm.relax import op as R
 
 from tvm_fusion import tir_util
-from tvm_fusion.build import pipeline
 from tvm_fusion.schedule import cpu
 from tvm_fusion.schedule.cpu._conv import pointwise_k_block
 
@@ -58,17 +57,7 @@ def test_conv1x1_reduction_blocked_on_avx2(hw):
     w = (RNG.standard_normal((32, 320, 1, 1)) / 16).astype("float32")
     bias = RNG.standard_normal(32).astype("float32")
     mod = _module(w, bias, (tvm.tirx.Var("batch", "int64"), 320, hw, hw))
-    with AVX2:
-        lowered = tvm.transform.Sequential(
-            pipeline.lowering_passes(fast_math=True)
-            + pipeline.fuse_tir_passes()
-            + [relax.transform.AttachAttrLayoutFreeBuffers()]
-        )(mod)
-    (func,) = [
-        f
-        for f in lowered.functions.values()
-        if isinstance(f, tvm.tirx.PrimFunc) and "conv" in f.script()
-    ]
+    (func,) = fused_prim_funcs(mod, AVX2, containing="conv")
     sch = cpu.Matmul().apply(func, AVX2, False)
     assert sch is not None
     loops = tir_util.loops(sch.mod["main"])

@@ -9,13 +9,12 @@ Symbolic batch, odd sizes; the tiles checked compile-only on AVX2, AVX-512 and N
 import numpy as np
 import pytest
 import tvm
-from helpers import compare_pipelines, matches_reference, run
+from helpers import compare_pipelines, fused_prim_funcs, matches_reference, run
 from tvm import relax
 from tvm.relax import op as R
 
 from tvm_fusion import analysis, tir_util
 from tvm_fusion import target as _target
-from tvm_fusion.build import pipeline
 from tvm_fusion.schedule import cpu
 
 RNG = np.random.default_rng(27)
@@ -60,17 +59,7 @@ def _module(build, shape):
 
 
 def _conv_prim_func(mod, target):
-    with target:
-        mod = tvm.transform.Sequential(
-            pipeline.lowering_passes(fast_math=True)
-            + pipeline.fuse_tir_passes()
-            + [relax.transform.AttachAttrLayoutFreeBuffers()]
-        )(mod)
-    (conv,) = [
-        f
-        for f in mod.functions.values()
-        if isinstance(f, tvm.tirx.PrimFunc) and "conv" in f.script()
-    ]
+    (conv,) = fused_prim_funcs(mod, target, containing="conv")
     return conv
 
 

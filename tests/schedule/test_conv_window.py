@@ -13,13 +13,14 @@ small odd shapes."""
 import numpy as np
 import pytest
 import tvm
+from helpers import fused_prim_funcs
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 from tvm.relax import op as R
 
 from tvm_fusion import analysis, load_onnx, tir_util
 from tvm_fusion import target as _target
-from tvm_fusion.build import engine, pipeline
+from tvm_fusion.build import engine
 from tvm_fusion.schedule import cpu
 
 RNG = np.random.default_rng(39)
@@ -35,17 +36,7 @@ def _conv_func(target, cin, cout, size, k, stride, batch=1):
             y = R.nn.conv2d(x, relax.const(w), strides=[stride] * 2, padding=[k // 2] * 4)
             out = bb.emit_output(R.nn.relu(R.add(y, relax.const(b))))
         bb.emit_func_output(out)
-    with target:
-        mod = tvm.transform.Sequential(
-            pipeline.lowering_passes(fast_math=True)
-            + pipeline.fuse_tir_passes()
-            + [relax.transform.AttachAttrLayoutFreeBuffers()]
-        )(bb.get())
-    (conv,) = [
-        f
-        for f in mod.functions.values()
-        if isinstance(f, tvm.tirx.PrimFunc) and "conv" in f.script()
-    ]
+    (conv,) = fused_prim_funcs(bb.get(), target, containing="conv")
     return conv
 
 

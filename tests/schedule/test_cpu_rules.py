@@ -6,13 +6,13 @@ import math
 import numpy as np
 import pytest
 import tvm
-from helpers import run
+from helpers import fused_prim_funcs, run
 from tvm import relax
 from tvm.relax import op as R
 
 import tvm_fusion
 from tvm_fusion import analysis, models, tir_util
-from tvm_fusion.build import engine, pipeline
+from tvm_fusion.build import engine
 from tvm_fusion.schedule import cpu
 from tvm_fusion.schedule._common import MIN_PARALLEL_WORK
 
@@ -29,13 +29,7 @@ def _module(build, *shapes, dtype="float32"):
 
 def _prim_funcs(mod, target):
     """PrimFuncs after Phases 0-3 (fused, not yet scheduled) and layout-free marking."""
-    with target:
-        mod = tvm.transform.Sequential(
-            pipeline.lowering_passes(fast_math=True)
-            + pipeline.fuse_tir_passes()
-            + [relax.transform.AttachAttrLayoutFreeBuffers()]
-        )(mod)
-    return [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    return fused_prim_funcs(mod, target)
 
 
 W = np.random.default_rng(0).standard_normal((256, 128)).astype("float32") / 16

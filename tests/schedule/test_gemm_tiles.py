@@ -8,13 +8,13 @@ against numpy on AVX2 builds at odd shapes."""
 import numpy as np
 import pytest
 import tvm
-from helpers import run
+from helpers import fused_prim_funcs, run
 from tvm import relax, tirx
 from tvm.relax import op as R
 
 from tvm_fusion import target as _target
 from tvm_fusion import tir_util
-from tvm_fusion.build import engine, pipeline
+from tvm_fusion.build import engine
 from tvm_fusion.schedule import cpu
 from tvm_fusion.schedule.cpu._tiles import row_block, standard_tile, wide_tile
 
@@ -70,13 +70,7 @@ def _runtime_matmul(m, k, n):
 
 
 def _update_extents(mod, target):
-    with target:
-        lowered = tvm.transform.Sequential(
-            pipeline.lowering_passes(fast_math=True)
-            + pipeline.fuse_tir_passes()
-            + [relax.transform.AttachAttrLayoutFreeBuffers()]
-        )(mod)
-    (func,) = [f for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    (func,) = fused_prim_funcs(mod, target)
     sch = cpu.Matmul().apply(func, target, False)
     assert sch is not None
     main = sch.mod["main"]

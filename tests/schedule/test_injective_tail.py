@@ -7,13 +7,12 @@ threads). Compile-only checks follow the target's lanes; the numbers run on the 
 import numpy as np
 import pytest
 import tvm
-from helpers import run
+from helpers import fused_prim_funcs, run
 from tvm import relax
 from tvm.relax import op as R
 
 from tvm_fusion import target as _target
 from tvm_fusion import tir_util
-from tvm_fusion.build import pipeline
 from tvm_fusion.schedule import cpu
 
 RNG = np.random.default_rng(55)
@@ -36,15 +35,7 @@ def _concat_module(width, channels=(4, 6), batch=1):
 
 
 def _kernel(mod, target):
-    with target:
-        lowered = tvm.transform.Sequential(
-            pipeline.lowering_passes(fast_math=True) + pipeline.fuse_tir_passes()
-        )(mod)
-    (func,) = [
-        f
-        for f in lowered.functions.values()
-        if isinstance(f, tvm.tirx.PrimFunc) and "concat" in f.script()
-    ]
+    (func,) = fused_prim_funcs(mod, target, layout_free=False, containing="concat")
     return func
 
 

@@ -10,13 +10,12 @@ GEMM, a row sum.
 import numpy as np
 import pytest
 import tvm
-from helpers import run
+from helpers import fused_prim_funcs, run
 from tvm import relax
 from tvm.relax import op as R
 from tvm.script import tirx as T
 
 from tvm_fusion import analysis
-from tvm_fusion.build import pipeline
 from tvm_fusion.schedule import cpu
 
 torch = pytest.importorskip("torch")
@@ -141,11 +140,7 @@ def test_window_rule_symbolic_spatial(target):
 
 
 def _prim_func(mod, target):
-    with target:
-        mod = tvm.transform.Sequential(
-            pipeline.lowering_passes(fast_math=True) + pipeline.fuse_tir_passes()
-        )(mod)
-    (func,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    (func,) = fused_prim_funcs(mod, target, layout_free=False)
     return func
 
 

@@ -9,13 +9,12 @@ numpy convolution on AVX2 builds at odd widths, strides, paddings and a dilation
 import numpy as np
 import pytest
 import tvm
-from helpers import matches_reference
+from helpers import fused_prim_funcs, matches_reference
 from tvm import relax
 from tvm.relax import op as R
 
 from tvm_fusion import target as _target
 from tvm_fusion import tir_util
-from tvm_fusion.build import pipeline
 from tvm_fusion.schedule import cpu
 from tvm_fusion.schedule.cpu._conv_tiles import channel_block, window_tile
 from tvm_fusion.schedule.cpu._tiles import standard_tile, unpadded_tile
@@ -124,13 +123,7 @@ def _numpy_conv(x, w, bias, stride, padding, dilation):
 
 
 def _accumulators(mod, target):
-    with target:
-        lowered = tvm.transform.Sequential(
-            pipeline.lowering_passes(fast_math=True)
-            + pipeline.fuse_tir_passes()
-            + [relax.transform.AttachAttrLayoutFreeBuffers()]
-        )(mod)
-    (func,) = [f for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    (func,) = fused_prim_funcs(mod, target)
     sch = cpu.Matmul().apply(func, target, False)
     assert sch is not None
     (acc,) = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
