@@ -60,6 +60,8 @@ def group_of(name: str) -> str:
 
 def profile_ours(compiled, inputs, runs: int) -> tuple[dict, list[float]]:
     """{kernel: [ms per run]} in call order, and the whole model's ms per run (no hook)."""
+    import tvm
+
     from tvm_fusion.build import engine
 
     runner = engine.TvmRunner(compiled, inputs)
@@ -73,7 +75,7 @@ def profile_ours(compiled, inputs, runs: int) -> tuple[dict, list[float]]:
     names = {
         gv.name_hint
         for gv, f in compiled.lowered.functions_items()
-        if f.__class__.__name__ == "PrimFunc"
+        if isinstance(f, tvm.tirx.PrimFunc)
     }
     per_run: dict[str, float] = defaultdict(float)
     started = {}
@@ -101,17 +103,12 @@ def profile_ours(compiled, inputs, runs: int) -> tuple[dict, list[float]]:
 def profile_ort(model, feed: dict, threads: int, runs: int, by_node: bool = False):
     """{node op type (``by_node``: op, node name, input shapes): [ms per run]} from ONNX
     Runtime's profiler, and its ms per run."""
-    import onnxruntime as ort
+    from tvm_fusion.build import engine
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
     with tempfile.TemporaryDirectory() as tmp:
-        opts.enable_profiling = True
-        opts.profile_file_prefix = os.path.join(tmp, "ort")
-        session = ort.InferenceSession(
-            model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+        prefix = os.path.join(tmp, "ort")
+        session = engine.onnxruntime_session(
+            model, threads, enable_profiling=True, profile_file_prefix=prefix
         )
         for _ in range(3):
             session.run(None, feed)

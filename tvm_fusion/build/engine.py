@@ -139,7 +139,9 @@ class TvmRunner:
         return as_list(self())
 
 
-def onnxruntime_runner(model, inputs: dict[str, np.ndarray], threads: int) -> Callable:
+def onnxruntime_session(model, threads: int, **options):
+    """An ONNX Runtime CPU session of ``model`` on ``threads`` intra-op threads, all graph
+    optimisations; ``options`` set further ``SessionOptions`` fields (``enable_profiling``)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -147,9 +149,13 @@ def onnxruntime_runner(model, inputs: dict[str, np.ndarray], threads: int) -> Ca
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
-    session = ort.InferenceSession(
-        model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
-    )
+    for name, value in options.items():
+        setattr(opts, name, value)
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def onnxruntime_runner(model, inputs: dict[str, np.ndarray], threads: int) -> Callable:
+    session = onnxruntime_session(model, threads)
     names = [i.name for i in session.get_inputs()]
     feed = {name: inputs[name] for name in names}
     return lambda: session.run(None, feed)
