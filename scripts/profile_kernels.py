@@ -58,6 +58,33 @@ def group_of(name: str) -> str:
     return re.sub(r"\d+", "", name)
 
 
+def kernel_shapes(mod) -> dict[str, str]:
+    """{kernel: its arguments' shapes at its first call site} for the --kernels listing."""
+    import tvm
+    from tvm import relax
+
+    out: dict[str, str] = {}
+
+    def visit(expr):
+        if not isinstance(expr, relax.Call):
+            return
+        callee = [a for a in [expr.op, *expr.args] if isinstance(a, tvm.ir.GlobalVar)]
+        if not callee or callee[0].name_hint in out:
+            return
+        dims = []
+        for arg in expr.args:
+            for a in arg.fields if isinstance(arg, relax.Tuple) else [arg]:
+                info = getattr(a, "ty", None)
+                if isinstance(info, relax.TensorType) and info.shape is not None:
+                    dims.append("x".join(str(getattr(d, "value", d)) for d in info.shape.values))
+        out[callee[0].name_hint] = " ".join(dims)
+
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return out
+
+
 def profile_ours(compiled, inputs, runs: int) -> tuple[dict, list[float]]:
     """{kernel: [ms per run]} in call order, and the whole model's ms per run (no hook)."""
     import tvm
@@ -176,8 +203,9 @@ def main(argv=None) -> int:
         f"{len(times)} kernels"
     )
     if args.kernels:  # in call order: each kernel's ms summed over its calls in a run
+        shapes = kernel_shapes(compiled.lowered)
         for kernel, ms in times.items():
-            print(f"{statistics.median(ms):8.3f}  {kernel}")
+            print(f"{statistics.median(ms):8.3f}  {kernel}  {shapes.get(kernel, '')}")
     print(f"{'ms':>8} {'share':>6} {'n':>3}  kernel family")
     for fam, (n, ms) in sorted(families.items(), key=lambda kv: -kv[1][1])[: args.top]:
         print(f"{ms:8.3f} {ms / total:6.1%} {n:3d}  {fam}")
