@@ -67,28 +67,38 @@ def is_window(block, n_red: int) -> bool:
 
 
 POINTWISE_KC = 256  # most input channels per reduction block of a 1x1 convolution
+POINTWISE_BLOCK_BYTES = 24 * 1024  # a panel's K block: 3/4 of the smallest L1d (Zen 3/4: 32 KiB)
 
 
-def pointwise_k_block(k_ext, outer_exts: list, cores: int) -> int | None:
-    """Input channels per reduction block of a 1x1 convolution (merged rows, AVX2), or None.
+def pointwise_k_block(k_ext, outer_exts: list, cores: int, panel_row_bytes: int = 64):
+    """Input channels per reduction block of a 1x1 convolution (merged rows, the channels as
+    the vector axis), or None.
 
     Unblocked, every row tile of a column panel reads the panel's whole K x NR weights: Inception
     v2's 576->128 at 14 x 14 (a 576 x 16 panel, 36 KiB) streams them from L2 for each of its 49
     tiles of 4 rows. In blocks (``panel, k block, row tile, k``, as ``_tiles.k_block`` for a GEMM
-    of K >= 1024) a block stays in L1. The block: the largest multiple of 8 dividing K, at most
-    ``POINTWISE_KC``; K above that, static. The row tiles are no longer parallel: only where the
-    panels (``outer_exts``, a symbolic batch counted once) split evenly over the cores or number
-    4 per core. On Zen 3 (2
-    threads, alternating, load average 5): 576->128, 576->224 at 14 x 14 0.79x the time, 576->96
-    0.92x, 320->128 at 28 x 28 0.85x, 1024->192 at 7 x 7 0.90x."""
-    if not is_static(k_ext) or k_ext <= POINTWISE_KC or cores < 1:
+    of K >= 1024) a block stays in L1. The block: the largest multiple of 8 dividing K whose
+    panel block (``panel_row_bytes`` a step of K: NR x the item size) fits
+    ``POINTWISE_BLOCK_BYTES``, at most ``POINTWISE_KC``; K above that, static. The row tiles
+    are no longer parallel: only where the panels (``outer_exts``, a symbolic batch counted
+    once) split evenly over the cores or number 4 per core.
+
+    On Zen 3 (AVX2, panels of 16 or 24 floats: blocks of up to 256; 2 threads, alternating,
+    load average 5): 576->128, 576->224 at 14 x 14 0.79x the time, 576->96 0.92x, 320->128 at
+    28 x 28 0.85x, 1024->192 at 7 x 7 0.90x. On AVX-512 (Intel Xeon, panels of 32 floats:
+    blocks of up to 192, 128 where K is a power of two; 2 threads, alternating, quiet):
+    512->1000 at 13 x 13 0.89x, 512->64 0.82x, 256->1024 at 14 x 14 0.88x, 1024->256 0.85x,
+    512->2048 at 7 x 7 0.88x, 2048->512 0.95x; blocks of 256 there (32 KiB of the panel)
+    gained nothing (0.95-1.0x)."""
+    most = min(POINTWISE_KC, POINTWISE_BLOCK_BYTES // max(panel_row_bytes, 1) // 8 * 8)
+    if not is_static(k_ext) or most < 8 or k_ext <= most or cores < 1:
         return None
     panels = 1
     for ext in outer_exts:
         panels *= ext if is_static(ext) else 1  # a symbolic batch: at least one
     if panels < cores or (panels % cores and panels < 4 * cores):
         return None
-    blocks = [kc for kc in range(8, POINTWISE_KC + 1, 8) if k_ext % kc == 0]
+    blocks = [kc for kc in range(8, most + 1, 8) if k_ext % kc == 0]
     return blocks[-1] if blocks else None
 
 

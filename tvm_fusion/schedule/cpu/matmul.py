@@ -25,7 +25,9 @@ Block iterators are sorted into roles by the operand that reads them: ``rows`` (
   row tile, k``, so a panel's KC x NR block of B is read from L1 by every row tile; on AVX2,
   static rows get 12 accumulators: 4 rows x 3 vectors for K >= 256 (B's columns padded in its
   packing when needed, ``wide_tile``), else 6 x 2 or a divisor of the rows (``_tiles.py``);
-  on AVX2 a 1x1 convolution's K above 256 too (``_conv.pointwise_k_block``);
+  a 1x1 convolution's K too, in blocks of at most 24 KiB of its panel (256 channels of a
+  16- or 24-float panel on AVX2, 128-192 of a 32-float one on AVX-512;
+  ``_conv.pointwise_k_block``);
 - the loop over (column panels, row tiles) is parallel (column panels alone when K is blocked);
 - on AVX2, a GEMM of packed B whose A exceeds 4 MiB runs its rows in blocks of at most 4 MiB
   outside the (parallel) panel loop, each block read from L2/L3 by every panel (``row_block``;
@@ -427,7 +429,8 @@ class Matmul(CPURule):
         tile_bytes = mr * n_gates * nr * DataType(dtype).bits // 8
         kc = rb = None
         if not window:
-            pointwise = regs == 16 and bool(merged) and not swapped  # a 1x1 conv on AVX2
+            # a 1x1 convolution in rows (h, w): its panel's K block sized on the panel's width
+            pointwise = nr * n_gates * DataType(dtype).bits // 8 if merged and not swapped else 0
             kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores, pointwise)
         elif io is not None and outer and mr <= 2:
             # the row's tiles under each block of input channels (_conv_tiles.channel_block)
@@ -622,13 +625,14 @@ class Matmul(CPURule):
     @staticmethod
     def _k_block(sch, pb, outer, io, k_loop, tile_bytes, cores, pointwise) -> int | None:
         """KC for blocking the reduction of a packed-B GEMM, or None (``_tiles.k_block``; a 1x1
-        convolution's merged rows on AVX2, ``pointwise``: ``_conv.pointwise_k_block``)."""
+        convolution's merged rows, ``pointwise``: the bytes of its panel's row, a step of K:
+        ``_conv.pointwise_k_block``)."""
         if pb is None or io is None:
             return None
         outer_exts = [extent(sch, loop) for loop in outer]
         kc = k_block(extent(sch, k_loop), extent(sch, io), tile_bytes, outer_exts, cores)
         if kc is None and pointwise:
-            kc = pointwise_k_block(extent(sch, k_loop), outer_exts, cores)
+            kc = pointwise_k_block(extent(sch, k_loop), outer_exts, cores, pointwise)
         return kc
 
     @staticmethod
