@@ -403,10 +403,15 @@ class Matmul(CPURule):
             io, ii = None, None
         other_outer = [loop_of[v] for v in spatial if v not in cols and v is not i_var]
         panel_loops = [loop_of[v] for v in outer_cols] + [jo]
-        if window and weights_outweigh(a_load.source, j_ext, k_ext):
-            # VGG's 512-channel layers (9.4 MB of weights, a 14 x 14 or 28 x 28 image): the
-            # panel loop outside the output rows, each panel of weights read from memory once
-            # and reused from L2 by every row, not streamed again for every row
+        # a strided 1x1 convolution left uncompacted reads A's rows at computed indices
+        strided = len(rows) > 1 and any(
+            vars_in(i) & set(rows) and not isinstance(i, tirx.Var) for i in a_load.indices
+        )
+        if (window or strided) and weights_outweigh(a_load.source, j_ext, k_ext):
+            # VGG's 512-channel layers (9.4 MB of weights, a 14 x 14 or 28 x 28 image), ResNet's
+            # 1024->2048 at 14 x 14 stride 2 (8 MiB): the panel loop outside the output rows,
+            # each panel of weights read from memory once and reused from L2 by every row, not
+            # streamed again for every row
             outer_rows = [loop_of[v] for v in rows if v is not i_var]
             other_outer = [lp for lp in other_outer if all(lp is not r for r in outer_rows)]
             panel_loops += outer_rows
