@@ -74,7 +74,6 @@ from .._common import (
     sole_consumer,
     try_inline_safe,
     vectorize_innermost,
-    write_order,
 )
 from ._conv import (
     channels_as_rows,
@@ -84,15 +83,23 @@ from ._conv import (
     is_window,
     merge_rows,
     merged_layout,
-    pointwise_k_block,
     weights_outweigh,
 )
 from ._conv_tiles import block_channels, window_tile
+from ._matmul_steps import (
+    Block,
+    fuse_reduction,
+    k_block_for,
+    pack_per_panel,
+    pad_axes,
+    param_index,
+    read_index,
+    vector_axis_last,
+)
 from ._tiles import (
     RUNTIME_PACK_MAX,
     compact_pays,
     dividing_width,
-    k_block,
     row_block,
     standard_tile,
     unpadded_tile,
@@ -102,14 +109,6 @@ from ._tiles import (
 logger = logging.getLogger(__name__)
 
 PREPROC = "meta_schedule.layout_rewrite_preproc"
-
-
-class _Block:
-    """A block the rule adds to the epilogue (the cut of padded rows), shaped like dlight's
-    BlockInfo where the rule reads it."""
-
-    def __init__(self, block_rv):
-        self.block_rv = block_rv
 
 
 def _is_cheap(store) -> bool:
@@ -161,7 +160,7 @@ class Matmul(CPURule):
         if n_red == 0 or kinds.count("R") != n_red:
             return None
         window = n_red > 1 and is_window(sch.get(red.block_rv), n_red)
-        if n_red > 1 and not window and not self._fuse_reduction(sch, red.block_rv, n_red):
+        if n_red > 1 and not window and not fuse_reduction(sch, red.block_rv, n_red):
             return None
         flat = None  # merged rows padded through flat buffers (flatten_rows)
         lanes = _target.vector_lanes(target, str(sch.get(red.block_rv).writes[0].source.dtype))
@@ -254,7 +253,7 @@ class Matmul(CPURule):
             # reads): a height that divides them, sized on the register file (_conv_tiles.py)
             nr, mr = window_tile(m_ext, j_ext, nr, lanes, regs, n_gates)
         layout_free = {int(i) for i in func.attrs.get("layout_free_buffers", [])}
-        b_param = self._param_index(func, b_load.source)
+        b_param = param_index(func, b_load.source)
         is_const_b = b_param is not None and b_param in layout_free
         k_ext = 1
         for k in k_vars:
@@ -278,17 +277,17 @@ class Matmul(CPURule):
             factors = {i_var: mr} if pad_rows else {}
             if pad_cols:
                 factors[j_var] = nr
-            padded = self._pad(sch, block, iters, factors, epilogue)
+            padded = pad_axes(sch, block, iters, factors, epilogue)
             nr_u, mr_u = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates) if merged else (0, 0)
             flat_rows = pad_rows and is_static(m_ext) and mr_u * nr_u < mr * nr
             flat_rows = flat_rows and not swapped
             if padded is None and merged and (flat_rows or (pad_cols and wide is not None)):
                 # 49 rows: 13 tiles of 4 x 2 vectors on AVX2, not 7 tiles of 7 x 1 vector
                 flat = flatten_rows(sch, block, merged)
-                out_copy = [_Block(flat[2])] if flat and flat[2] is not None else []
+                out_copy = [Block(flat[2])] if flat and flat[2] is not None else []
                 flat = None if out_copy and epilogue else flat  # a parameter written and read
                 later = out_copy or epilogue
-                padded = self._pad(flat[0], block, iters, factors, later) if flat else None
+                padded = pad_axes(flat[0], block, iters, factors, later) if flat else None
                 if padded:
                     sch = flat[0]
                     try:
@@ -307,7 +306,7 @@ class Matmul(CPURule):
                 if pad_rows and is_static(m_ext):
                     mr, pad_rows = dividing_width(m_ext, mr), False  # nor rows (9 -> 3)
                 if pad_rows:
-                    padded = self._pad(sch, block, iters, {i_var: mr}, epilogue)
+                    padded = pad_axes(sch, block, iters, {i_var: mr}, epilogue)
                 else:
                     padded = ([], epilogue)
             if padded is False or (padded is None and pad_cols):
@@ -332,7 +331,7 @@ class Matmul(CPURule):
                     kept = [p for p in a_pads if p not in rows_pad]
                     (block,) = same_blocks(sch, inlined, [block])
                     epilogue = [
-                        _Block(b) for b in same_blocks(sch, inlined, [i.block_rv for i in epilogue])
+                        Block(b) for b in same_blocks(sch, inlined, [i.block_rv for i in epilogue])
                     ]
                     a_pads = same_blocks(sch, inlined, kept)
                     sch = inlined
@@ -343,7 +342,7 @@ class Matmul(CPURule):
                 j_ext = extent(sch, loop_of[j_var])
 
         # Pack B into panels [.., j/NR, k, gates.., NR] indexed by the block's iterators.
-        b_index = self._read_index(stmt, b_load.source)
+        b_index = read_index(stmt, b_load.source)
         many_rows = not is_static(m_ext) or m_ext >= 16
         pack = is_const_b or many_rows
         # A run-time B is packed one panel at a time inside the (parallel) panel loop when that
@@ -436,7 +435,7 @@ class Matmul(CPURule):
         if not window:
             # a 1x1 convolution in rows (h, w): its panel's K block sized on the panel's width
             pointwise = nr * n_gates * DataType(dtype).bits // 8 if merged and not swapped else 0
-            kc = self._k_block(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores, pointwise)
+            kc = k_block_for(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores, pointwise)
         elif io is not None and outer and mr <= 2:
             # the row's tiles under each block of input channels (_conv_tiles.channel_block)
             itemsize = DataType(dtype).bits // 8
@@ -469,7 +468,7 @@ class Matmul(CPURule):
             if not flat:  # (flat copies write (h, w) flat already)
                 sch.transform_layout(block, ("write", 0), merged_layout(merged))
         else:
-            self._vector_axis_last(sch, block, j_var, () if flat else merged)
+            vector_axis_last(sch, block, j_var, () if flat else merged)
         # Epilogue on the tile: elementwise consumers fold into the write-back, the rest are
         # computed under the tile loop.
         for info in epilogue:
@@ -536,120 +535,6 @@ class Matmul(CPURule):
                 logger.debug("matmul: prologue block %s not scheduled: %s", name, err)
         parallel = parallelize_outer(sch, outer, cores, min_extent_per_core=8, work=work)
         if per_panel:
-            self._pack_per_panel(sch, pb, parallel if parallel is not None else jo, lanes, cores)
+            pack_per_panel(sch, pb, parallel if parallel is not None else jo, lanes, cores)
         sch.decompose_reduction(block, loop_of[k_var])
         return sch
-
-    @staticmethod
-    def _vector_axis_last(sch, block, j_var, merged: tuple = ()) -> None:
-        """Lay the tile's accumulators out with the vector axis innermost. An output whose
-        columns are not its last axis (a convolution's ``(batch, channels, h, w)``, the
-        channels being the vector axis) otherwise gets a ``(channels, w)`` accumulator read
-        and written in vectors of a strided axis: LLVM cannot keep it in registers and
-        gathers / scatters it through memory at every step of ``k`` (ViT's patch embedding
-        at batch 8: 96 us for 1.6 MFLOP, 8 us channels-last)."""
-        indices = list(sch.get(block).body.indices)
-        dims = [i for i, index in enumerate(indices) if index.same_as(j_var)]
-        if len(dims) != 1 or dims[0] == len(indices) - 1:
-            return
-        d = dims[0]
-        # trailing row axes merged into one (_merge_rows): one axis here too
-        merge = merged_layout(merged) if merged else None
-
-        def last(*idx):
-            if merge is not None:
-                *rest, flat = merge(*idx)
-                rest = [x for i, x in enumerate(rest) if i != d]
-                return (*rest, flat, idx[d])
-            return (*idx[:d], *idx[d + 1 :], idx[d])
-
-        try:
-            sch.transform_layout(block, ("write", 0), last)
-        except Exception as err:  # noqa: BLE001 - the accumulator keeps the output's layout
-            logger.debug("matmul: accumulator layout kept: %s", err)
-
-    @staticmethod
-    def _pad(sch, block, iters, factors: dict, epilogue: list):
-        """``pad_einsum`` the axes in ``factors`` to multiples of their factor. Returns the
-        padding copies of the inputs and the epilogue list with the cut back to the real extent
-        in front (inlined into the first epilogue block when there is one); None when
-        ``pad_einsum`` refuses (the schedule is unchanged), False when it padded but left other
-        than one consumer (the schedule is changed: give up)."""
-        try:
-            sch.pad_einsum(block, [factors.get(v, 1) for v in iters])
-        except Exception as err:  # noqa: BLE001 - the caller falls back
-            logger.debug("matmul: %s not padded: %s", [str(v) for v in factors], err)
-            return None
-        pads = list(sch.get_producers(block))
-        cut = list(sch.get_consumers(block))
-        if len(cut) != 1:
-            return False
-        if epilogue:
-            try:
-                sch.compute_inline(cut[0])
-                return pads, epilogue
-            except Exception:  # noqa: BLE001 - keep the cut as its own tile step
-                pass
-        return pads, [_Block(cut[0]), *epilogue]
-
-    @staticmethod
-    def _fuse_reduction(sch, block, n_red: int) -> bool:
-        """Several trailing reduction iterators (XLNet's ``einsum('ibnd,hnd->ibh')`` reduces over
-        heads and head size) become one, ``k = ((r0 * E1) + r1) * E2 + ...``; the inner extents
-        must be static. Both operands then read ``k`` as the flat index of the reduced axes."""
-        iter_vars = sch.get(block).iter_vars
-        red = iter_vars[len(iter_vars) - n_red :]
-        inner = [iv.dom.extent for iv in red[1:]]
-        if not all(isinstance(e, tirx.IntImm) for e in inner):
-            return False
-        sizes = [int(e) for e in inner]
-
-        def fused(*ivs):
-            k = ivs[len(ivs) - n_red]
-            for iv, size in zip(ivs[len(ivs) - n_red + 1 :], sizes, strict=True):
-                k = k * size + iv
-            return (*ivs[: len(ivs) - n_red], k)
-
-        try:
-            sch.transform_block_layout(block, tirx.IndexMap.from_func(fused, ndim=len(iter_vars)))
-        except Exception as err:  # noqa: BLE001 - leave the kernel to other rules
-            logger.debug("matmul: reduction iterators not fused: %s", err)
-            return False
-        return True
-
-    def _pack_per_panel(self, sch, pb, panel_loop, lanes: int, cores: int) -> None:
-        """Pack B's panel under the panel loop (the loop must be the panel loop alone)."""
-        try:
-            sch.compute_at(pb, panel_loop, preserve_unit_loops=True)
-            write_order(sch, pb)
-            vectorize_innermost(sch, pb, lanes)
-        except Exception as err:  # noqa: BLE001 - pack the whole B up front instead
-            logger.debug("matmul: B not packed per panel: %s", err)
-            schedule_copy(sch, pb, lanes, cores)
-
-    @staticmethod
-    def _k_block(sch, pb, outer, io, k_loop, tile_bytes, cores, pointwise) -> int | None:
-        """KC for blocking the reduction of a packed-B GEMM, or None (``_tiles.k_block``; a 1x1
-        convolution's merged rows, ``pointwise``: the bytes of its panel's row, a step of K:
-        ``_conv.pointwise_k_block``)."""
-        if pb is None or io is None:
-            return None
-        outer_exts = [extent(sch, loop) for loop in outer]
-        kc = k_block(extent(sch, k_loop), extent(sch, io), tile_bytes, outer_exts, cores)
-        if kc is None and pointwise:
-            kc = pointwise_k_block(extent(sch, k_loop), outer_exts, cores, pointwise)
-        return kc
-
-    @staticmethod
-    def _read_index(stmt, buffer) -> int | None:
-        for i, region in enumerate(stmt.reads):
-            if region.source.same_as(buffer):
-                return i
-        return None
-
-    @staticmethod
-    def _param_index(func: tirx.PrimFunc, buffer) -> int | None:
-        for i, param in enumerate(func.params):
-            if param.same_as(buffer):  # in 0.27 a buffer parameter is the buffer itself
-                return i
-        return None
