@@ -59,29 +59,12 @@ def group_of(name: str) -> str:
 
 
 def kernel_shapes(mod) -> dict[str, str]:
-    """{kernel: its arguments' shapes at its first call site} for the --kernels listing."""
-    import tvm
-    from tvm import relax
+    """{kernel: its arguments' shapes at its first launch} for the --kernels listing."""
+    from tvm_fusion.tools import analysis
 
     out: dict[str, str] = {}
-
-    def visit(expr):
-        if not isinstance(expr, relax.Call):
-            return
-        callee = [a for a in [expr.op, *expr.args] if isinstance(a, tvm.ir.GlobalVar)]
-        if not callee or callee[0].name_hint in out:
-            return
-        dims = []
-        for arg in expr.args:
-            for a in arg.fields if isinstance(arg, relax.Tuple) else [arg]:
-                info = getattr(a, "ty", None)
-                if isinstance(info, relax.TensorType) and info.shape is not None:
-                    dims.append("x".join(str(getattr(d, "value", d)) for d in info.shape.values))
-        out[callee[0].name_hint] = " ".join(dims)
-
-    for _, func in mod.functions_items():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, visit)
+    for kernel in analysis.kernels(mod):
+        out.setdefault(kernel.name, " ".join(kernel.shapes))
     return out
 
 

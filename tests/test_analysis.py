@@ -34,6 +34,17 @@ def test_count_after_each_pipeline(target):
         assert all(not k.name.startswith("shape_func") for k in kernels)
 
 
+def test_kernel_launch_shapes(target):
+    """Each launch lists its tensor arguments' shapes: legalised call_tir (inputs; the output
+    is the call's own) and, after VM lowering, the kernel call (inputs and output)."""
+    legalised = tvm.relax.transform.LegalizeOps()(TwoOps)
+    # exp, the reshape (a call_tir until RewriteDataflowReshape), sum
+    assert [k.shapes for k in analysis.kernels(legalised)] == [["4x8"], ["4x8"], ["8x4"]]
+    lowered = engine.compile_module(TwoOps, target, "stock").lowered
+    shapes = [k.shapes for k in analysis.kernels(lowered)]
+    assert shapes and shapes[0][0] == "4x8" and shapes[-1][-1] == "8", shapes
+
+
 def test_host_shape_funcs_are_not_kernels(target):
     inst = models.build("dynamic_reshape", "small")
     lowered = engine.compile_module(inst.mod, target, "stock").lowered

@@ -57,9 +57,21 @@ class Kernel:
     name: str
     ops: list[str]
     func: str  # the Relax function that launches it
+    shapes: list[str] = dataclasses.field(default_factory=list)  # its tensor arguments' shapes
 
     def label(self) -> str:
         return f"{self.name}[{', '.join(self.ops)}]" if self.ops else self.name
+
+
+def _arg_shapes(args) -> list[str]:
+    """The static or symbolic shapes of the tensor arguments of a launch (tuples flattened)."""
+    shapes = []
+    for arg in args:
+        for a in arg.fields if isinstance(arg, relax.Tuple) else [arg]:
+            ty = getattr(a, "ty", None)
+            if isinstance(ty, relax.TensorType) and ty.shape is not None:
+                shapes.append("x".join(str(getattr(d, "value", d)) for d in ty.shape.values))
+    return shapes
 
 
 def host_functions(mod: tvm.IRModule) -> Iterable[tuple[str, relax.Function]]:
@@ -107,7 +119,8 @@ def kernels(mod: tvm.IRModule) -> list[Kernel]:
                     name = getattr(callee, "name_hint", None) or getattr(
                         callee, "global_symbol", str(callee)
                     )
-                    found.append(Kernel(name, callee_ops(mod, callee), fname))
+                    args = _arg_shapes(expr.args[1:])
+                    found.append(Kernel(name, callee_ops(mod, callee), fname, args))
                 elif op.name not in _NON_KERNEL_OPS and not op.name.startswith(
                     ("relax.memory.", "relax.vm.", "relax.builtin.")
                 ):
@@ -122,7 +135,8 @@ def kernels(mod: tvm.IRModule) -> list[Kernel]:
                     "tirx.is_host_func", False
                 )  # VMShapeLower's shape_func runs on the host: not a kernel
                 if is_kernel or is_group:
-                    found.append(Kernel(op.name_hint, callee_ops(mod, op), fname))
+                    args = _arg_shapes(expr.args)
+                    found.append(Kernel(op.name_hint, callee_ops(mod, op), fname, args))
             elif isinstance(op, relax.ExternFunc):
                 if not op.global_symbol.startswith("vm.builtin."):
                     found.append(Kernel(op.global_symbol, [], fname))
