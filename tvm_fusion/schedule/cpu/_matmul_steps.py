@@ -12,6 +12,7 @@ from .._common import extent, schedule_copy, vectorize_innermost, write_order
 from ._conv import merged_layout, pointwise_k_block
 from ._tiles import k_block
 
+# the rule's own logger: these steps' debug lines read as the Matmul rule's, as before the move
 logger = logging.getLogger(__name__.rsplit(".", 1)[0] + ".matmul")
 
 
@@ -111,16 +112,16 @@ def pack_per_panel(sch, pb, panel_loop, lanes: int, cores: int) -> None:
         schedule_copy(sch, pb, lanes, cores)
 
 
-def k_block_for(sch, pb, outer, io, k_loop, tile_bytes, cores, pointwise) -> int | None:
+def k_block_for(sch, pb, outer, io, k_loop, tile_bytes, cores, row_bytes) -> int | None:
     """KC for blocking the reduction of a packed-B GEMM, or None (``_tiles.k_block``; a 1x1
-    convolution's merged rows, ``pointwise``: the bytes of its panel's row, a step of K:
+    convolution's merged rows, ``row_bytes`` nonzero: the bytes of a step of K in its panel,
     ``_conv.pointwise_k_block``)."""
     if pb is None or io is None:
         return None
     outer_exts = [extent(sch, loop) for loop in outer]
     kc = k_block(extent(sch, k_loop), extent(sch, io), tile_bytes, outer_exts, cores)
-    if kc is None and pointwise:
-        kc = pointwise_k_block(extent(sch, k_loop), outer_exts, cores, pointwise)
+    if kc is None and row_bytes:
+        kc = pointwise_k_block(extent(sch, k_loop), outer_exts, cores, row_bytes)
     return kc
 
 

@@ -434,8 +434,8 @@ class Matmul(CPURule):
         kc = rb = None
         if not window:
             # a 1x1 convolution in rows (h, w): its panel's K block sized on the panel's width
-            pointwise = nr * n_gates * DataType(dtype).bits // 8 if merged and not swapped else 0
-            kc = k_block_for(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores, pointwise)
+            row_bytes = tile_bytes // mr if merged and not swapped else 0  # a panel's row of B
+            kc = k_block_for(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores, row_bytes)
         elif io is not None and outer and mr <= 2:
             # the row's tiles under each block of input channels (_conv_tiles.channel_block)
             itemsize = DataType(dtype).bits // 8
