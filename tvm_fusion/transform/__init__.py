@@ -27,6 +27,7 @@ from .order_for_memory import OrderForMemory
 from .place_shape_on_host import PlaceShapeOnHost
 from .sink_views_past_epilogues import SinkViewsPastEpilogues
 from .split_grouped_conv import SplitGroupedConv
+from .stem_channels_last import StemChannelsLast
 from .strip_bookend_views import StripBookendViews
 from .winograd_conv import WinogradConv
 
@@ -35,6 +36,7 @@ GRAPH_PASSES: list[tuple[str, type]] = [
     ("place_shape_on_host", PlaceShapeOnHost),
     ("fold_batch_norm", FoldBatchNorm),
     ("split_grouped_conv", SplitGroupedConv),  # after FoldBatchNorm: it folds into the group
+    ("stem_channels_last", StemChannelsLast),  # after FoldBatchNorm: conv + bias, a constant W
     ("winograd_conv", WinogradConv),  # after FoldBatchNorm: its weight must be a constant
     # before CheckGatherBounds: its check reads the log-probabilities' shape, a use that stops
     # the fusion; the fused kernel reads the target's column t mod V, never out of bounds
@@ -72,6 +74,7 @@ __all__ = [
     "PlaceShapeOnHost",
     "SinkViewsPastEpilogues",
     "SplitGroupedConv",
+    "StemChannelsLast",
     "StripBookendViews",
     "WinogradConv",
     "collect_rewrites",
