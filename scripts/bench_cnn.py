@@ -19,6 +19,8 @@ v1/v2, ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet-512; inputs 1x3x224x224)
 
     python scripts/bench_cnn.py                      # all nine -> bench/cnn.json, bench/cnn.md
     python scripts/bench_cnn.py --models resnet50,shufflenet --output /tmp/cnn.json
+    python scripts/tune.py .../light_squeezenet.onnx --trials 500 --work-dir tune/squeezenet
+    python scripts/bench_cnn.py --models squeezenet --tuned tune     # + the tuned build
 """
 
 from __future__ import annotations
@@ -183,9 +185,14 @@ def bench_model(name: str, target, args) -> dict:
     engines = [("tvm-fusion", "tvm_fusion"), ("tvm-stock", "stock")][: 2 if args.stock else 1]
     if args.without:
         engines.append((f"tvm-fusion-no-{args.without}", "tvm_fusion"))
+    tuned_db = Path(args.tuned) / name if args.tuned else None
+    if tuned_db is not None and tuned_db.is_dir():
+        engines.append(("tvm-fusion-tuned", "tvm_fusion"))
     for engine_name, pipeline in engines:
         start = time.perf_counter()
         flags = {args.without: False} if engine_name.startswith("tvm-fusion-no-") else {}
+        if engine_name == "tvm-fusion-tuned":
+            flags = {"tuning_db": str(tuned_db)}
         try:
             mod = load_onnx(model) if pipeline == "tvm_fusion" else stock_from_onnx(model)
             compiled, info = _compile(mod, target, pipeline, **flags)
@@ -211,6 +218,9 @@ def bench_model(name: str, target, args) -> dict:
         row["ours/ort"] = round(med["tvm-fusion"] / med["onnxruntime"], 3)
         if "tvm-stock" in med:
             row["ours/stock"] = round(med["tvm-fusion"] / med["tvm-stock"], 3)
+        if "tvm-fusion-tuned" in med:
+            row["tuned/ort"] = round(med["tvm-fusion-tuned"] / med["onnxruntime"], 3)
+            row["tuned/ours"] = round(med["tvm-fusion-tuned"] / med["tvm-fusion"], 3)
         without = f"tvm-fusion-no-{args.without}"
         if without in med:
             row[f"ours/no-{args.without}"] = round(med["tvm-fusion"] / med[without], 3)
@@ -305,6 +315,13 @@ def markdown(rows, machine, args) -> str:
         if "failed" in row.get("tvm-stock", {})
     ]
     notes += [
+        f"- {row['model']}: tuned ({args.tuned}/{row['model']}) {_ms(row, 'tvm-fusion-tuned')} "
+        f"ms, {row['tuned/ort']}x ORT, {row['tuned/ours']}x untuned; rel err "
+        f"{row['tvm-fusion-tuned'].get('rel_err', float('nan')):.1e}"
+        for row in rows
+        if "tuned/ort" in row
+    ]
+    notes += [
         f"- {row['model']}: ORT vs the saved output: rel err {row['ort_vs_saved_rel_err']:.1e}"
         for row in rows
     ]
@@ -328,6 +345,13 @@ def _parse_args(argv=None) -> argparse.Namespace:
         metavar="FLAG",
         help="also time ours with the pipeline flag FLAG off (an A/B of one pass, e.g. "
         "winograd_conv), in the same alternating rounds",
+    )
+    parser.add_argument(
+        "--tuned",
+        default=None,
+        metavar="DIR",
+        help="also time ours with the tuning database DIR/<model> where there is one (made by "
+        "scripts/tune.py <model.onnx> --work-dir DIR/<model>), in the same alternating rounds",
     )
     parser.add_argument("--note", default="", help="what else ran on the machine")
     parser.add_argument("--output", default="bench/cnn.json")

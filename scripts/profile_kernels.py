@@ -16,6 +16,7 @@ stripped: ``fused_conv2d6_add6_add7_relu_prepacked`` and its siblings) with thei
     python scripts/profile_kernels.py resnet50               # a light model-zoo CNN
     python scripts/profile_kernels.py path/to/model.onnx --runs 30 --top 25
     python scripts/profile_kernels.py squeezenet --kernels --ort-nodes  # one by one, both
+    python scripts/profile_kernels.py squeezenet --kernels --tuning-db tune/squeezenet
 """
 
 from __future__ import annotations
@@ -156,6 +157,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-ort", dest="ort", action="store_false")
     parser.add_argument("--ort-nodes", action="store_true", help="ONNX Runtime node by node")
     parser.add_argument("--kernels", action="store_true", help="ours kernel by kernel")
+    parser.add_argument(
+        "--tuning-db", default=None, metavar="DIR", help="ours with this tuning database"
+    )
     args = parser.parse_args(argv)
 
     from bench_cnn import dummy_input
@@ -169,7 +173,8 @@ def main(argv=None) -> int:
         model = load_model(args.model)
         name, x = dummy_input(model, 1)
         target = host_target(mcpu=args.mcpu)
-        compiled = engine.compile_module(load_onnx(model), target, "tvm_fusion")
+        options = {"tuning_db": args.tuning_db} if args.tuning_db else {}
+        compiled = engine.compile_module(load_onnx(model), target, "tvm_fusion", **options)
     except (TvmFusionError, OSError, ValueError) as err:
         print(f"profile_kernels: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
