@@ -164,18 +164,23 @@ def num_elements(buffer: tirx.Buffer) -> int | None:
     return total
 
 
-def loads_of(expr, buffer) -> list:
-    """The loads of ``buffer`` in an expression tree."""
+def loads_in(expr) -> list:
+    """Every load in an expression tree."""
     from tvm.ir.expr import TensorLoad
 
     found = []
     stack = [expr]
     while stack:
         node = stack.pop()
-        if isinstance(node, TensorLoad) and node.source.same_as(buffer):
+        if isinstance(node, TensorLoad):
             found.append(node)
         stack.extend(expr_children(node))
     return found
+
+
+def loads_of(expr, buffer) -> list:
+    """The loads of ``buffer`` in an expression tree."""
+    return [load for load in loads_in(expr) if load.source.same_as(buffer)]
 
 
 def replace_buffer(func: tirx.PrimFunc, old, new) -> tirx.PrimFunc:

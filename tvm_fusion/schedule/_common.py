@@ -336,25 +336,34 @@ def parallelize_outer(
     return fused
 
 
+def block_realize(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV):
+    """The ``SBlockRealize`` of ``block`` in the schedule's current function (its iterators'
+    bindings to the loops), or None."""
+    from ..tir_util import iter_stmts
+
+    name = sch.get(block).name_hint
+    return next(
+        (
+            node
+            for node in iter_stmts(sch.mod["main"].body)
+            if isinstance(node, s_tir.SBlockRealize) and node.block.name_hint == name
+        ),
+        None,
+    )
+
+
 def write_order(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> None:
     """Reorder the loops of a copy so that the innermost one walks the last index of what it
     writes (a B panel's ``j % NR``): the GEMM rule's run-time packing of B iterated the
     columns outside ``k``, each vector a gather of 16 elements a row apart and a strided store
     (136 x 1024 @ 1024 x 2048: 3x ONNX Runtime's time)."""
-    from ..tir_util import iter_stmts, vars_in
+    from ..tir_util import vars_in
 
     stmt = sch.get(block)
     if len(stmt.writes) != 1 or not stmt.writes[0].region:
         return
     last = vars_in(stmt.writes[0].region[-1].min)
-    realize = next(
-        (
-            node
-            for node in iter_stmts(sch.mod["main"].body)
-            if isinstance(node, s_tir.SBlockRealize) and node.block.name_hint == stmt.name_hint
-        ),
-        None,
-    )
+    realize = block_realize(sch, block)
     if realize is None:
         return
     driving = set()

@@ -324,6 +324,36 @@ def constant_value(expr, bound: dict) -> np.ndarray | None:
     return None
 
 
+def ints(values) -> list[int]:
+    """An attribute's static integers (strides, padding, dilation) as Python ints."""
+    return [int(v) for v in values]
+
+
+def float32_nchw_conv2d(conv, bound: dict) -> tuple[list[int] | None, np.ndarray | None, str]:
+    """``(input dims, weight, "")`` of a ``conv2d`` in NCHW / OIHW -> NCHW, one group, float32
+    throughout, a static input shape and a constant 4-D weight (WinogradConv's and
+    StemChannelsLast's convolutions); else ``(None, None, why not)``."""
+    attrs = conv.attrs
+    layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
+    if layouts != ("NCHW", "OIHW", "NCHW"):
+        return None, None, f"layouts {layouts}"
+    if int(attrs.groups) != 1:
+        return None, None, f"{int(attrs.groups)} groups"
+    x, w = conv.args
+    out_dtype = str(attrs.out_dtype) if attrs.out_dtype is not None else ""
+    dtypes = {str(x.ty.dtype), str(w.ty.dtype), out_dtype or "float32"} - {"void"}
+    if dtypes != {"float32"}:
+        return None, None, f"dtypes {sorted(dtypes)}"
+    shape = static_shape(x)
+    dims = None if shape is None else [const_int(d) for d in shape]
+    if dims is None or len(dims) != 4 or None in dims:
+        return None, None, "symbolic or unknown input shape"
+    weight = constant_value(w, bound)
+    if weight is None or weight.ndim != 4:
+        return None, None, "the weight is not a 4-D constant"
+    return dims, weight, ""
+
+
 def plain_axis(layout: str, letter: str) -> int | None:
     """Where ``letter`` is in a layout without sub-blocks (``NCHW`` -> C at 1), else None."""
     if not layout.isalpha() or not layout.isupper() or layout.count(letter) != 1:

@@ -45,14 +45,14 @@ from ._common import (
     ELEMENTWISE_BINARY,
     ELEMENTWISE_UNARY,
     bound_values,
-    const_int,
     constant_value,
+    float32_nchw_conv2d,
     get_logger,
+    ints,
     op_name,
     record_rewrite,
     rewrite_each_function,
     skip,
-    static_shape,
     use_counts,
 )
 
@@ -104,10 +104,6 @@ class StemChannelsLast:
 def _is_scalar(expr) -> bool:
     """A rank-0 tensor: it broadcasts the same way in every layout."""
     return isinstance(expr.ty, relax.TensorType) and expr.ty.ndim == 0
-
-
-def _ints(values) -> list[int]:
-    return [int(v) for v in values]
 
 
 @mutator
@@ -176,21 +172,10 @@ class _Rewriter(PyExprMutator):
             return None
         chain, conv = found
         cattrs = conv.attrs
-        layouts = (str(cattrs.data_layout), str(cattrs.kernel_layout), str(cattrs.out_layout))
-        if layouts != ("NCHW", "OIHW", "NCHW") or int(cattrs.groups) != 1:
-            return skip(logger, what, f"a convolution in {layouts}, {cattrs.groups} groups") or None
-        x, w = conv.args
-        out_dtype = str(cattrs.out_dtype) if cattrs.out_dtype is not None else ""
-        dtypes = {str(x.ty.dtype), str(w.ty.dtype), out_dtype or "float32"} - {"void", ""}
-        if dtypes != {"float32"}:
-            return skip(logger, what, f"dtypes {sorted(dtypes)}") or None
-        shape = static_shape(x)
-        dims = None if shape is None else [const_int(d) for d in shape]
-        if dims is None or len(dims) != 4 or None in dims:
-            return skip(logger, what, "a symbolic or unknown input shape") or None
-        weight = constant_value(w, self.bound)
-        if weight is None or weight.ndim != 4:
-            return skip(logger, what, "the weight is not a constant") or None
+        _, weight, why = float32_nchw_conv2d(conv, self.bound)
+        if why:
+            return skip(logger, what, why) or None
+        x = conv.args[0]
         channels = weight.shape[0]
         reduction = int(np.prod(weight.shape[1:]))
         if reduction > MAX_REDUCTION:
@@ -211,9 +196,9 @@ class _Rewriter(PyExprMutator):
             conv2d_to_nhwc,
             self.visit_expr(x),
             relax.const(weight),
-            _ints(cattrs.strides),
-            _ints(cattrs.padding),
-            _ints(cattrs.dilation),
+            ints(cattrs.strides),
+            ints(cattrs.padding),
+            ints(cattrs.dilation),
             primfunc_name_hint="conv2d_nhwc",
         )
         for (op, i, _const), const in zip(chain, consts, strict=True):
@@ -227,10 +212,10 @@ class _Rewriter(PyExprMutator):
         pooled = bb.emit(
             relax.op.nn.max_pool2d(
                 y,
-                _ints(attrs.pool_size),
-                _ints(attrs.strides),
-                _ints(attrs.padding),
-                _ints(attrs.dilation),
+                ints(attrs.pool_size),
+                ints(attrs.strides),
+                ints(attrs.padding),
+                ints(attrs.dilation),
                 bool(attrs.ceil_mode),
                 bool(attrs.count_include_pad),
                 layout="NHWC",

@@ -62,14 +62,13 @@ from .. import target as _target
 from . import _winograd_kernels as kernels
 from ._common import (
     bound_values,
-    const_int,
-    constant_value,
+    float32_nchw_conv2d,
     get_logger,
+    ints,
     op_name,
     record_rewrite,
     rewrite_each_function,
     skip,
-    static_shape,
 )
 
 logger = get_logger(__name__)
@@ -99,10 +98,6 @@ class WinogradConv:
         return mod
 
 
-def _plain(value) -> list[int]:
-    return [int(v) for v in value]
-
-
 @mutator
 class _Rewriter(PyExprMutator):
     def __init__(self, mod: IRModule, func: relax.Function, lanes: int):
@@ -124,32 +119,19 @@ class _Rewriter(PyExprMutator):
             return None
         what = f"conv2d {name}"
         attrs = call.attrs
-        layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
-        if layouts != ("NCHW", "OIHW", "NCHW"):
-            return skip(logger, what, f"layouts {layouts}") or None
-        if _plain(attrs.strides) != [1, 1] or _plain(attrs.dilation) != [1, 1]:
+        if ints(attrs.strides) != [1, 1] or ints(attrs.dilation) != [1, 1]:
             return skip(logger, what, "stride or dilation > 1") or None
-        if int(attrs.groups) != 1:
-            return skip(logger, what, f"{int(attrs.groups)} groups") or None
-        out_dtype = str(attrs.out_dtype) if attrs.out_dtype is not None else ""
-        x, w = call.args
-        dtypes = {str(x.ty.dtype), str(w.ty.dtype), out_dtype or "float32"} - {"void"}
-        if dtypes != {"float32"}:
-            return skip(logger, what, f"dtypes {sorted(dtypes)}") or None
-        shape = static_shape(x)
-        dims = None if shape is None else [const_int(d) for d in shape]
-        if dims is None or None in dims:
-            return skip(logger, what, "symbolic or unknown input shape") or None
-        weight = constant_value(w, self.bound)
-        if weight is None:
-            return skip(logger, what, "the weight is not a constant") or None
-        if weight.ndim != 4 or weight.shape[2:] != (3, 3):
+        dims, weight, why = float32_nchw_conv2d(call, self.bound)
+        if why:
+            return skip(logger, what, why) or None
+        if weight.shape[2:] != (3, 3):
             return skip(logger, what, f"a {weight.shape[2:]} kernel") or None
+        x = call.args[0]
         k_, c_ = weight.shape[:2]
         if c_ < MIN_IN_CHANNELS or k_ < MIN_OUT_CHANNELS:
             return skip(logger, what, f"{c_} -> {k_} channels") or None
         n_, _, h_, w_ = dims
-        top, left, bottom, right = _plain(attrs.padding)
+        top, left, bottom, right = ints(attrs.padding)
         out_h, out_w = h_ + top + bottom - 2, w_ + left + right - 2
         if out_h < 1 or out_w < 1 or n_ < 1:
             return skip(logger, what, "an empty output") or None

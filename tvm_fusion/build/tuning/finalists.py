@@ -234,15 +234,14 @@ def _packed_timing(default) -> tuple[tuple, bool]:
 
 def _split_packing(mod: tvm.IRModule) -> tuple | None:
     """The kernel of a default schedule without its packing, as the pipeline runs it: the
-    schedule called from a Relax function and split by ``SplitLayoutRewritePreproc`` (which
-    takes the 1 x 1 weights ``RemoveWeightLayoutRewriteBlock`` refuses), the kernel that
-    reads the packed weight kept; ``(module, argument infos)``, or None (a kernel of several
-    outputs, or a split that fails). SqueezeNet's last 1 x 1 convolution timed with its
+    schedule called from a Relax function and split by the pipeline's ``SplitWeightPrepack``
+    (stock ``SplitLayoutRewritePreproc``, which takes the 1 x 1 weights
+    ``RemoveWeightLayoutRewriteBlock`` refuses), the kernel that reads the packed weight kept;
+    ``(module, argument infos)``, or None (a kernel of several outputs, or a split that fails). SqueezeNet's last 1 x 1 convolution timed with its
     packing in each call lost to a record 1.7x slower than it inside the model."""
     from tvm import relax
 
-    from ...schedule import PREPROC
-    from ...tir_util import blocks
+    from ...schedule import SplitWeightPrepack, _has_preproc
 
     func = mod["main"]
     try:
@@ -254,7 +253,7 @@ def _split_packing(mod: tvm.IRModule) -> tuple | None:
             kernel = bb.add_func(func.with_attr("global_symbol", "kernel"), "kernel")
             out = bb.emit(relax.call_tir(kernel, args, types[-1]))
             bb.emit_func_output(out)
-        split = relax.transform.SplitLayoutRewritePreproc()(bb.get())
+        split = SplitWeightPrepack()(bb.get())
     except Exception:  # noqa: BLE001 - a form the split does not take: time it packed
         return None
     kernels = [
@@ -262,7 +261,7 @@ def _split_packing(mod: tvm.IRModule) -> tuple | None:
         for f in split.functions.values()
         if isinstance(f, tvm.tirx.PrimFunc)
         and len(f.params) == len(func.params)
-        and not any(b.annotations.get(PREPROC, False) for b in blocks(f))
+        and not _has_preproc(f)
     ]
     if len(kernels) != 1:
         return None

@@ -8,15 +8,15 @@ loops are fused and run in parallel over the target's cores.
 from __future__ import annotations
 
 from tvm import s_tir, tirx
-from tvm.ir.expr import TensorLoad
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
 from ... import target as _target
-from ...tir_util import expr_children, iter_stmts, vars_in
+from ...tir_util import loads_in, vars_in
 from .._common import (
     CPURule,
     block_dtype,
+    block_realize,
     extent,
     is_reduction,
     is_static,
@@ -76,13 +76,7 @@ def schedule_spatial(sch: s_tir.Schedule, block, target: Target, cores: int) -> 
 def _loads(stmt) -> list:
     """The loads of a block whose body is one store."""
     value = getattr(stmt.body, "value", None)
-    found, stack = [], [value] if isinstance(value, tirx.Expr) else []
-    while stack:
-        node = stack.pop()
-        if isinstance(node, TensorLoad):
-            found.append(node)
-        stack.extend(expr_children(node))
-    return found
+    return loads_in(value) if isinstance(value, tirx.Expr) else []
 
 
 def transposed_read(sch: s_tir.Schedule, block) -> int | None:
@@ -93,14 +87,7 @@ def transposed_read(sch: s_tir.Schedule, block) -> int | None:
     Only where every loop binds one block variable (the normalised injective blocks)."""
     loops = sch.get_loops(block)
     stmt = sch.get(block)
-    realize = next(
-        (
-            node
-            for node in iter_stmts(sch.mod["main"].body)
-            if isinstance(node, s_tir.SBlockRealize) and node.block.same_as(stmt)
-        ),
-        None,
-    )
+    realize = block_realize(sch, block)
     if realize is None:
         return None
     loop_vars = [sch.get(lp).loop_var for lp in loops]

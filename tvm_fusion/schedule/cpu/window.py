@@ -57,10 +57,11 @@ from tvm.ir.expr import Call
 from tvm.target import Target
 
 from ... import target as _target
-from ...tir_util import iter_stmts, vars_in
+from ...tir_util import vars_in
 from .._common import (
     CPURule,
     block_dtype,
+    block_realize,
     extent,
     is_static,
     loop_nest_work,
@@ -183,14 +184,7 @@ def _partition_border(sch: s_tir.Schedule, block) -> bool:
     the block has another form (it is left as it was)."""
     loops = sch.get_loops(block)
     stmt = sch.get(block)
-    realize = next(
-        (
-            node
-            for node in iter_stmts(sch.mod["main"].body)
-            if isinstance(node, s_tir.SBlockRealize) and node.block.name_hint == stmt.name_hint
-        ),
-        None,
-    )
+    realize = block_realize(sch, block)
     if realize is None:
         return False
     plans = []
