@@ -237,8 +237,9 @@ def _split_packing(mod: tvm.IRModule) -> tuple | None:
     schedule called from a Relax function and split by the pipeline's ``SplitWeightPrepack``
     (stock ``SplitLayoutRewritePreproc``, which takes the 1 x 1 weights
     ``RemoveWeightLayoutRewriteBlock`` refuses), the kernel that reads the packed weight kept;
-    ``(module, argument infos)``, or None (a kernel of several outputs, or a split that fails). SqueezeNet's last 1 x 1 convolution timed with its
-    packing in each call lost to a record 1.7x slower than it inside the model."""
+    ``(module, argument infos)``, or None (a kernel of several outputs, or a split that fails).
+    SqueezeNet's last 1 x 1 convolution timed with its packing in each call lost to a record
+    1.7x slower than it inside the model."""
     from tvm import relax
 
     from ...schedule import SplitWeightPrepack, _has_preproc
