@@ -26,6 +26,7 @@ What is in the bundle (``--out`` directory, then ``<out>.tar.gz``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -162,8 +163,29 @@ def _input_spec(name: str, arr: np.ndarray) -> dict:
     return spec
 
 
+@contextlib.contextmanager
+def _rules_removed(names):
+    """tvm_fusion's schedule rules without the classes named ``names`` (a before/after of one
+    rule in the same bundle: ``--without-rules``)."""
+    from tvm_fusion import schedule
+
+    if not names:
+        yield
+        return
+    original = schedule.default_rules
+
+    def rules(target):
+        return [r for r in original(target) if type(r).__name__ not in names]
+
+    schedule.default_rules = rules
+    try:
+        yield
+    finally:
+        schedule.default_rules = original
+
+
 def _compile_case(
-    mod, target, pipeline: str, lift_min: int | None, path: Path, function: str
+    mod, target, pipeline: str, lift_min: int | None, path: Path, function: str, without=()
 ) -> dict:
     import tvm
 
@@ -172,7 +194,8 @@ def _compile_case(
     from tvm_fusion.target import async_copy
 
     start = time.perf_counter()
-    compiled = engine.compile_module(mod, target, pipeline)
+    with _rules_removed(without):
+        compiled = engine.compile_module(mod, target, pipeline)
     lowered, lifted = compiled.lowered, []
     if lift_min:
         lowered, lifted = _lift_constants(compiled.lowered, lift_min, function)
@@ -599,6 +622,14 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--lift-min", type=int, default=1 << 16)
     parser.add_argument(
+        "--without-rules",
+        default="",
+        help="comma-separated schedule rule classes: one more pipeline, tvm_fusion without them",
+    )
+    parser.add_argument(
+        "--without-cases", default="", help="case prefixes that get that pipeline (default: all)"
+    )
+    parser.add_argument(
         "--no-runtime",
         action="store_true",
         help="skip packing TVM's runtime (site/) and the archive (for tests)",
@@ -630,6 +661,9 @@ def main(argv=None) -> int:
     picked = [n for n in args.kernels.split(",") if n] or None
     kernels = _kernel_cases(picked) if not args.only or "kernels" in names else iter(())
     pipelines = [p for p in args.pipelines.split(",") if p]
+    without = tuple(n for n in args.without_rules.split(",") if n)
+    variant = "tvm_fusion_without_" + "_".join(without) if without else None
+    variant_cases = tuple(p for p in args.without_cases.split(",") if p)
     workloads = [n for n in names if n not in ("llama_block", "shape_idioms", "kernels")]
     for case, stock_mod, ours_mod, inputs, function, ref, peer, size in itertools.chain(
         _cases(workloads), llama, shapes, kernels
@@ -660,21 +694,30 @@ def main(argv=None) -> int:
                 **{f"ref{i}": np.asarray(r) for i, r in enumerate(ref or [])},
             )
             entry["data"] = f"data/{case}.npz"
-        for pipeline, mod in (("stock", stock_mod), ("tvm_fusion", ours_mod)):
-            if pipeline not in pipelines:
+        builds = [("stock", stock_mod, "stock"), ("tvm_fusion", ours_mod, "tvm_fusion")]
+        if variant and (not variant_cases or case.startswith(variant_cases)):
+            builds.append((variant, ours_mod, "tvm_fusion"))
+        for name, mod, pipeline in builds:
+            if name not in pipelines and name != variant:
                 continue
-            path = out / "modules" / f"{case}.{pipeline}.so"
+            path = out / "modules" / f"{case}.{name}.so"
             try:
                 info = _compile_case(
-                    mod, target, pipeline, None if check else args.lift_min, path, function
+                    mod,
+                    target,
+                    pipeline,
+                    None if check else args.lift_min,
+                    path,
+                    function,
+                    without if name == variant else (),
                 )
             except Exception as err:  # a compiler failure is a result too (stock's, mostly)
-                entry.setdefault("errors", {})[pipeline] = _describe(err)
-                print(f"{case:28s} {pipeline:10s} FAILED {entry['errors'][pipeline]}", flush=True)
+                entry.setdefault("errors", {})[name] = _describe(err)
+                print(f"{case:28s} {name:10s} FAILED {entry['errors'][name]}", flush=True)
                 continue
-            entry["pipelines"][pipeline] = info
+            entry["pipelines"][name] = info
             print(
-                f"{case:28s} {pipeline:10s} kernels {info['kernels']:3d}  "
+                f"{case:28s} {name:10s} kernels {info['kernels']:3d}  "
                 f"{info['MB']:6.2f} MB  {info['compile_s']:6.1f} s",
                 flush=True,
             )

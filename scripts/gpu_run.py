@@ -8,6 +8,10 @@ peer column. For every case: the ``check`` (small) cases run both pipelines and 
 NumPy reference saved here (or, for the backward graphs, stock with ours); the seed cases are
 timed, stock vs tvm_fusion vs torch, as medians of ``--repeat`` runs each synchronised with the
 device. Writes ``gpu.json`` and ``gpu.md`` to ``--out``.
+
+``--profile PREFIXES``: for the seed cases of those prefixes, also each pipeline's kernels one by
+one (``torch.profiler``'s CUDA activity, which sees TVM's launches too: the time of each kernel
+on the device per call, averaged over ``PROFILE_CALLS`` calls), into ``profile.json``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+PROFILE_CALLS = 20
 
 
 def _preload_cudart() -> str:
@@ -247,7 +252,29 @@ def _torch_peer(peer: dict, arrays: list[np.ndarray], repeat: int):
     return _median_ms(run, torch.cuda.synchronize, repeat)
 
 
-def _run_pipeline(entry: dict, pipeline: str, repeat: int) -> dict:
+def _kernel_times(run, sync, calls: int = PROFILE_CALLS) -> dict:
+    """Device time per call of each kernel ``run`` launches (microseconds), from the CUDA
+    activity ``torch.profiler`` records (CUPTI sees every launch of the process, TVM's too)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    for _ in range(3):
+        run()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        sync()
+    times = {}
+    for avg in prof.key_averages():
+        total = getattr(avg, "device_time_total", None) or getattr(avg, "cuda_time_total", 0)
+        if total:
+            times[avg.key] = {"us": total / calls, "launches": avg.count / calls}
+    return times
+
+
+def _run_pipeline(entry: dict, pipeline: str, repeat: int, kernels: bool = False) -> dict:
     """One case on one pipeline (in a child process: a crash costs only this cell)."""
     tvm, _ = _import_tvm()
     from tvm.runtime.vm import VirtualMachine
@@ -269,6 +296,8 @@ def _run_pipeline(entry: dict, pipeline: str, repeat: int) -> dict:
     ]
     got = _flatten(tvm, func(*dev_args))
     dev.sync()
+    if not entry["check"] and kernels:
+        return {"kernels": _kernel_times(lambda: func(*dev_args), dev.sync)}
     if not entry["check"]:
         return {"ms": _median_ms(lambda: func(*dev_args), dev.sync, repeat)}
     data = np.load(HERE / entry["data"])
@@ -294,7 +323,7 @@ def _run_pipeline(entry: dict, pipeline: str, repeat: int) -> dict:
     return result
 
 
-def _child(entry: dict, engine: str, repeat: int) -> dict:
+def _child(entry: dict, engine: str, repeat: int, kernels: bool = False) -> dict:
     import subprocess
 
     cmd = [
@@ -305,7 +334,7 @@ def _child(entry: dict, engine: str, repeat: int) -> dict:
         engine,
         "--repeat",
         str(repeat),
-    ]
+    ] + (["--kernels-child"] if kernels else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode == 0 and lines:
@@ -319,7 +348,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="gpu_results")
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--only", default="", help="comma-separated case prefixes")
+    parser.add_argument(
+        "--profile", default="", help="comma-separated case prefixes: kernel by kernel too"
+    )
     parser.add_argument("--child", nargs=2, metavar=("CASE", "ENGINE"), help=argparse.SUPPRESS)
+    parser.add_argument("--kernels-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     manifest = json.loads((HERE / "manifest.json").read_text())
     cases = {entry["case"]: entry for entry in manifest["cases"]}
@@ -329,12 +362,13 @@ def main(argv=None) -> int:
             rng = np.random.default_rng(0)
             result = {"ms": _torch_peer(entry["peer"], _inputs(entry["inputs"], rng), args.repeat)}
         else:
-            result = _run_pipeline(entry, args.child[1], args.repeat)
+            result = _run_pipeline(entry, args.child[1], args.repeat, args.kernels_child)
         print(json.dumps(result), flush=True)
         return 0
     _, cudart = _import_tvm()  # fail early, and clearly, when the runtime cannot load
     only = [p for p in args.only.split(",") if p]
-    rows, failures = [], 0
+    profiled = [p for p in args.profile.split(",") if p]
+    rows, failures, profiles = [], 0, []
     for entry in manifest["cases"]:
         case = entry["case"]
         if only and not any(case.startswith(p) for p in only):
@@ -358,6 +392,13 @@ def main(argv=None) -> int:
             row["torch"] = _child(entry, "torch", args.repeat).get("ms")
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if not entry["check"] and any(case.startswith(p) for p in profiled):
+            for pipeline in entry["pipelines"]:
+                got = _child(entry, pipeline, args.repeat, kernels=True)
+                profiles.append({"case": case, "pipeline": pipeline, **got})
+                print(json.dumps(profiles[-1]), flush=True)
+                for name, t in sorted(got.get("kernels", {}).items(), key=lambda kv: -kv[1]["us"]):
+                    print(f"  {case} {pipeline}: {t['us']:9.1f} us x{t['launches']:g} {name[:70]}")
     device = _device_name()
     result = {
         "device": device,
@@ -370,6 +411,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.json").write_text(json.dumps(result, indent=1))
+    if profiles:
+        (out / "profile.json").write_text(json.dumps(profiles, indent=1))
     (out / "gpu.md").write_text(_markdown(result))
     print(_markdown(result))
     return 1 if failures else 0
@@ -426,6 +469,23 @@ def _markdown(result: dict) -> str:
             f"{_fmt(ours / stock) + 'x' if stock and ours else ''} | "
             f"{_fmt(ours / torch) + 'x' if torch and ours else ''} |"
         )
+    variants = sorted(
+        {k for row in result["rows"] for k in row if k.startswith("tvm_fusion_without_")}
+        - {k for row in result["rows"] for k in row if k.endswith(("_kernels", "_err", "_ok"))}
+    )
+    for variant in variants:
+        lines += [
+            "",
+            f"| case | {variant} ms | tvm-fusion ms | ours/{variant} |",
+            "|---|---|---|---|",
+        ]
+        for row in result["rows"]:
+            if not row["check"] and row.get(variant):
+                ours = row.get("tvm_fusion")
+                lines.append(
+                    f"| {row['case']} | {_fmt(row[variant])} | {_fmt(ours)} | "
+                    f"{_fmt(ours / row[variant]) + 'x' if ours else ''} |"
+                )
     lines += [
         "",
         "| check (small sizes) | stock max err | ours max err | ours ok |",

@@ -54,3 +54,50 @@ def test_bundle_compiles_device_code_and_lifts_weights(tmp_path):
             blob = (out / info["file"]).read_bytes()
             assert b"__global__" not in blob, "CUDA source left in the module: nvcc not used"
             assert len(blob) < 1 << 20
+
+
+def test_variant_pipeline_without_a_rule(tmp_path):
+    """``--without-rules HalfTensorCore --without-cases attn_``: one more module per attention
+    case, tvm_fusion without that rule (the before of a before/after in one bundle)."""
+    out = tmp_path / "bundle"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gpu_bundle.py"),
+            "--out",
+            str(out),
+            "--only",
+            "kernels",
+            "--kernels",
+            "attn_f16,skinny_down_f16_r1",
+            "--without-rules",
+            "HalfTensorCore",
+            "--without-cases",
+            "attn_",
+            "--no-runtime",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cases = {c["case"]: c for c in json.loads((out / "manifest.json").read_text())["cases"]}
+    variant = "tvm_fusion_without_HalfTensorCore"
+    assert set(cases["attn_f16.seed"]["pipelines"]) == {"stock", "tvm_fusion", variant}
+    assert set(cases["skinny_down_f16_r1.seed"]["pipelines"]) == {"stock", "tvm_fusion"}
+    info = cases["attn_f16.seed"]["pipelines"]
+    ours, before = ((out / info[p]["file"]).read_bytes() for p in ("tvm_fusion", variant))
+    assert ours != before  # other GEMM kernels (the rule's own tests check what they are)
+
+
+def test_runner_tables_a_variant():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_run
+    finally:
+        sys.path.pop(0)
+    row = {"case": "attn_f16.seed", "check": False, "errors": {}, "stock": 0.34}
+    row.update(tvm_fusion=0.2, torch=0.024, tvm_fusion_without_HalfTensorCore=0.44)
+    row["tvm_fusion_without_HalfTensorCore_kernels"] = 4
+    text = gpu_run._markdown({"device": "H100", "arch": "sm_90", "tvm": "0.27", "rows": [row]})
+    assert "| attn_f16.seed | 0.44 | 0.2 | 0.4545x |" in text

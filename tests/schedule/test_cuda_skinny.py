@@ -83,7 +83,7 @@ def _kernel(mod: tvm.IRModule, tgt) -> tvm.tirx.PrimFunc:
 
 def test_rule_sits_before_dlight_matmul():
     names = [type(r).__name__ for r in default_rules(_target.cuda_target())]
-    assert names.index("SkinnyMatmul") == names.index("Matmul") - 1
+    assert names.index("SkinnyMatmul") < names.index("Matmul")
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ def default_rules(target: Target) -> list[dl.ScheduleRule]:
         return [
             cuda.GateFusion(),
             cuda.SkinnyMatmul(),  # before dlight's Matmul: where that leaves SMs idle
+            cuda.HalfTensorCore(),  # before dlight's Matmul: short half GEMMs on tensor cores
             dl.gpu.Matmul(),
             dl.gpu.GEMV(),
             dl.gpu.Reduction(),
