@@ -276,6 +276,10 @@ def schedule_passes(target: Target, tuning_db: str | None = None) -> list[tvm.tr
         passes.append(apply_database_pass(tuning_db))
     passes.append(default_schedule_pass(target))
     passes += finish_passes()
+    if _target.is_gpu(target):
+        from ..schedule.cuda.bool_vectors import ScalarBoolAccess
+
+        passes.append(ScalarBoolAccess())  # TVM's CUDA codegen loads bool vectors wrongly
     return passes
 
 
