@@ -12,6 +12,7 @@ module to lowering (``tvm_fusion.lower``) and, after FuseOps, to FuseTIR and the
 from __future__ import annotations
 
 from ._common import collect_rewrites
+from .channels_last import ChannelsLast
 from .check_gather_bounds import CheckGatherBounds
 from .choose_recurrence import ChooseRecurrence
 from .fold_batch_norm import FoldBatchNorm
@@ -36,6 +37,7 @@ GRAPH_PASSES: list[tuple[str, type]] = [
     ("place_shape_on_host", PlaceShapeOnHost),
     ("fold_batch_norm", FoldBatchNorm),
     ("split_grouped_conv", SplitGroupedConv),  # after FoldBatchNorm: it folds into the group
+    ("channels_last", ChannelsLast),  # after those two (plain convolutions); before the stem's
     ("stem_channels_last", StemChannelsLast),  # after FoldBatchNorm: conv + bias, a constant W
     ("winograd_conv", WinogradConv),  # after FoldBatchNorm: its weight must be a constant
     # before CheckGatherBounds: its check reads the log-probabilities' shape, a use that stops
@@ -57,6 +59,7 @@ POST_FUSION_PASSES: list[tuple[str, type]] = [
 ]
 
 __all__ = [
+    "ChannelsLast",
     "CheckGatherBounds",
     "ChooseRecurrence",
     "GRAPH_PASSES",
