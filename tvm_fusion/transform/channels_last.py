@@ -15,7 +15,10 @@ float32, static shapes), at least :data:`MIN_UNALIGNED` of the 1x1 convolutions'
 an ``h * w`` that the target's lanes do not divide, and those scalar stores many against the
 model's convolution work: one per at most :data:`MACS_PER_STORE` products (SqueezeNet: one per
 ~320; Inception v1, whose 1x1 convolutions are as unaligned but reduce 192-832 channels: one
-per ~1500, and it lost 4% in NHWC).
+per ~1500, and it lost 4% in NHWC); and only on targets of at least :data:`MIN_LANES` float32
+lanes: a transposed write-back costs a scalar store per lane, and built for AVX2 (``znver3``,
+8 lanes) on the same host SqueezeNet lost in NHWC (6.85 -> 7.72 ms) where the AVX-512 build
+won (5.05 -> 4.10 ms, ORT 3.57; one process, alternating).
 
 Measured, whole models converted by hand (Intel Xeon ``emeraldrapids``, 2 threads, ours NCHW /
 ours NHWC / ORT alternating in one process, medians): SqueezeNet 4.31 -> 3.85 ms (ORT 3.56);
@@ -42,6 +45,7 @@ logger = get_logger(__name__)
 NAME = "ChannelsLast"
 MIN_UNALIGNED = 0.9  # of the 1x1 convolutions' products at an h * w no vector divides
 MACS_PER_STORE = 1000  # at most this many of the model's conv products per such scalar store
+MIN_LANES = 16  # float32 lanes: on AVX2 (8) NHWC lost (SqueezeNet 1.13x), on AVX-512 it won
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -56,7 +60,8 @@ class ChannelsLast:
         convs = [call for func in _relax_functions(mod) for call in _conv2d_calls(func)]
         if not convs:
             return mod
-        why = refusal(convs, _target.vector_lanes(target, "float32"))
+        lanes = _target.vector_lanes(target, "float32")
+        why = refusal(convs, lanes) if lanes >= MIN_LANES else f"{lanes} float32 lanes"
         if why is not None:
             skip(logger, "the module", why)
             return mod
