@@ -260,13 +260,20 @@ def test_packed_default_of_a_1x1_conv_is_timed_as_the_pipeline_runs_it(tmp_path,
 
     monkeypatch.setattr(tuning.finalists, "_time_here", fake_time)
     lines = []
+    # NCHW, the form this is about (ChannelsLast makes a lone 5 x 5 one NHWC on AVX-512)
     tuning.tune(
-        bb.get(), tvm_fusion.host_target(), tmp_path, trials=2, verify=1, progress=lines.append
+        bb.get(),
+        tvm_fusion.host_target(),
+        tmp_path,
+        trials=2,
+        verify=1,
+        progress=lines.append,
+        channels_last=False,
     )
     assert any("beats every record" in line for line in lines), lines
     assert not any("packing in each call" in line for line in lines), lines
     xs = np.random.default_rng(1).standard_normal((1, 8, 5, 5)).astype("float32")
-    (out,), _ = run(bb.get(), [xs], "tvm_fusion", tuning_db=str(tmp_path))
+    (out,), _ = run(bb.get(), [xs], "tvm_fusion", tuning_db=str(tmp_path), channels_last=False)
     expect = np.maximum(np.einsum("oi,nihw->nohw", w[:, :, 0, 0], xs), 0)
     np.testing.assert_allclose(out, expect, rtol=1e-4, atol=1e-4)
 
@@ -284,7 +291,7 @@ def test_1x1_default_split_from_its_packing():
             gv = bb.emit_output(bb.emit(R.nn.relu(R.nn.conv2d(x, relax.const(w)))))
         bb.emit_func_output(gv)
     target = tvm_fusion.host_target()
-    fused = tuning.fused_module(bb.get(), target)
+    fused = tuning.fused_module(bb.get(), target, channels_last=False)  # NCHW (see above)
     (task,) = ms.relax_integration.extract_tasks(fused, target)
     default, why = tuning.spaces.default_schedule(task.dispatched[0], target)
     assert why == tuning.PACKS_WEIGHTS

@@ -2,7 +2,10 @@
 transformed weight (a constant), output transform; bias + ReLU fused after it.
 
 Must not fire: stride 2, dilation 2, groups 2, a weight that is a parameter, 1 x 1 and 5 x 5
-kernels, NHWC, symbolic shapes, too few channels, a CUDA target. Numbers: against a float64
+kernels, NHWC with an IHWO weight, symbolic shapes, too few channels, a CUDA target. Numbers:
+NHWC / OHWI (ChannelsLast's form: padded in place, the output written NHWC) at 13 x 13 and
+batch 2 x 7 x 5, both tiles, the weight a constant or ChannelsLast's permute_dims of one; and
+against a float64
 NumPy convolution at odd sizes (13 x 7, 5 x 5, 1 x 1, 7 x 13), padding 1, 0 and asymmetric,
 batch 3, both tile sizes; float32 accuracy at 512 input channels; an ONNX Conv + BatchNorm +
 residual Add + Relu against ONNX Runtime (FoldBatchNorm first) and the pipeline flag.
@@ -108,11 +111,11 @@ def test_structure_and_fused_epilogue():
         ((1, 64, 28, 28), (64, 64, 3, 3), {"param": True}),
         ((1, 64, 28, 28), (64, 64, 1, 1), {"padding": 0}),
         ((1, 64, 28, 28), (64, 64, 5, 5), {"padding": 2}),
-        ((1, 28, 28, 64), (64, 3, 3, 64), {"layout": ("NHWC", "OHWI")}),
+        ((1, 28, 28, 64), (64, 3, 3, 64), {"layout": ("NHWC", "IHWO")}),
         ((1, 8, 55, 55), (64, 8, 3, 3), {}),  # too few input channels
         ((1, 512, 7, 7), (512, 512, 3, 3), {}),  # ResNet's last: 16 tiles of F(2, 3)
     ],
-    ids=["stride2", "dilation2", "groups2", "weight_param", "1x1", "5x5", "nhwc", "8ch", "7x7"],
+    ids=["stride2", "dilation2", "groups2", "weight_param", "1x1", "5x5", "ihwo", "8ch", "7x7"],
 )
 def test_must_not_fire(x_shape, w_shape, kwargs):
     mod, _, _ = conv_relu(x_shape, w_shape, **kwargs)
@@ -219,3 +222,38 @@ def test_onnx_conv_bn_add_relu_matches_ort_and_flag():
     with collect_rewrites() as counts:
         engine.compile_module(load_onnx(model), host_target(), "tvm_fusion", winograd_conv=False)
     assert counts.get("WinogradConv", 0) == 0
+
+
+@pytest.mark.parametrize(
+    "x_shape, padding, m, via",
+    [
+        ((1, 13, 13, 32), (1, 1, 1, 1), 2, "const"),
+        ((1, 13, 13, 32), (1, 1, 1, 1), 4, "const"),
+        ((2, 7, 5, 32), (0, 2, 1, 0), 4, "const"),
+        ((1, 13, 13, 32), (1, 1, 1, 1), 2, "convert_layout"),
+    ],
+    ids=["13x13_f2", "13x13_f4", "asym_batch2_f4", "convert_layout_f2"],
+)
+def test_nhwc_matches_numpy(x_shape, padding, m, via, monkeypatch):
+    """NHWC / OHWI: the input padded in place (no transpose), the output transform writing
+    NHWC, the overhang sliced on (H, W); ``convert_layout``: the NCHW module through stock
+    ConvertLayout, whose weight is a permute_dims of the constant (read at compile time)."""
+    monkeypatch.setattr(winograd_conv, "MIN_TILES", 0)
+    monkeypatch.setattr(winograd_conv, "TILE_SIZES", (m,))
+    n_, h_, w_, c_ = x_shape
+    if via == "const":
+        mod, w, b = conv_relu(x_shape, (72, 3, 3, c_), padding=padding, layout=("NHWC", "OHWI"))
+        w_oihw = w.transpose(0, 3, 1, 2)
+    else:
+        mod, w_oihw, b = conv_relu((n_, c_, h_, w_), (72, c_, 3, 3), padding=padding)
+        mod = relax.transform.ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]})(mod)
+    x = RNG.standard_normal(x_shape).astype("float32")
+    expected = reference(x.transpose(0, 3, 1, 2), w_oihw, b, padding).transpose(0, 2, 3, 1)
+    if via != "const":  # ConvertLayout's module takes and returns NCHW
+        x, expected = x.transpose(0, 3, 1, 2), expected.transpose(0, 3, 1, 2)
+    with collect_rewrites() as counts:
+        compiled = matches_reference(mod, [([x], [expected])], rtol=1e-4, atol=1e-4)
+    assert counts.get("WinogradConv", 0) == 1
+    names = [gv.name_hint for gv in compiled.lowered.functions]
+    assert any(f"winograd_output_f{m}" in n for n in names)
+    assert not any("transpose" in n for n in names if via == "const")  # NHWC in, NHWC out

@@ -300,8 +300,9 @@ _SAME_VALUES = ("relax.broadcast_to", "relax.reshape", "relax.expand_dims", "rel
 
 
 def constant_value(expr, bound: dict) -> np.ndarray | None:
-    """The value of a constant operand: a constant, a variable bound to one, or a
-    ``broadcast_to`` / reshape of one to a static shape; None for anything else."""
+    """The value of a constant operand: a constant, a variable bound to one, a
+    ``broadcast_to`` / reshape of one to a static shape, or a ``permute_dims`` of one; None for
+    anything else."""
     for _ in range(8):
         if isinstance(expr, relax.Var) and expr in bound:
             expr = bound[expr]
@@ -309,6 +310,12 @@ def constant_value(expr, bound: dict) -> np.ndarray | None:
             break
     if isinstance(expr, GenericConst):
         return expr.value.numpy()
+    if op_name(expr) == "relax.permute_dims":  # ConvertLayout's view of a constant weight
+        value = constant_value(expr.args[0], bound)
+        if value is None:
+            return None
+        axes = expr.attrs.axes
+        return np.transpose(value, None if axes is None else [int(a) for a in axes])
     if op_name(expr) in _SAME_VALUES:
         value = constant_value(expr.args[0], bound)
         shape = expr.ty.shape if isinstance(expr.ty, relax.TensorType) else None
@@ -329,29 +336,47 @@ def ints(values) -> list[int]:
     return [int(v) for v in values]
 
 
-def float32_nchw_conv2d(conv, bound: dict) -> tuple[list[int] | None, np.ndarray | None, str]:
-    """``(input dims, weight, "")`` of a ``conv2d`` in NCHW / OIHW -> NCHW, one group, float32
-    throughout, a static input shape and a constant 4-D weight (WinogradConv's and
-    StemChannelsLast's convolutions); else ``(None, None, why not)``."""
+_CONV_LAYOUTS = {("NCHW", "OIHW", "NCHW"): "NCHW", ("NHWC", "OHWI", "NHWC"): "NHWC"}
+
+
+def float32_conv2d(conv, bound: dict) -> tuple[str, list[int] | None, np.ndarray | None, str]:
+    """``(data layout, input dims in NCHW order, weight in OIHW, "")`` of a ``conv2d`` in
+    NCHW / OIHW -> NCHW or NHWC / OHWI -> NHWC (what ChannelsLast makes), one group, float32
+    throughout, a static input shape and a constant 4-D weight; else ``("", None, None, why
+    not)``."""
     attrs = conv.attrs
     layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
-    if layouts != ("NCHW", "OIHW", "NCHW"):
-        return None, None, f"layouts {layouts}"
+    layout = _CONV_LAYOUTS.get(layouts)
+    if layout is None:
+        return "", None, None, f"layouts {layouts}"
     if int(attrs.groups) != 1:
-        return None, None, f"{int(attrs.groups)} groups"
+        return "", None, None, f"{int(attrs.groups)} groups"
     x, w = conv.args
     out_dtype = str(attrs.out_dtype) if attrs.out_dtype is not None else ""
     dtypes = {str(x.ty.dtype), str(w.ty.dtype), out_dtype or "float32"} - {"void"}
     if dtypes != {"float32"}:
-        return None, None, f"dtypes {sorted(dtypes)}"
+        return "", None, None, f"dtypes {sorted(dtypes)}"
     shape = static_shape(x)
     dims = None if shape is None else [const_int(d) for d in shape]
     if dims is None or len(dims) != 4 or None in dims:
-        return None, None, "symbolic or unknown input shape"
+        return "", None, None, "symbolic or unknown input shape"
     weight = constant_value(w, bound)
     if weight is None or weight.ndim != 4:
-        return None, None, "the weight is not a 4-D constant"
-    return dims, weight, ""
+        return "", None, None, "the weight is not a 4-D constant"
+    if layout == "NHWC":
+        dims = [dims[0], dims[3], dims[1], dims[2]]
+        weight = np.ascontiguousarray(weight.transpose(0, 3, 1, 2))
+    return layout, dims, weight, ""
+
+
+def float32_nchw_conv2d(conv, bound: dict) -> tuple[list[int] | None, np.ndarray | None, str]:
+    """``(input dims, weight, "")`` of a ``conv2d`` in NCHW / OIHW -> NCHW, one group, float32
+    throughout, a static input shape and a constant 4-D weight (StemChannelsLast's
+    convolutions); else ``(None, None, why not)``."""
+    layout, dims, weight, why = float32_conv2d(conv, bound)
+    if not why and layout != "NCHW":
+        return None, None, f"layout {layout}"
+    return dims, weight, why
 
 
 def plain_axis(layout: str, letter: str) -> int | None:

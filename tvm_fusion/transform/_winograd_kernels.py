@@ -24,7 +24,8 @@ timed alone on 2 threads under load ~3.5 (ms):
   bounds checks and its loads are contiguous vectors along the channels;
 - output transform ``M[alpha^2, P, K] -> Y[N, K, TH*m, TW*m]``: loads contiguous along the
   output channels, stores strided (NCHW); writing NHWC instead and transposing in the
-  epilogue took 0.7 ms more (the injective rule's transposing copy). ``Y`` covers whole tiles;
+  epilogue took 0.7 ms more (the injective rule's transposing copy). An NHWC convolution
+  (ChannelsLast's) gets ``Y[N, TH*m, TW*m, K]``, stores contiguous too. ``Y`` covers whole tiles;
   the pass slices it to the convolution's output where the tiles overhang it.
 
 Built with TVM's IR builder (TVMScript text of the same kernels took 5.6 s to parse for
@@ -163,15 +164,16 @@ def input_transform(xp_shape, m: int, lanes: int):
 
 
 @functools.lru_cache(maxsize=64)
-def output_transform(n_: int, k_: int, out_h: int, out_w: int, m: int, lanes: int):
-    """The PrimFunc ``(M, Y)`` and Y's shape ``[N, K, TH*m, TW*m]``."""
+def output_transform(n_: int, k_: int, out_h: int, out_w: int, m: int, lanes: int, nhwc=False):
+    """The PrimFunc ``(M, Y)`` and Y's shape ``[N, K, TH*m, TW*m]`` (``nhwc``:
+    ``[N, TH*m, TW*m, K]``, its stores contiguous along the channels)."""
     at = MATRICES[m][2]
     alpha = m + 2
     th_, tw_ = tiles(out_h, out_w, m)
     lanes = _lanes(k_, lanes)
     blocks = k_ // lanes
     tiles_ = n_ * th_ * tw_
-    y_shape = (n_, k_, th_ * m, tw_ * m)
+    y_shape = (n_, th_ * m, tw_ * m, k_) if nhwc else (n_, k_, th_ * m, tw_ * m)
 
     def body(mm, y, outer, lane):
         p, k = outer // blocks, outer % blocks * lanes + lane
@@ -183,7 +185,8 @@ def output_transform(n_: int, k_: int, out_h: int, out_w: int, m: int, lanes: in
                     for xi in range(alpha)
                     for nu in range(alpha)
                 ]
-                T.buffer_store(y, _sum(terms), [n, k, th * m + i, tw * m + j])
+                at_ = [n, th * m + i, tw * m + j, k] if nhwc else [n, k, th * m + i, tw * m + j]
+                T.buffer_store(y, _sum(terms), at_)
 
     m_shape = (alpha * alpha, tiles_, k_)
     return _kernel("mm", m_shape, "y", y_shape, tiles_ * blocks, lanes, body), y_shape

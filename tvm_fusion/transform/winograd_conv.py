@@ -1,9 +1,10 @@
 """WinogradConv: a 3 x 3 convolution of stride 1 becomes Winograd's F(m x m, 3 x 3) (CPU).
 
-Matches ``R.nn.conv2d`` in NCHW / OIHW / NCHW with a 3 x 3 kernel, stride 1, dilation 1,
-groups 1, float32, a constant weight (after FoldBatchNorm), static shapes and any padding, with
-at least ``MIN_IN_CHANNELS`` input and ``MIN_OUT_CHANNELS`` output channels and enough tiles
-(below). It emits
+Matches ``R.nn.conv2d`` in NCHW / OIHW / NCHW (or NHWC / OHWI / NHWC, ChannelsLast's: the
+input is then padded in place and the output transform writes NHWC) with a 3 x 3 kernel,
+stride 1, dilation 1, groups 1, float32, a constant weight (after FoldBatchNorm), static
+shapes and any padding, with at least ``MIN_IN_CHANNELS`` input and ``MIN_OUT_CHANNELS``
+output channels and enough tiles (below). It emits
 
     xp = pad(permute_dims(x, NHWC))  # to whole tiles: one injective copy, fused upstream
     V = winograd_input(xp)           # [alpha^2, P, C]: B^T d B of every tile
@@ -45,9 +46,9 @@ multiplies by up to 25 and the output's by up to 64, so its error grows (1e-5 re
 largest output at 128 channels against the direct kernel, < 2e-5 at 512 against float64;
 F(2, 3): 1e-6).
 
-Left alone: other layouts (NHWC, blocked), kernels other than 3 x 3, stride or dilation > 1,
-groups > 1, a weight that is not a constant, symbolic shapes, other dtypes, fewer channels,
-targets other than CPUs.
+Left alone: other layouts (blocked; NHWC with a weight other than OHWI), kernels other than 3 x 3,
+stride or dilation > 1, groups > 1, a weight that is not a constant, symbolic shapes, other
+dtypes, fewer channels, targets other than CPUs.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from .. import target as _target
 from . import _winograd_kernels as kernels
 from ._common import (
     bound_values,
-    float32_nchw_conv2d,
+    float32_conv2d,
     get_logger,
     ints,
     op_name,
@@ -121,7 +122,7 @@ class _Rewriter(PyExprMutator):
         attrs = call.attrs
         if ints(attrs.strides) != [1, 1] or ints(attrs.dilation) != [1, 1]:
             return skip(logger, what, "stride or dilation > 1") or None
-        dims, weight, why = float32_nchw_conv2d(call, self.bound)
+        layout, dims, weight, why = float32_conv2d(call, self.bound)
         if why:
             return skip(logger, what, why) or None
         if weight.shape[2:] != (3, 3):
@@ -139,21 +140,23 @@ class _Rewriter(PyExprMutator):
         m = next((m for m in TILE_SIZES if tiles[m] >= MIN_TILES), 0)
         if not m:
             return skip(logger, what, f"fewer than {MIN_TILES} tiles of {out_h} x {out_w}") or None
-        return self._emit(x, weight, dims, (top, left, bottom, right), (out_h, out_w), m, name)
+        pads = (top, left, bottom, right)
+        return self._emit(x, weight, dims, pads, (out_h, out_w), m, name, layout == "NHWC")
 
-    def _emit(self, x, weight, dims, pads, out_hw, m, name):
+    def _emit(self, x, weight, dims, pads, out_hw, m, name, nhwc):
         bb = self.builder_
         k_ = weight.shape[0]
         hp_, wp_ = kernels.padded_shape(dims, m, pads)
         top, left = pads[:2]
         bottom, right = hp_ - dims[2] - top, wp_ - dims[3] - left
         in_func, v_shape = kernels.input_transform((dims[0], hp_, wp_, dims[1]), m, self.lanes)
-        out_func, y_shape = kernels.output_transform(dims[0], k_, *out_hw, m, self.lanes)
+        out_func, y_shape = kernels.output_transform(dims[0], k_, *out_hw, m, self.lanes, nhwc)
         in_gv = bb.add_func(in_func, f"winograd_input_f{m}")
         out_gv = bb.add_func(out_func, f"winograd_output_f{m}")
         f32 = "float32"
         # NHWC, padded to whole tiles: one injective kernel, fused with x's producer's epilogue
-        xp = bb.emit(relax.op.permute_dims(self.visit_expr(x), [0, 2, 3, 1]))
+        xp = self.visit_expr(x)
+        xp = xp if nhwc else bb.emit(relax.op.permute_dims(xp, [0, 2, 3, 1]))
         pad = [0, 0, top, bottom, left, right, 0, 0]
         xp = bb.emit(relax.op.nn.pad(xp, pad), name_hint=f"{name}_x") if any(pad) else xp
         v = bb.emit(
@@ -164,9 +167,10 @@ class _Rewriter(PyExprMutator):
         y = bb.emit(
             relax.call_tir(out_gv, [mm], relax.TensorType(y_shape, f32)), name_hint=f"{name}_y"
         )
-        if tuple(y_shape[2:]) != tuple(out_hw):
+        hw_axes = [1, 2] if nhwc else [2, 3]
+        if tuple(y_shape[a] for a in hw_axes) != tuple(out_hw):
             y = bb.emit(
-                relax.op.strided_slice(y, axes=[2, 3], begin=[0, 0], end=list(out_hw)),
+                relax.op.strided_slice(y, axes=hw_axes, begin=[0, 0], end=list(out_hw)),
                 name_hint=name,
             )
         return y
