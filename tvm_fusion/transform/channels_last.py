@@ -8,29 +8,26 @@ the vector axis, and then each register tile goes back to NCHW one scalar store 
 across the channel planes. SqueezeNet's images are 55 x 55, 27 x 27 and 13 x 13: no vector
 divides a single one of its 1x1 convolutions, and in the model those took 1.6 ms against ONNX
 Runtime's ~0.6 (its NCHWc kernels store whole vectors of channels). In NHWC the pixels-as-rows
-tile stores whole vectors. What NHWC gives up is WinogradConv (NCHW only) for the 3x3
-convolutions, and the channels-as-rows tiles where they apply; so the model is converted only
-where that trade is plainly won: every ``conv2d`` plain (NCHW / OIHW -> NCHW, one group,
-float32, static shapes), at least :data:`MIN_UNALIGNED` of the 1x1 convolutions' products at
-an ``h * w`` that the target's lanes do not divide, and those scalar stores many against the
-model's convolution work: one per at most :data:`MACS_PER_STORE` products (SqueezeNet: one per
-~320; Inception v1, whose 1x1 convolutions are as unaligned but reduce 192-832 channels: one
-per ~1500, and it lost 4% in NHWC); and only on targets of at least :data:`MIN_LANES` float32
-lanes: a transposed write-back costs a scalar store per lane, and built for AVX2 (``znver3``,
-8 lanes) on the same host SqueezeNet lost in NHWC (6.85 -> 7.72 ms) where the AVX-512 build
-won (5.05 -> 4.10 ms, ORT 3.57; one process, alternating).
+tile stores whole vectors, and WinogradConv takes the NHWC 3x3 convolutions too (its output
+transform then stores contiguously as well). The model is converted where every ``conv2d`` is
+plain (NCHW / OIHW -> NCHW, one group, float32, static shapes), at least
+:data:`MIN_UNALIGNED` of the 1x1 convolutions' products are at an ``h * w`` the target's lanes
+do not divide, and the target has at least :data:`MIN_LANES` float32 lanes (the ISA levels
+measured: AVX2 and AVX-512; NEON's 4 lanes not).
 
-Measured, whole models converted by hand (Intel Xeon ``emeraldrapids``, 2 threads, ours NCHW /
-ours NHWC / ORT alternating in one process, medians): SqueezeNet 4.31 -> 3.85 ms (ORT 3.56);
-the models this leaves alone lost: ResNet-50 40.0 -> 51.6 ms, DenseNet-121 38.8 -> 40.2,
-Inception v1 20.8 -> 21.6 (their 1x1 work is half at 56 x 56 / 28 x 28, channels-as-rows
-already), ShuffleNet 3.4 -> 43 ms (grouped convolutions left to the fallback rule in NHWC).
+Measured, whole models (Intel Xeon ``emeraldrapids``, 2 threads, alternating in one process,
+medians, ms; NHWC with WinogradConv on NHWC): SqueezeNet 5.90 -> 3.79 (ORT 3.87), built for
+AVX2 (``znver3``) 7.75 -> 6.11; Inception v1 (as unaligned: 55, 27, 13, 6) 21.2 -> 18.0 (ORT
+27.9). Left NCHW by the share: ResNet-50 (53% unaligned) 42.9 -> 41.4 by hand, Inception v2
+(70%) 20.0 -> 19.9, DenseNet-121 (38%) 38.2 -> 38.7: within the noise; ShuffleNet (grouped
+convolutions, which fall back in NHWC) 3.4 -> 43.
 
 Emitted: ``ConvertLayout({"relax.nn.conv2d": ["NHWC", "OHWI"]})`` over the whole module: each
-convolution NHWC with its weight OHWI (constants, folded at compile time), the layout carried
-through elementwise ops, pooling, concatenation and reductions, ``layout_transform`` at the
-edges. CPU only; runs after FoldBatchNorm and SplitGroupedConv and before StemChannelsLast and
-WinogradConv (which then leave the NHWC convolutions alone).
+convolution NHWC with its weight OHWI (``permute_dims`` of the constant, which WinogradConv
+reads at compile time and the GEMM rule's packing folds), the layout carried through
+elementwise ops, pooling, concatenation and reductions, ``permute_dims`` at the edges. CPU
+only; runs after FoldBatchNorm and SplitGroupedConv and before StemChannelsLast (which then
+leaves the NHWC stem alone) and WinogradConv.
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ from ._common import const_int, get_logger, op_name, record_rewrite, skip, stati
 logger = get_logger(__name__)
 NAME = "ChannelsLast"
 MIN_UNALIGNED = 0.9  # of the 1x1 convolutions' products at an h * w no vector divides
-MACS_PER_STORE = 1000  # at most this many of the model's conv products per such scalar store
-MIN_LANES = 16  # float32 lanes: on AVX2 (8) NHWC lost (SqueezeNet 1.13x), on AVX-512 it won
+MIN_LANES = 8  # float32 lanes: AVX2 and AVX-512 measured (both won); NEON's 4 not
 
 
 @tvm.transform.module_pass(opt_level=0, name=NAME)
@@ -72,27 +68,23 @@ class ChannelsLast:
 
 def refusal(convs: list, lanes: int) -> str | None:
     """Why a module with these ``conv2d`` calls stays NCHW, or None to convert it."""
-    aligned = unaligned = stores = macs = 0
+    aligned = unaligned = 0
     for conv in convs:
         dims = _plain(conv)
         if isinstance(dims, str):
             return dims
         (_n, c, _h, _w), (n, f, oh, ow), (kh, kw) = dims
-        macs += n * f * oh * ow * c * kh * kw
         if (kh, kw) != (1, 1):
             continue
         if (oh * ow) % lanes:
-            unaligned += c * f * oh * ow
-            stores += n * f * oh * ow
+            unaligned += n * c * f * oh * ow
         else:
-            aligned += c * f * oh * ow
+            aligned += n * c * f * oh * ow
     if unaligned == 0:
         return "no 1x1 convolution writes its NCHW output a scalar at a time"
     share = unaligned / (aligned + unaligned)
     if share < MIN_UNALIGNED:
         return f"{share:.0%} of the 1x1 work unaligned (< {MIN_UNALIGNED:.0%})"
-    if stores * MACS_PER_STORE < macs:
-        return f"one scalar store per {macs // stores} products (> {MACS_PER_STORE})"
     return None
 
 
