@@ -157,3 +157,23 @@ class Base:
             return
         after = self.transform(before)
         tvm.ir.assert_structural_equal(after, self.Expected)
+
+
+def attention_module(s: int, dtype: str = "float16", causal: bool = False) -> tvm.IRModule:
+    """``softmax(Q K^T / 8 [where(tril, ., -inf)]) V`` at (1, 2, s, 64), as bench/gpu's
+    attention cases write it."""
+    from tvm import relax
+    from tvm.relax import op as R
+
+    q, k, v = (relax.Var(n, relax.TensorType((1, 2, s, 64), dtype)) for n in "qkv")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            kt = bb.emit(R.permute_dims(k, [0, 1, 3, 2]))
+            x = bb.emit(R.multiply(bb.emit(R.matmul(q, kt)), relax.const(0.125, dtype)))
+            if causal:
+                keep = relax.const(np.tril(np.ones((s, s), bool)))
+                x = bb.emit(R.where(keep, x, relax.const(float("-inf"), dtype)))
+            out = bb.emit_output(R.matmul(bb.emit(R.nn.softmax(x, axis=-1)), v))
+        bb.emit_func_output(out)
+    return bb.get()

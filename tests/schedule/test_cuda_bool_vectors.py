@@ -15,9 +15,8 @@ import shutil
 import numpy as np
 import pytest
 import tvm
-from helpers import run_kernel
-from tvm import relax, te
-from tvm.relax import op as R
+from helpers import attention_module, run_kernel
+from tvm import te
 from tvm.s_tir import Schedule
 
 from tvm_fusion import target as _target
@@ -79,24 +78,12 @@ def test_no_bool_left_alone():
     tvm.ir.assert_structural_equal(ScalarBoolAccess()(mod)["main"], func)
 
 
-def _causal(s: int) -> tvm.IRModule:
-    q, k, v = (relax.Var(n, relax.TensorType((1, 2, s, 64), "float16")) for n in "qkv")
-    keep = np.tril(np.ones((s, s), bool))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [q, k, v]):
-        with bb.dataflow():
-            kt = bb.emit(R.permute_dims(k, [0, 1, 3, 2]))
-            x = bb.emit(R.multiply(bb.emit(R.matmul(q, kt)), relax.const(0.125, "float16")))
-            x = bb.emit(R.where(relax.const(keep), x, relax.const(float("-inf"), "float16")))
-            out = bb.emit_output(R.matmul(bb.emit(R.nn.softmax(x, axis=-1)), v))
-        bb.emit_func_output(out)
-    return bb.get()
-
-
 def test_causal_attention_mask_read_unvectorized():
     tgt = _target.cuda_target()
     with tgt:
-        lowered = tvm.transform.Sequential(pipeline.fused_passes(tgt))(_causal(128))
+        lowered = tvm.transform.Sequential(pipeline.fused_passes(tgt))(
+            attention_module(128, causal=True)
+        )
         lowered = tvm.transform.Sequential(pipeline.schedule_passes(tgt))(lowered)
     reading = []
     for _, func in lowered.functions_items():
@@ -117,7 +104,9 @@ def test_causal_attention_builds_without_bool_vector_loads():
     tgt = _target.cuda_target("sm_90")
     bad = re.compile(r"\*\((u?short|u?char|u?int)\d\*\)\(param_\d+_ptr")
     sources = {
-        p: cuda_check.cuda_source(engine.compile_module(_causal(128), tgt, p).executable.mod)
+        p: cuda_check.cuda_source(
+            engine.compile_module(attention_module(128, causal=True), tgt, p).executable.mod
+        )
         for p in ("stock", "tvm_fusion")
     }
     assert bad.search(sources["stock"])  # TVM's bug, still there in stock's build

@@ -20,9 +20,8 @@ import shutil
 import numpy as np
 import pytest
 import tvm
-from helpers import run_kernel
-from tvm import relax, te
-from tvm.relax import op as R
+from helpers import attention_module, run_kernel
+from tvm import te
 from tvm.s_tir import Schedule
 
 from tvm_fusion import target as _target
@@ -155,23 +154,10 @@ def test_schedule_computes_the_same(case, rows):
     np.testing.assert_allclose(ours[-1], plain[-1], rtol=2e-3, atol=2e-3)
 
 
-def _attention(s: int, dtype: str = "float16") -> tvm.IRModule:
-    """softmax(Q K^T / 8) V at (1, 2, s, 64), as bench/gpu's attention case writes it."""
-    q, k, v = (relax.Var(n, relax.TensorType((1, 2, s, 64), dtype)) for n in "qkv")
-    bb = relax.BlockBuilder()
-    with bb.function("main", [q, k, v]):
-        with bb.dataflow():
-            kt = bb.emit(R.permute_dims(k, [0, 1, 3, 2]))
-            x = bb.emit(R.multiply(bb.emit(R.matmul(q, kt)), relax.const(0.125, dtype)))
-            out = bb.emit_output(R.matmul(bb.emit(R.nn.softmax(x, axis=-1)), v))
-        bb.emit_func_output(out)
-    return bb.get()
-
-
 def test_attention_gemms_scheduled_by_the_rule():
     tgt = _target.cuda_target()
     with tgt:
-        lowered = tvm.transform.Sequential(pipeline.fused_passes(tgt))(_attention(515))
+        lowered = tvm.transform.Sequential(pipeline.fused_passes(tgt))(attention_module(515))
         lowered = tvm.transform.Sequential(pipeline.schedule_passes(tgt))(lowered)
     rules = {
         gv.name_hint: f.attrs.get(RULE_ATTR)
@@ -183,7 +169,7 @@ def test_attention_gemms_scheduled_by_the_rule():
 
 @needs_nvcc
 def test_attention_builds_for_sm90():
-    compiled = engine.compile_module(_attention(2048), _target.cuda_target("sm_90"))
+    compiled = engine.compile_module(attention_module(2048), _target.cuda_target("sm_90"))
     checks = {c.name: c for c in cuda_check.check(compiled)}
     gemms = [c for name, c in checks.items() if "matmul" in name]
     assert len(gemms) == 2, sorted(checks)

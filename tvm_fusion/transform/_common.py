@@ -228,6 +228,15 @@ def bound_values(func: relax.Function) -> dict:
     return {b.var: b.value for block in body.blocks for b in block.bindings}
 
 
+def graph_functions(mod) -> list[tuple]:
+    """``(gv, func)`` of every Relax function of ``mod`` that is not primitive (a fused group)."""
+    return [
+        (gv, func)
+        for gv, func in list(mod.functions.items())
+        if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs)
+    ]
+
+
 def rewrite_each_function(mod, make_rewriter, prune_first: bool = False) -> int:
     """Run ``make_rewriter(mod, func)`` (a PyExprMutator counting its rewrites in ``count``)
     over every Relax function of ``mod`` that is not primitive; a function it rewrote is
@@ -235,9 +244,7 @@ def rewrite_each_function(mod, make_rewriter, prune_first: bool = False) -> int:
     builder (``bb.add_func``). ``prune_first``: remove them before the rewriter reads the
     function too (use counts of the importer's unused items). Returns the count."""
     count = 0
-    for gv, func in list(mod.functions.items()):
-        if not isinstance(func, relax.Function) or func.attrs and "Primitive" in func.attrs:
-            continue
+    for gv, func in graph_functions(mod):
         if prune_first:
             func = relax.analysis.remove_all_unused(func)
         rewriter = make_rewriter(mod, func)
@@ -339,28 +346,37 @@ def ints(values) -> list[int]:
 _CONV_LAYOUTS = {("NCHW", "OIHW", "NCHW"): "NCHW", ("NHWC", "OHWI", "NHWC"): "NHWC"}
 
 
-def float32_conv2d(conv, bound: dict) -> tuple[str, list[int] | None, np.ndarray | None, str]:
-    """``(data layout, input dims in NCHW order, weight in OIHW, "")`` of a ``conv2d`` in
-    NCHW / OIHW -> NCHW or NHWC / OHWI -> NHWC (what ChannelsLast makes), one group, float32
-    throughout, a static input shape and a constant 4-D weight; else ``("", None, None, why
-    not)``."""
+def float32_conv2d_form(conv) -> tuple[str, list[int] | None, str]:
+    """``(data layout, input dims as laid out, "")`` of a ``conv2d`` in NCHW / OIHW -> NCHW or
+    NHWC / OHWI -> NHWC (what ChannelsLast makes), one group, float32 throughout and a static
+    4-D input; else ``("", None, why not)``."""
     attrs = conv.attrs
     layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
     layout = _CONV_LAYOUTS.get(layouts)
     if layout is None:
-        return "", None, None, f"layouts {layouts}"
+        return "", None, f"layouts {layouts}"
     if int(attrs.groups) != 1:
-        return "", None, None, f"{int(attrs.groups)} groups"
+        return "", None, f"{int(attrs.groups)} groups"
     x, w = conv.args
     out_dtype = str(attrs.out_dtype) if attrs.out_dtype is not None else ""
     dtypes = {str(x.ty.dtype), str(w.ty.dtype), out_dtype or "float32"} - {"void"}
     if dtypes != {"float32"}:
-        return "", None, None, f"dtypes {sorted(dtypes)}"
+        return "", None, f"dtypes {sorted(dtypes)}"
     shape = static_shape(x)
     dims = None if shape is None else [const_int(d) for d in shape]
     if dims is None or len(dims) != 4 or None in dims:
-        return "", None, None, "symbolic or unknown input shape"
-    weight = constant_value(w, bound)
+        return "", None, "symbolic or unknown input shape"
+    return layout, dims, ""
+
+
+def float32_conv2d(conv, bound: dict) -> tuple[str, list[int] | None, np.ndarray | None, str]:
+    """``(data layout, input dims in NCHW order, weight in OIHW, "")`` of a conv2d that
+    :func:`float32_conv2d_form` takes, with a constant 4-D weight; else ``("", None, None, why
+    not)``."""
+    layout, dims, why = float32_conv2d_form(conv)
+    if why:
+        return "", None, None, why
+    weight = constant_value(conv.args[1], bound)
     if weight is None or weight.ndim != 4:
         return "", None, None, "the weight is not a 4-D constant"
     if layout == "NHWC":

@@ -36,7 +36,16 @@ import tvm
 from tvm import IRModule, relax
 
 from .. import target as _target
-from ._common import const_int, get_logger, op_name, record_rewrite, skip, static_shape
+from ._common import (
+    const_int,
+    float32_conv2d_form,
+    get_logger,
+    graph_functions,
+    op_name,
+    record_rewrite,
+    skip,
+    static_shape,
+)
 
 logger = get_logger(__name__)
 NAME = "ChannelsLast"
@@ -53,7 +62,7 @@ class ChannelsLast:
         target = _target.resolve_target(self.target)
         if not _target.is_cpu(target):
             return mod
-        convs = [call for func in _relax_functions(mod) for call in _conv2d_calls(func)]
+        convs = [call for _, func in graph_functions(mod) for call in _conv2d_calls(func)]
         if not convs:
             return mod
         lanes = _target.vector_lanes(target, "float32")
@@ -90,29 +99,14 @@ def refusal(convs: list, lanes: int) -> str | None:
 
 def _plain(conv):
     """(input dims, output dims, kernel (h, w)) of a plain conv2d, or why it is not one."""
-    attrs = conv.attrs
-    layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
-    if layouts != ("NCHW", "OIHW", "NCHW"):
-        return f"a conv2d in layouts {layouts}"
-    if int(attrs.groups) != 1:
-        return f"a conv2d of {int(attrs.groups)} groups"
-    x, w = conv.args
-    dtypes = {str(x.ty.dtype), str(w.ty.dtype), str(conv.ty.dtype)}
-    if dtypes != {"float32"}:
-        return f"a conv2d in {sorted(dtypes)}"
-    shapes = [static_shape(e) for e in (x, conv, w)]
-    dims = [None if s is None else [const_int(d) for d in s] for s in shapes]
+    layout, in_dims, why = float32_conv2d_form(conv)
+    if why or layout != "NCHW":
+        return f"a conv2d: {why or 'layout ' + layout}"
+    dims = [static_shape(e) for e in (conv, conv.args[1])]
+    dims = [None if s is None else [const_int(d) for d in s] for s in dims]
     if any(d is None or len(d) != 4 or None in d for d in dims):
         return "a conv2d of symbolic or unknown shape"
-    return dims[0], dims[1], tuple(dims[2][2:])
-
-
-def _relax_functions(mod: IRModule) -> list:
-    return [
-        func
-        for func in mod.functions.values()
-        if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs)
-    ]
+    return in_dims, dims[0], tuple(dims[1][2:])
 
 
 def _conv2d_calls(func: relax.Function) -> list:
