@@ -186,3 +186,40 @@ def test_fire_module_matches_onnxruntime(batch, sq, ex):
     ref = engine.onnxruntime_runner(model, {"x": x}, 1)()[0]
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
     assert fallback_kernels(compiled.lowered) == []
+
+
+@pytest.mark.parametrize("hw", [13, 3])
+def test_torch_export_fire_module(hw):
+    """The same block through torch.export (batch 2): squeeze 32 -> 16, expand 16 -> 64 (1x1
+    and 3x3), concatenation, ceil-mode pooling, a mean; against torch. At 13 x 13 the 3x3 is
+    NHWC Winograd; at 3 x 3 (too few tiles) it stays a direct convolution."""
+    import torch
+
+    from tvm_fusion.frontend.load import import_exported_program
+
+    class Fire(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sq = torch.nn.Conv2d(32, 16, 1)
+            self.e1 = torch.nn.Conv2d(16, 64, 1)
+            self.e3 = torch.nn.Conv2d(16, 64, 3, padding=1)
+
+        def forward(self, x):
+            y = torch.relu(self.sq(x))
+            y = torch.cat([torch.relu(self.e1(y)), torch.relu(self.e3(y))], 1)
+            return torch.nn.functional.max_pool2d(y, 3, 2, ceil_mode=True).mean((2, 3))
+
+    torch.manual_seed(0)
+    model = Fire().eval()
+    x = torch.randn(2, 32, hw, hw)
+    with collect_rewrites() as rewrites:
+        mod = ChannelsLast(AVX512)(import_exported_program(torch.export.export(model, (x,))))
+        compiled = engine.compile_module(mod, host_target(), "tvm_fusion")
+    assert rewrites["ChannelsLast"] == 3
+    assert rewrites["WinogradConv"] == (hw == 13)
+    with torch.no_grad():
+        ref = model(x).numpy()
+    np.testing.assert_allclose(
+        engine.TvmRunner(compiled, [x.numpy()]).outputs()[0], ref, rtol=1e-4, atol=1e-4
+    )
+    assert fallback_kernels(compiled.lowered) == []
