@@ -1,5 +1,5 @@
 """The row rule stores softmax's ``exp(x - max)`` in the output row and scales it in place
-(``reduction._output_as_row_buffer``), so no row buffer is allocated per row.
+(``_row_buffer.output_as_row_buffer``), so no row buffer is allocated per row.
 
 Cases: static rows of an odd length over 1024 bytes (the buffer was a ``TVMBackendAllocWorkspace``
 call per row), short rows two per iteration, one row, symbolic rows and length, log_softmax
