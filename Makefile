@@ -27,10 +27,12 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/tvm-fusion bench --models tests/corpus --workloads $(DEMO_MODELS) \
 		--dim batch=8 --dim seq=64 --repeat 10 --budget 1 --output ''
 	$(PY) tutorials/shape_on_host.py --size small
+	$(PY) scripts/bench_cnn.py --models squeezenet --no-batch3 --repeat 5 --budget 1 --output ''
 
 # three exported models of the corpus: stock TVM cannot import BERT's loss; the LSTM gates fuse;
 # Mixtral's routed experts run without the gathered W[ids] copy (FuseGatheredGates).
-# Then the shape idioms: shape-only kernels and copies of their CUDA builds, stock vs ours.
+# Then the shape idioms: shape-only kernels and copies of their CUDA builds, stock vs ours;
+# then a model-zoo CNN (SqueezeNet, from the onnx package) against ONNX Runtime and stock TVM.
 DEMO_MODELS := bert_mlm_torchscript,lstm_cell_torchscript,mixtral_torchscript
 
 # One pytest worker per core, whole files per worker; TVM's pool one thread per worker, so the

@@ -354,7 +354,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
         "scripts/tune.py <model.onnx> --work-dir DIR/<model>), in the same alternating rounds",
     )
     parser.add_argument("--note", default="", help="what else ran on the machine")
-    parser.add_argument("--output", default="bench/cnn.json")
+    parser.add_argument("--output", default="bench/cnn.json", help="'' to print only")
     return parser.parse_args(argv)
 
 
@@ -381,12 +381,14 @@ def main(argv=None) -> int:
     machine = machine_info(target)
     machine["load_before"] = load_before
     machine["load_after"] = [round(v, 2) for v in os.getloadavg()]
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": machine, "command": " ".join(sys.argv), "note": args.note, "rows": rows}
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(rows, machine, args))
-    print(out.with_suffix(".md").read_text())
+    text = markdown(rows, machine, args)
+    if args.output:  # --output '': the table printed only (make demo)
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"machine": machine, "command": " ".join(sys.argv), "note": args.note}
+        out.write_text(json.dumps({**payload, "rows": rows}, indent=2) + "\n")
+        out.with_suffix(".md").write_text(text)
+    print(text)
     return 0
 
 
