@@ -82,6 +82,22 @@ def sequential(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     return parsed if isinstance(parsed, tvm.tirx.PrimFunc) else parsed["main"]
 
 
+def accumulator_tiles(func: tvm.tirx.PrimFunc, compacted: bool = True) -> list:
+    """The register tiles of a CPU rule's schedule (compacted, else as allocated): the
+    allocated buffers that its accumulating blocks (a reduction iterator) write, whatever their
+    scope (the GEMM rules' write cache is ``global``, ``_common.ACC_SCOPE``; a gate kernel's
+    ``local``)."""
+    from tvm_fusion import tir_util
+
+    written = {
+        blk.writes[0].source.name
+        for blk in tir_util.blocks(func)
+        if blk.writes and any(iv.iter_type == iv.CommReduce for iv in blk.iter_vars)
+    }
+    allocated = tir_util.compacted_allocations if compacted else tir_util.allocated_buffers
+    return [b for b in allocated(func) if b.name in written]
+
+
 def run_kernel(func: tvm.tirx.PrimFunc, args: list[np.ndarray]) -> list[np.ndarray]:
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), "llvm")
     tensors = [tvm.runtime.tensor(a) for a in args]

@@ -10,12 +10,11 @@ symbolic batch, residual epilogue, on the host's own build."""
 import numpy as np
 import pytest
 import tvm
-from helpers import fused_prim_funcs, run
+from helpers import accumulator_tiles, fused_prim_funcs, run
 from tvm import relax
 from tvm.relax import op as R
 
 from tvm_fusion import target as _target
-from tvm_fusion import tir_util
 from tvm_fusion.schedule import cpu
 
 RNG = np.random.default_rng(7)
@@ -45,12 +44,8 @@ def _conv_kernel(mod, target):
 
 
 def _accumulators(func) -> list[tuple]:
-    """The shapes of the local (register) buffers of a scheduled kernel."""
-    return [
-        tuple(int(d) for d in buf.shape)
-        for buf in tir_util.allocated_buffers(func)
-        if buf.scope() == "local"
-    ]
+    """The shapes of the register tiles of a scheduled kernel."""
+    return [tuple(int(d) for d in buf.shape) for buf in accumulator_tiles(func, compacted=False)]
 
 
 @pytest.mark.parametrize("hw", [8, 7])

@@ -9,7 +9,13 @@ Symbolic batch, odd sizes; the tiles checked compile-only on AVX2, AVX-512 and N
 import numpy as np
 import pytest
 import tvm
-from helpers import compare_pipelines, fused_prim_funcs, matches_reference, run
+from helpers import (
+    accumulator_tiles,
+    compare_pipelines,
+    fused_prim_funcs,
+    matches_reference,
+    run,
+)
 from tvm import relax
 from tvm.relax import op as R
 
@@ -78,7 +84,7 @@ def test_conv_accumulators_channels_last(name, batch, cpu_target):
     assert sch is not None
     lanes = _target.vector_lanes(target, "float32")
     regs = _target.vector_registers(target)
-    (acc,) = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
+    (acc,) = accumulator_tiles(sch.mod["main"])
     # a register tile: rows of channel vectors, the channels innermost (whole vectors, or, for
     # 20 channels, which pad_einsum cannot pad in a convolution, a tile width dividing them)
     assert tir_util.num_elements(acc) is not None, acc.shape
@@ -131,7 +137,7 @@ def test_conv1x1_merged_rows_full_tile(hw, batch, cpu_target):
     assert sch is not None
     lanes = _target.vector_lanes(target, "float32")
     regs = _target.vector_registers(target)
-    (acc,) = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
+    (acc,) = accumulator_tiles(sch.mod["main"])
     last = int(acc.shape[-1])
     rows = tir_util.num_elements(acc) // last
     assert last == 2 * lanes, acc.shape  # 32 channels: two vectors on every target here
@@ -191,7 +197,7 @@ def test_conv1x1_wide_tile_on_avx2(channels, hw, wide):
     func = _conv_prim_func(mod, AVX2)
     sch = cpu.Matmul().apply(func, AVX2, False)
     assert sch is not None
-    (acc,) = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
+    (acc,) = accumulator_tiles(sch.mod["main"])
     last = int(acc.shape[-1])
     rows = tir_util.num_elements(acc) // last
     assert ((last, rows) == (24, 4)) == wide, acc.shape
@@ -225,7 +231,7 @@ def test_conv1x1_strided_rows_compacted(hw, strides, padding, tile):
     mod = _module(conv, (1, 256, hw, hw))
     sch = cpu.Matmul().apply(_conv_prim_func(mod, AVX2), AVX2, False)
     assert sch is not None
-    (acc,) = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
+    (acc,) = accumulator_tiles(sch.mod["main"])
     if tile is not None:
         last = int(acc.shape[-1])
         assert (last, tir_util.num_elements(acc) // last) == tile, acc.shape
@@ -246,7 +252,7 @@ def test_conv1x1_output_parameter_wide_tile(hw, strides):
     mod = _module(lambda bb, x: R.nn.conv2d(x, relax.const(w), strides=strides), (1, 256, hw, hw))
     sch = cpu.Matmul().apply(_conv_prim_func(mod, AVX2), AVX2, False)
     assert sch is not None
-    (acc,) = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
+    (acc,) = accumulator_tiles(sch.mod["main"])
     assert (int(acc.shape[-1]), tir_util.num_elements(acc) // int(acc.shape[-1])) == (24, 4)
     x = RNG.standard_normal((1, 256, hw, hw)).astype("float32")
     y = np.einsum("fc,nchw->nfhw", w[:, :, 0, 0], x[:, :, ::strides, ::strides])

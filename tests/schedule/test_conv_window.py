@@ -13,7 +13,7 @@ small odd shapes."""
 import numpy as np
 import pytest
 import tvm
-from helpers import fused_prim_funcs
+from helpers import accumulator_tiles, fused_prim_funcs
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 from tvm.relax import op as R
@@ -46,7 +46,7 @@ def _update_block(sch):
 
 
 def _accumulators(sch):
-    (acc,) = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
+    (acc,) = accumulator_tiles(sch.mod["main"])
     lanes_axis = int(acc.shape[-1])
     return tir_util.num_elements(acc) // lanes_axis, lanes_axis
 

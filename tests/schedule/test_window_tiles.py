@@ -9,12 +9,11 @@ numpy convolution on AVX2 builds at odd widths, strides, paddings and a dilation
 import numpy as np
 import pytest
 import tvm
-from helpers import fused_prim_funcs, matches_reference
+from helpers import accumulator_tiles, fused_prim_funcs, matches_reference
 from tvm import relax
 from tvm.relax import op as R
 
 from tvm_fusion import target as _target
-from tvm_fusion import tir_util
 from tvm_fusion.schedule import cpu
 from tvm_fusion.schedule.cpu._conv_tiles import channel_block, window_tile
 from tvm_fusion.schedule.cpu._tiles import standard_tile, unpadded_tile
@@ -126,7 +125,7 @@ def _accumulators(mod, target):
     (func,) = fused_prim_funcs(mod, target)
     sch = cpu.Matmul().apply(func, target, False)
     assert sch is not None
-    (acc,) = [b for b in tir_util.compacted_allocations(sch.mod["main"]) if b.scope() == "local"]
+    (acc,) = accumulator_tiles(sch.mod["main"])
     return [int(d) for d in acc.shape]
 
 

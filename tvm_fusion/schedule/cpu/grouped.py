@@ -47,6 +47,7 @@ from tvm.target import Target
 from ... import target as _target
 from ...tir_util import vars_in
 from .._common import (
+    ACC_SCOPE,
     CPURule,
     block_dtype,
     extent,
@@ -191,7 +192,7 @@ class GroupedConv(CPURule):
         p_o, p_v, p_i = sch.split(p_loop, [None, nv, vw])
         # the channel tiles outermost: the parallel loop when the batch is symbolic (or 1)
         sch.reorder(oc_o, *outer, *rows, p_o, *r_loops, oc_i, p_v, p_i)
-        acc = sch.cache_write(block, 0, "local")
+        acc = sch.cache_write(block, 0, ACC_SCOPE)
         for info in infos[at + 1 :]:
             if not same_domain(sch, acc, info.block_rv) or not sole_consumer(sch, acc):
                 break

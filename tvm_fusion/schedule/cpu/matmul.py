@@ -60,6 +60,7 @@ from tvm.target import Target
 from ... import target as _target
 from ...tir_util import expr_size, vars_in
 from .._common import (
+    ACC_SCOPE,
     GATE_ATTR,
     CPURule,
     extent,
@@ -463,7 +464,7 @@ class Matmul(CPURule):
                 sch.reorder(ic, *panel_loops)
                 tile_loop = io
             outer += [io] if io is not None else []
-        acc = sch.cache_write(block, 0, "local")
+        acc = sch.cache_write(block, 0, ACC_SCOPE)
         if swapped:
             if not flat:  # (flat copies write (h, w) flat already)
                 sch.transform_layout(block, ("write", 0), merged_layout(merged))

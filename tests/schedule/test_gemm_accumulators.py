@@ -1,0 +1,127 @@
+"""The CPU GEMM rules' accumulators live in registers only: their tile buffer is a ``global``
+``cache_write`` (a stack buffer that LLVM promotes whole), not ``local``. With ``local``, TVM
+0.27 lowers the tile through a buffer LLVM keeps in memory: each tile was zeroed by a call to
+``memset`` and its accumulators stored twice (to that buffer, then to the output). Over a short
+reduction that is most of the tile's time: Winograd's batched GEMM 36 x 196 x 16 @ 16 x 64
+(SqueezeNet), see bench/cnn.md.
+
+Compile-only over the target matrix and an Intel AVX-512 CPU (where LLVM zeroed that buffer with
+``memset``; on Zen 4 with stores): the kernel's assembly allocates no workspace and calls no
+``memset``; numbers on the host build, the reduction short and long, with an epilogue."""
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+from helpers import run
+from tvm import relax
+from tvm.relax import op as R
+
+from tvm_fusion import analysis
+from tvm_fusion.build import engine
+
+
+def _gemm(shape_x, shape_w, relu: bool = False, seed: int = 0):
+    w = np.random.default_rng(seed).standard_normal(shape_w).astype("float32")
+    x = relax.Var("x", relax.TensorType(shape_x, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = R.matmul(x, relax.const(w))
+            gv = bb.emit_output(R.nn.relu(y) if relu else y)
+        bb.emit_func_output(gv)
+    return bb.get(), w
+
+
+def _grouped_conv(groups: int = 2, seed: int = 0):
+    w = np.random.default_rng(seed).standard_normal((8 * groups, 4, 3, 3)).astype("float32")
+    x = relax.Var("x", relax.TensorType((1, 4 * groups, 16, 16), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            gv = bb.emit_output(R.nn.conv2d(x, relax.const(w), groups=groups))
+        bb.emit_func_output(gv)
+    return bb.get(), w
+
+
+def _kernel_asm(mod, target, rule: str) -> str:
+    compiled = engine.compile_module(mod, target, "tvm_fusion", channels_last=False)
+    funcs = [
+        (gv.name_hint, f)
+        for gv, f in compiled.lowered.functions.items()
+        if isinstance(f, tvm.tirx.PrimFunc)
+        and f.attrs is not None
+        and f.attrs.get("tvm_fusion.schedule_rule") == rule
+    ]
+    assert funcs, [i.rule for i in analysis.schedule_info(compiled.lowered)]
+    name, func = funcs[0]
+    lib = tvm.compile(tvm.IRModule({name: func.with_attr("global_symbol", name)}), target)
+    mod = lib.mod if hasattr(lib, "mod") else lib
+    return mod.inspect_source("asm")
+
+
+FMA = r"\bv?fmadd|\bfmla\b"  # x86 (AVX2, AVX-512), AArch64
+INTEL_AVX512 = tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
+
+
+def _in_registers(asm: str) -> None:
+    assert "TVMBackendAllocWorkspace" not in asm, "the accumulator tile is a workspace"
+    assert "memset" not in asm, "the accumulator tile is zeroed in memory"
+
+
+@pytest.mark.parametrize("k", [16, 64])
+def _gemm_tile_in_registers(target, k):
+    for mod in (_gemm((36, 196, k), (36, k, 64))[0], _gemm((29, k), (k, 40), relu=True)[0]):
+        asm = _kernel_asm(mod, target, "Matmul")
+        _in_registers(asm)
+        if "x86-64-v2" not in str(target):
+            assert re.search(FMA, asm), "no FMA in the GEMM kernel"
+
+
+@pytest.mark.parametrize("k", [16, 64])
+def test_gemm_tile_in_registers(cpu_target, k):
+    """Winograd's batched GEMM and a plain one with rows padded to the tile (tiles under 1024
+    bytes on every target). SSE4.2 has no FMA; there the multiply-adds are checked by the
+    numbers below only."""
+    _gemm_tile_in_registers(cpu_target, k)
+
+
+@pytest.mark.parametrize("k", [16, 64])
+def test_gemm_tile_in_registers_intel(k):
+    _gemm_tile_in_registers(INTEL_AVX512, k)
+
+
+@pytest.mark.parametrize("mcpu", ["znver3", "znver4", "sapphirerapids"])
+def test_grouped_conv_tile_in_registers(mcpu):
+    """The grouped rule's tile likewise (on 4 lanes the window rule takes this convolution)."""
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    _in_registers(_kernel_asm(_grouped_conv()[0], target, "GroupedConv"))
+
+
+@pytest.mark.parametrize(
+    "shape_x, shape_w, relu",
+    [
+        ((36, 196, 16), (36, 16, 64), False),  # Winograd's batched GEMM
+        ((29, 640), (640, 40), True),  # rows padded to the tile, a long reduction, an epilogue
+        ((1, 7), (7, 3), False),  # one row, a narrow axis
+    ],
+)
+def test_gemm_numbers(shape_x, shape_w, relu):
+    mod, w = _gemm(shape_x, shape_w, relu)
+    x = np.random.default_rng(1).standard_normal(shape_x).astype("float32")
+    (out,), compiled = run(mod, [x])
+    expect = x @ w
+    np.testing.assert_allclose(out, np.maximum(expect, 0) if relu else expect, rtol=1e-4, atol=1e-4)
+    assert "Matmul" in {i.rule for i in analysis.schedule_info(compiled.lowered)}
+
+
+def test_grouped_conv_numbers():
+    import torch
+
+    mod, w = _grouped_conv()
+    x = np.random.default_rng(1).standard_normal((1, 8, 16, 16)).astype("float32")
+    (out,), compiled = run(mod, [x])
+    expect = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w), groups=2).numpy()
+    np.testing.assert_allclose(out, expect, rtol=1e-4, atol=1e-4)
+    assert "GroupedConv" in {i.rule for i in analysis.schedule_info(compiled.lowered)}
