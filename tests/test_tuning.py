@@ -174,20 +174,28 @@ def test_stock_pipeline_tuned_with_the_same_budget(tmp_path):
     )
 
 
+def _default_timed_fastest(monkeypatch) -> list[int]:
+    """Fake ``finalists._time_here``: in its first call our default (timed last, after the
+    records) is the fastest, every later candidate 1 ms. Returns the candidate count of each
+    call."""
+    calls = []
+
+    def fake_time(candidates, rounds):
+        calls.append(len(candidates))
+        last = 1e-9 if len(calls) == 1 else 1e-3
+        return [[1e-3] * rounds for _ in candidates[:-1]] + [[last] * rounds]
+
+    monkeypatch.setattr(tuning.finalists, "_time_here", fake_time)
+    return calls
+
+
 def test_packed_default_that_beats_every_record_keeps_the_task(tmp_path, monkeypatch):
     """Our GEMM schedule packs the constant weight, so it cannot be a record. When the records
     are measured again, it is timed beside them (last candidate); where it wins, the task's
     records are left out and the pipeline schedules the task itself (packed, right numbers).
     The timings are faked: the packed default is made the fastest."""
     mod, inputs, w = _tiny()
-    calls = []
-
-    def fake_time(candidates, rounds):  # the packed default comes last in the first call
-        calls.append(len(candidates))
-        last = 1e-9 if len(calls) == 1 else 1e-3
-        return [[1e-3] * rounds for _ in candidates[:-1]] + [[last] * rounds]
-
-    monkeypatch.setattr(tuning.finalists, "_time_here", fake_time)
+    calls = _default_timed_fastest(monkeypatch)
     lines = []
     report = tuning.tune(
         mod, tvm_fusion.host_target(), tmp_path, trials=2, verify=1, progress=lines.append
@@ -251,14 +259,7 @@ def test_packed_default_of_a_1x1_conv_is_timed_as_the_pipeline_runs_it(tmp_path,
             y = bb.emit(R.nn.relu(R.nn.conv2d(x, relax.const(w))))
             gv = bb.emit_output(y)
         bb.emit_func_output(gv)
-    calls = []
-
-    def fake_time(candidates, rounds):
-        calls.append(len(candidates))
-        last = 1e-9 if len(calls) == 1 else 1e-3
-        return [[1e-3] * rounds for _ in candidates[:-1]] + [[last] * rounds]
-
-    monkeypatch.setattr(tuning.finalists, "_time_here", fake_time)
+    calls = _default_timed_fastest(monkeypatch)
     lines = []
     # NCHW, the form this is about (ChannelsLast makes a lone 5 x 5 one NHWC on AVX-512)
     tuning.tune(
@@ -319,14 +320,7 @@ def test_unreplayed_default_that_beats_every_record_keeps_the_task(tmp_path, mon
     out and the pipeline schedules the task itself (right numbers). Timings faked: the default
     is the fastest."""
     mod, w = _padded_rows_gemm()
-    calls = []
-
-    def fake_time(candidates, rounds):
-        calls.append(len(candidates))
-        last = 1e-9 if len(calls) == 1 else 1e-3
-        return [[1e-3] * rounds for _ in candidates[:-1]] + [[last] * rounds]
-
-    monkeypatch.setattr(tuning.finalists, "_time_here", fake_time)
+    calls = _default_timed_fastest(monkeypatch)
     lines = []
     tuning.tune(mod, tvm_fusion.host_target(), tmp_path, trials=2, verify=1, progress=lines.append)
     assert calls and calls[0] >= 2, calls  # a record and our default
