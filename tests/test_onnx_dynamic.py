@@ -73,8 +73,12 @@ def test_pad_with_runtime_pads_matches_onnxruntime(mode):
 def test_pad_with_runtime_axes_and_value_matches_onnxruntime():
     rng = np.random.default_rng(1)
     feeds = [
-        {"x": _x(n, rng), "pads": np.array(p, "int64"), "value": np.array(v, "float32"),
-         "axes": np.array(a, "int64")}
+        {
+            "x": _x(n, rng),
+            "pads": np.array(p, "int64"),
+            "value": np.array(v, "float32"),
+            "axes": np.array(a, "int64"),
+        }
         for n, p, v, a in [(2, [1, 0, 2, 3], 1.5, [-1, 0]), (3, [0, 2, -1, 1], -2.0, [1, 2])]
     ]
     _check(_pad_model("constant", axes=True, value=True), feeds)
@@ -91,8 +95,11 @@ def test_pad_with_pads_from_shape_matches_onnxruntime():
     ]
     inits = {k: np.array([v], "int64") for k, v in (("zero", 0), ("one", 1), ("two", 2))}
     model = onnx_model(
-        nodes, [onnx_input("x", "float32", ["n", 5, 3])], [_out("y")],
-        inits, opset=19,
+        nodes,
+        [onnx_input("x", "float32", ["n", 5, 3])],
+        [_out("y")],
+        inits,
+        opset=19,
     )
     rng = np.random.default_rng(2)
     _check(model, [{"x": _x(n, rng)} for n in (2, 3)])
@@ -179,8 +186,10 @@ def test_expanded_layer_norm_at_a_dynamic_batch_matches_onnxruntime(name):
         i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input
     }
     feeds = [
-        {k: rng.standard_normal([n, *v[1:]] if k == "X" else v).astype("float32")
-         for k, v in shapes.items()}
+        {
+            k: rng.standard_normal([n, *v[1:]] if k == "X" else v).astype("float32")
+            for k, v in shapes.items()
+        }
         for n in (1, 5)
     ]
     _check(model, feeds)

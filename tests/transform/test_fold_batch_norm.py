@@ -64,8 +64,9 @@ def conv_bn(
             y = bb.emit(op(x, weight, padding=1, groups=groups, **kw))
             z = bb.emit(relax.op.add(y, relax.const(bias))) if bias is not None else y
             bn = bb.emit(
-                relax.op.nn.batch_norm(z, *map(relax.const, stats), axis=axis, epsilon=EPS,
-                                       training=training)  # fmt: skip
+                relax.op.nn.batch_norm(
+                    z, *map(relax.const, stats), axis=axis, epsilon=EPS, training=training
+                )  # fmt: skip
             )
             out = bb.emit(relax.op.nn.relu(bb.emit(relax.TupleGetItem(bn, 0))))
             if extra_use:
@@ -209,8 +210,12 @@ def test_onnx_symbolic_batch_and_image():
     [
         {"layout": ("NHWC", "OHWI"), "axis": 3, "x_shape": (2, 7, 5, 4), "w_shape": (6, 3, 3, 4)},
         {"layout": ("NCHW", "OIHW"), "groups": 2, "x_shape": (1, 4, 5, 5), "w_shape": (6, 2, 3, 3)},
-        {"op": relax.op.nn.conv1d, "layout": ("NCW", "OIW"), "x_shape": (2, 4, 9),
-         "w_shape": (6, 4, 3)},  # fmt: skip
+        {
+            "op": relax.op.nn.conv1d,
+            "layout": ("NCW", "OIW"),
+            "x_shape": (2, 4, 9),
+            "w_shape": (6, 4, 3),
+        },  # fmt: skip
     ],
     ids=["nhwc", "grouped", "conv1d"],
 )
