@@ -43,6 +43,7 @@ os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "gpu_run.py"
+_STUB_LOADED = False  # _load_cuda_runtime ran in this process
 SKIP_IN_SITE = {"lib", "3rdparty", "src", "include", "web", "__pycache__"}
 RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_runtime_cuda.so", "libtvm_runtime_extra.so")
 
@@ -59,10 +60,21 @@ def _load_cuda_runtime(work: Path) -> None:
     runtime cannot load. That library needs libcudart.so.13 (the CUDA toolkit's, present with
     nvcc) and libcuda.so.1 (the driver, absent here). A stub libcuda.so.1 that defines the
     driver symbols the library links against satisfies the loader; nothing here calls them:
-    compiling and exporting never touch the device. Must run before ``import tvm``.
+    compiling and exporting never touch the device. Must run before ``import tvm``: a process
+    that imported TVM first would export CUDA source, which the bundle's runtime-only TVM then
+    fails to compile on the GPU machine; that is refused here in one line.
     """
     import ctypes
     import glob
+
+    global _STUB_LOADED
+    if _STUB_LOADED:
+        return
+    if "tvm" in sys.modules:
+        raise SystemExit(
+            "gpu_bundle: tvm was imported before the CUDA runtime stub; the modules would carry "
+            "CUDA source the GPU machine cannot compile (call main() before importing tvm)"
+        )
 
     runtime = Path(_tvm_package_dir()) / "lib" / "libtvm_runtime_cuda.so"
     nm = subprocess.run(
@@ -90,6 +102,7 @@ def _load_cuda_runtime(work: Path) -> None:
         raise SystemExit("libcudart.so.13 not found: install the CUDA 13 toolkit (nvcc)")
     ctypes.CDLL(str(stub), mode=ctypes.RTLD_GLOBAL)
     ctypes.CDLL(cudart[0], mode=ctypes.RTLD_GLOBAL)
+    _STUB_LOADED = True
 
 
 def _tvm_package_dir() -> str:

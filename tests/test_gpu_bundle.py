@@ -56,6 +56,25 @@ def test_bundle_compiles_device_code_and_lifts_weights(tmp_path):
             assert len(blob) < 1 << 20
 
 
+def test_tvm_imported_before_the_stub_is_refused(tmp_path):
+    """A script that imports TVM before the bundle loads its CUDA stub would export CUDA source
+    (the GPU machine's runtime-only TVM cannot compile it): refused in one line, nothing built."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import tvm, gpu_bundle; "
+        "gpu_bundle._load_cuda_runtime(__import__('pathlib').Path(sys.argv[2]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "scripts"), str(tmp_path / "stub")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "tvm was imported before the CUDA runtime stub" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "stub").exists()
+
+
 def test_variant_pipeline_without_a_rule(tmp_path):
     """``--without-rules HalfTensorCore --without-cases attn_``: one more module per attention
     case, tvm_fusion without that rule (the before of a before/after in one bundle)."""
