@@ -99,12 +99,44 @@ def test_grouped_conv_tile_in_registers(mcpu):
     _in_registers(_kernel_asm(_grouped_conv()[0], target, "GroupedConv"))
 
 
+@pytest.mark.parametrize("mcpu", ["znver4", "sapphirerapids"])
+@pytest.mark.parametrize("cols", [16, 64])
+def test_avx512_tile_of_rows_in_eights_stays_on_the_stack(mcpu, cols):
+    """64 rows: 8 rows x 2 vectors (or 16 x 1) of AVX-512 float32 accumulators are 1024 bytes,
+    which TVM 0.27 allocates as a workspace (kMaxStackAlloca is exclusive): the tile takes 4 x 2
+    (8 x 1) instead, _tiles.STACK_TILE_BYTES."""
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    asm = _kernel_asm(_gemm((64, 64), (64, cols))[0], target, "Matmul")
+    _in_registers(asm)
+    assert re.search(FMA, asm)
+
+
+def test_avx512_register_tiles_under_the_stack_limit():
+    """Every GEMM and window-convolution tile of AVX-512 float32 accumulators is under 1024
+    bytes, so it stays in registers; AVX2's tiles are unchanged (16 registers never fill it)."""
+    from tvm_fusion.schedule.cpu._conv_tiles import window_tile
+    from tvm_fusion.schedule.cpu._tiles import standard_tile
+
+    for lanes, regs in ((16, 32), (8, 16), (4, 32)):
+        for m in [1, 2, 5, 7, 8, 13, 14, 16, 27, 55, 56, 64, 97, 136, 256, 3136]:
+            for j in [3, 16, 32, 48, 64, 96, 99, 128, 256, 2039]:
+                nr, mr = standard_tile(m, j, lanes, regs, 1)
+                assert mr * nr * 4 < 1024, (m, j, lanes, nr, mr)
+                if j % lanes == 0:
+                    wn, wm = window_tile(m, j, nr, lanes, regs, 1)
+                    assert wm * wn * 4 < 1024, (m, j, lanes, wn, wm)
+    assert standard_tile(64, 64, 16, 32, 1) == (32, 4)
+    assert standard_tile(56, 64, 16, 32, 1) == (32, 7)
+    assert standard_tile(64, 64, 8, 16, 1) == (16, 4)  # AVX2 as before
+
+
 @pytest.mark.parametrize(
     "shape_x, shape_w, relu",
     [
         ((36, 196, 16), (36, 16, 64), False),  # Winograd's batched GEMM
         ((29, 640), (640, 40), True),  # rows padded to the tile, a long reduction, an epilogue
         ((1, 7), (7, 3), False),  # one row, a narrow axis
+        ((64, 64), (64, 64), True),  # rows in eights: 4 x 2 AVX-512 vectors, not 8 x 2
     ],
 )
 def test_gemm_numbers(shape_x, shape_w, relu):

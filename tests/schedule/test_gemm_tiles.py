@@ -48,13 +48,14 @@ def test_avx2_tiles_hold_12_accumulators(spec):
 
 
 def test_avx512_tiles_unchanged():
-    """32 registers: half of them accumulators, no wide tile (as before the AVX2 change)."""
+    """32 registers: half of them accumulators, no wide tile (as before the AVX2 change), and
+    under 1024 bytes of them (_tiles.STACK_TILE_BYTES): 136 rows take 4 x 2 vectors, not 8."""
     lanes, regs = _isa(AVX512)
     assert (lanes, regs) == (16, 32)
     assert standard_tile(165, 99, lanes, regs, 1) == (16, 15)
     assert standard_tile(55, 99, lanes, regs, 1) == (16, 11)
     assert standard_tile(258, 389, lanes, regs, 1) == (32, 6)
-    assert standard_tile(136, 2039, lanes, regs, 1) == (32, 8)
+    assert standard_tile(136, 2039, lanes, regs, 1) == (32, 4)
     assert wide_tile(136, 2039, 1021, lanes, regs, 1) is None
 
 

@@ -293,7 +293,7 @@ def vectorize_with_tail(
 # promotes the tile to registers; a "local" one of the same size became a workspace that each
 # tile zeroed with a call to memset and stored twice (896 bytes: Winograd's 7 x 2 vectors on
 # AVX-512, 0.164 -> 0.112 ms for 36 x 196 x 16 @ 16 x 64). A tile of 1024 bytes or more (8 x 2
-# AVX-512 vectors) is a workspace either way.
+# AVX-512 vectors) is a workspace either way: the tiles stay under it (cpu/_tiles.STACK_TILE_BYTES).
 ACC_SCOPE = "global"
 
 # A parallel region costs a few microseconds to launch: not worth it for less work than this

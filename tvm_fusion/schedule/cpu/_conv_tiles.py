@@ -8,7 +8,7 @@ AVX2, 2 accumulators. The tile and the channel blocks are pure arithmetic on ext
 from __future__ import annotations
 
 from .._common import extent, is_static
-from ._tiles import unpadded_tile
+from ._tiles import ACC_ITEMSIZE, STACK_TILE_BYTES, unpadded_tile
 
 FMA_IN_FLIGHT = 8  # accumulators that keep the FMAs busy: 2 ports x 4 cycles (Zen 3, Skylake-X)
 WEIGHT_BLOCK_BYTES = 16 * 1024  # a channel block's weights (cb x kh x kw x NR), read from L1
@@ -58,6 +58,8 @@ def window_tile(m_ext, j_ext, nr: int, lanes: int, regs: int, gates: int) -> tup
         if mr == 1 and not few:
             continue
         for v in _divisors(j_ext // lanes, most // mr):
+            if mr * v * lanes * ACC_ITEMSIZE >= STACK_TILE_BYTES:
+                continue  # a workspace, not registers (_tiles.STACK_TILE_BYTES)
             if mr * v + (v + 3 if mr > 1 else 3) <= regs:
                 tiles.append((mr * v, round((mr + v) / (mr * v), 1), mr, v))
     if not tiles:

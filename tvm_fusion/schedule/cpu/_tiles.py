@@ -10,6 +10,20 @@ K_BLOCK_MIN = 1024  # shorter reductions keep a panel's whole K x NR block in L1
 K_WIDE_MIN = 256  # shorter reductions keep standard_tile's tile (the wide one is not measured)
 A_BLOCK_BYTES = 4 << 20  # A's rows above this are read in blocks of at most this (row_block)
 RUNTIME_PACK_MAX = 32 << 20  # a run-time B up to this is packed whole for row_block's blocks
+# TVM 0.27's LowerTVMBuiltin keeps a CPU allocation on the stack (where LLVM holds the
+# accumulator tile in registers) only under kMaxStackAlloca, 1024 bytes; a tile of 1024 bytes
+# or more becomes a TVMBackendAllocWorkspace buffer, zeroed by memset and stored back every
+# tile (see _common.ACC_SCOPE). That is AVX-512's 8 x 2 float32 vectors exactly: 7 x 2 instead,
+# Intel AVX-512 host, 2 threads, alternating: 3136 x 64 @ 64 x 256 0.882 -> 0.568 ms,
+# 784 x 128 @ 128 x 512 0.582 -> 0.426, 784 x 512 @ 512 x 128 0.539 -> 0.468.
+STACK_TILE_BYTES = 1024
+ACC_ITEMSIZE = 4  # bytes of an accumulator element (float32), unless a caller says otherwise
+
+
+def stack_rows(row_bytes: int) -> int:
+    """Most rows of ``row_bytes`` of accumulators each whose tile stays under
+    ``STACK_TILE_BYTES`` (at least 1): 7 for AVX-512's 2 float32 vectors, 15 for 1."""
+    return max(1, (STACK_TILE_BYTES - 1) // max(row_bytes, 1))
 
 
 def padded(extent: int, tile: int) -> int:
@@ -45,6 +59,7 @@ def unpadded_tile(m_ext: int, j_ext: int, nr: int, lanes: int, regs: int, gates:
         # and at most 3/4 of the file in accumulators (AVX-512, 56 rows: 8 x 2 vectors, not
         # 28 x 1)
         most = min(regs - 2 - 2 * per_row, 3 * regs // 4) // per_row
+        most = min(most, stack_rows(gates * width * ACC_ITEMSIZE))
         mr = dividing_width(m_ext, max(1, most))
         best = max(best, (mr * per_row, width, mr))
     return best[1], best[2]
@@ -95,7 +110,9 @@ def accumulator_budget(m_ext, regs: int, n_gates: int) -> int:
     return regs // 2
 
 
-def standard_tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[int, int]:
+def standard_tile(
+    m_ext, j_ext, lanes: int, regs: int, n_gates: int, itemsize: int = ACC_ITEMSIZE
+) -> tuple[int, int]:
     """(NR, MR): NR a multiple of ``lanes`` (or a narrow axis' own width); MR rows so that
     MR * gates * NR / lanes accumulators use about half the registers. Any extent gets a
     tile: a vector axis that no tile width divides (a vocabulary of 50257, 211 columns) or
@@ -104,7 +121,8 @@ def standard_tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[in
     least half as tall exists (129 rows: tiles of 3) or a height down to half of MR pads
     fewer rows. Padded columns take a tile of one vector where wider tiles pad far more
     (CLIP's 77 x 64 @ 64 x 77 scores: 1.32 -> 1.14x ONNX Runtime, 19 x 97 x 155 x 97
-    1.30 -> 1.05x, AMD EPYC, AVX-512)."""
+    1.30 -> 1.05x, AMD EPYC, AVX-512). The tile stays under ``STACK_TILE_BYTES`` (``itemsize``
+    bytes an accumulator): AVX-512's 2 float32 vectors take 7 rows, not 8."""
     budget = accumulator_budget(m_ext, regs, n_gates)
     if not is_static(j_ext):
         vecs = 2 if n_gates * 2 <= budget else 1
@@ -133,6 +151,7 @@ def standard_tile(m_ext, j_ext, lanes: int, regs: int, n_gates: int) -> tuple[in
     per_row = n_gates * max(vecs, 1)
     # the accumulators, one row's weight vectors and the broadcast fit the registers
     mr = max(1, min(budget, regs - 1 - per_row) // per_row)
+    mr = min(mr, stack_rows(n_gates * nr * itemsize))
     if is_static(m_ext):
         if m_ext <= mr:
             return nr, m_ext

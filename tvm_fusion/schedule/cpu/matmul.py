@@ -248,7 +248,7 @@ class Matmul(CPURule):
         j_ext = extent(sch, loop_of[j_var])
         m_ext = extent(sch, loop_of[i_var]) if i_var is not None else 1
 
-        nr, mr = standard_tile(m_ext, j_ext, lanes, regs, n_gates)
+        nr, mr = standard_tile(m_ext, j_ext, lanes, regs, n_gates, DataType(dtype).bits // 8)
         if window and is_static(m_ext):
             # a window's rows (the output width) are never padded (pad_einsum refuses its
             # reads): a height that divides them, sized on the register file (_conv_tiles.py)
