@@ -27,7 +27,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/tvm-fusion bench --models tests/corpus --workloads $(DEMO_MODELS) \
 		--dim batch=8 --dim seq=64 --repeat 10 --budget 1 --output ''
 	$(PY) tutorials/shape_on_host.py --size small
-	$(PY) scripts/bench_cnn.py --models squeezenet --no-batch3 --repeat 5 --budget 1 --output ''
+	$(PY) scripts/bench_cnn.py --models squeezenet,resnet50 --no-batch3 --repeat 5 --budget 1 --output ''
 
 # three exported models of the corpus: stock TVM cannot import BERT's loss; the LSTM gates fuse;
 # Mixtral's routed experts run without the gathered W[ids] copy (FuseGatheredGates).
