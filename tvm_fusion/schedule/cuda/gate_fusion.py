@@ -94,6 +94,13 @@ TUNABLE_TILES = 8  # tiles MetaSchedule chooses among (tunable_tiles)
 # at 16 (tiles of more than ACC_BUDGET accumulators, never the default). Same registers, no
 # spills either way (ptxas: 79 / 72); half the shared memory (32 -> 16 KB per block).
 FLOAT32_BK = 16
+# Float32 tiles: the register tile of the first tile giving SMS blocks, in blocks of fewer
+# threads where that gives FLOAT32_WAVES x SMS blocks (never smaller register tiles: see above).
+# H100, bench/gpu.md (2026-11-27 19:00 UTC), ms, the SMS rule's tile -> this one: SwiGLU 64 x 2048
+# -> 2 x 5632, 4 x 16 x 8 -> 4 x 8 x 8: 0.132 -> 0.112; 64 x 4096 -> 2 x 8192, same tiles: 0.259
+# -> 0.241; 128 x 2048 -> 2 x 5632, 4 x 32 x 8 -> 4 x 16 x 8: 0.236 -> 0.181 (torch 0.090, 0.209,
+# 0.147). Float16 (CUDA cores) not measured: unchanged.
+FLOAT32_WAVES = 2
 
 
 @dataclass(frozen=True)
@@ -184,8 +191,9 @@ def tile_candidates(
 def choose_tile(
     rows, units: int, block: int, gemm_gates: list[int], k_max: int, elem: int = 4
 ) -> Tile:
-    """The first of :func:`tile_candidates` that still gives ``SMS`` blocks; of tiles that all
-    give fewer, the one with the most blocks.
+    """The first of :func:`tile_candidates` that still gives ``SMS`` blocks (float32: its register
+    tile in the most threads per block that give ``FLOAT32_WAVES x SMS`` blocks, where some
+    do); of tiles that all give fewer, the one with the most blocks.
 
     ``rows`` may be symbolic (then the largest tile of 8 thread rows); ``units`` is the padded
     width (a multiple of ``block``); ``gemm_gates`` the gates of each GEMM (their accumulators
@@ -197,9 +205,13 @@ def choose_tile(
         return Tile(1, 32 // tx, tx, 8)
     if not is_static(rows):
         return next((t for t in candidates if t.ty == 8), candidates[0])
-    for tile in candidates:
-        if blocks(tile, rows, units) >= SMS:
-            return tile
+    first = next((t for t in candidates if blocks(t, rows, units) >= SMS), None)
+    if first is not None and elem >= 4:  # the same register tile, in blocks of fewer threads
+        same = [t for t in candidates if (t.tm, t.tx, t.bk) == (first.tm, first.tx, first.bk)]
+        waves = [t for t in same if blocks(t, rows, units) >= FLOAT32_WAVES * SMS]
+        return waves[0] if waves else first
+    if first is not None:
+        return first
     return max(candidates, key=lambda t: (blocks(t, rows, units), t.tm, t.bn))
 
 
