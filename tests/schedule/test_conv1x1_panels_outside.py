@@ -98,18 +98,24 @@ def test_symbolic_batch_keeps_rows_outside(cpu_target, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "hw, c, f, threshold",
-    [(7, 512, 1024, None), (14, 1024, 512, None), (3, 2048, 256, None), (14, 1024, 256, 1 << 20)],
+    "n, hw, c, f, threshold",
+    [
+        (1, 7, 512, 1024, None),
+        (2, 7, 512, 1024, None),  # the batch moves under the panels too
+        (1, 14, 1024, 512, None),
+        (1, 3, 2048, 256, None),
+        (1, 14, 1024, 256, 1 << 20),
+    ],
 )
-def test_panels_outside_rows_numbers(hw, c, f, threshold, monkeypatch):
+def test_panels_outside_rows_numbers(n, hw, c, f, threshold, monkeypatch):
     """Against NumPy. K = 1024 runs in blocks, the tile's write-back under the row loop moved
     under the panels (14 x 14, 1024 -> 256 with the threshold at 1 MiB: with the write-back
     under the panel loop, the schedule raised and the kernel went to the fallback rule,
     176 ms inside ResNet-50)."""
     if threshold is not None:
         monkeypatch.setattr(matmul, "PANELS_OUTSIDE_ROWS_BYTES", threshold)
-    mod, w, b = _module(1, hw, c, f)
-    x = RNG.standard_normal((1, hw, hw, c)).astype("float32")
+    mod, w, b = _module(n, hw, c, f)
+    x = RNG.standard_normal((n, hw, hw, c)).astype("float32")
     y = np.maximum(np.einsum("nhwc,fc->nhwf", x, w[:, 0, 0, :]) + b, 0)
     compiled = matches_reference(mod, [([x], [y])], rtol=1e-4, atol=1e-4)
     rules = {i.name: i.rule for i in analysis.schedule_info(compiled.lowered) if "conv" in i.name}
