@@ -157,3 +157,56 @@ def test_grouped_conv_numbers():
     expect = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w), groups=2).numpy()
     np.testing.assert_allclose(out, expect, rtol=1e-4, atol=1e-4)
     assert "GroupedConv" in {i.rule for i in analysis.schedule_info(compiled.lowered)}
+
+
+def _conv64(shape_x, channels: int, kernel: int, seed: int = 0):
+    """A float64 convolution, bias and ReLU (NCHW, stride 1, padding 1)."""
+    c = shape_x[1]
+    w = np.random.default_rng(seed).standard_normal((channels, c, kernel, kernel))
+    x = relax.Var("x", relax.TensorType(shape_x, "float64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = R.nn.conv2d(x, relax.const(w, "float64"), padding=[kernel // 2] * 2)
+            gv = bb.emit_output(R.nn.relu(y))
+        bb.emit_func_output(gv)
+    return bb.get(), w
+
+
+@pytest.mark.parametrize(
+    "shape_x, channels, kernel", [((1, 8, 12, 12), 32, 3), ((1, 8, 5, 12), 48, 3)]
+)
+def test_float64_tiles_stay_under_the_stack_limit(cpu_target, shape_x, channels, kernel):
+    """Float64 accumulators are 8 bytes: the window and unpadded tiles count them so (they
+    counted 4: AVX-512's 3x3 tile below was 12 rows x 2 vectors of float64, 1536 bytes, a
+    workspace)."""
+    from helpers import accumulator_tiles, fused_prim_funcs
+
+    from tvm_fusion import tir_util
+    from tvm_fusion.schedule import cpu
+
+    mod = _conv64(shape_x, channels, kernel)[0]
+    (conv,) = fused_prim_funcs(mod, cpu_target, containing="conv")
+    sch = cpu.Matmul().apply(conv, cpu_target, False)
+    assert sch is not None
+    (acc,) = accumulator_tiles(sch.mod["main"])
+    assert acc.dtype == "float64"
+    assert tir_util.num_elements(acc) * 8 < 1024, acc.shape
+
+
+@pytest.mark.parametrize(
+    "shape_x, channels, kernel", [((1, 8, 12, 12), 32, 3), ((1, 8, 5, 12), 48, 3)]
+)
+def test_float64_conv_numbers(shape_x, channels, kernel):
+    import torch
+
+    mod, w = _conv64(shape_x, channels, kernel)
+    x = np.random.default_rng(1).standard_normal(shape_x)
+    (out,), compiled = run(mod, [x], channels_last=False)
+    expect = (
+        torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w), padding=kernel // 2)
+        .clamp(min=0)
+        .numpy()
+    )
+    np.testing.assert_allclose(out, expect, rtol=1e-10, atol=1e-10)
+    assert "Matmul" in {i.rule for i in analysis.schedule_info(compiled.lowered)}

@@ -18,7 +18,9 @@ def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(1, min(n, most) + 1) if n % d == 0]
 
 
-def window_tile(m_ext, j_ext, nr: int, lanes: int, regs: int, gates: int) -> tuple[int, int]:
+def window_tile(
+    m_ext, j_ext, nr: int, lanes: int, regs: int, gates: int, itemsize: int = ACC_ITEMSIZE
+) -> tuple[int, int]:
     """(NR, MR) of a window convolution's register tile over static output widths ``m_ext``:
     MR rows that divide the width x V whole vectors that divide the channels.
 
@@ -45,7 +47,7 @@ def window_tile(m_ext, j_ext, nr: int, lanes: int, regs: int, gates: int) -> tup
     0.94x. Kept, measured no better: 7 x 1 vector at 7 and 14 wide (7 accumulators; one row x
     8 vectors 1.16x the time at 7, 2 x 4 vectors 0.96-1.03x at 14), 5 x 2 at 15 (3 x 3
     1.04x)."""
-    nr_u, mr_u = unpadded_tile(m_ext, j_ext, nr, lanes, regs, gates)
+    nr_u, mr_u = unpadded_tile(m_ext, j_ext, nr, lanes, regs, gates, itemsize)
     if gates != 1 or not (is_static(m_ext) and is_static(j_ext)) or j_ext % lanes:
         return nr_u, mr_u
     held = mr_u * -(-nr_u // lanes)
@@ -58,7 +60,7 @@ def window_tile(m_ext, j_ext, nr: int, lanes: int, regs: int, gates: int) -> tup
         if mr == 1 and not few:
             continue
         for v in _divisors(j_ext // lanes, most // mr):
-            if mr * v * lanes * ACC_ITEMSIZE >= STACK_TILE_BYTES:
+            if mr * v * lanes * itemsize >= STACK_TILE_BYTES:
                 continue  # a workspace, not registers (_tiles.STACK_TILE_BYTES)
             if mr * v + (v + 3 if mr > 1 else 3) <= regs:
                 tiles.append((mr * v, round((mr + v) / (mr * v), 1), mr, v))

@@ -36,7 +36,9 @@ def dividing_width(extent: int, most: int) -> int:
     return next(w for w in range(min(most, extent), 0, -1) if extent % w == 0)
 
 
-def unpadded_tile(m_ext: int, j_ext: int, nr: int, lanes: int, regs: int, gates: int):
+def unpadded_tile(
+    m_ext: int, j_ext: int, nr: int, lanes: int, regs: int, gates: int, itemsize: int = ACC_ITEMSIZE
+):
     """(NR, MR) for static rows that cannot be padded to ``standard_tile``'s height: MR
     divides the rows, and MR x gates x NR / lanes accumulators, one row's weight vectors
     (loaded once per ``k``) and its broadcast input fit the ``regs`` vector registers (as
@@ -44,7 +46,8 @@ def unpadded_tile(m_ext: int, j_ext: int, nr: int, lanes: int, regs: int, gates:
     divide the columns where that holds more accumulators. A convolution over 7 output
     positions, 32 channels, on AVX2 (16 registers, 8 lanes): 7 rows x 1 vector (7 accumulators
     + 1 + 1), where 2 vectors left 1 row (2 accumulators: 2 FMA chains, latency-bound); over 5
-    positions: 5 x 2 vectors."""
+    positions: 5 x 2 vectors. ``itemsize``: bytes an accumulator (float64: 8), for
+    ``STACK_TILE_BYTES``."""
     best = (0, nr, 1)  # (accumulators, NR, MR)
     vecs = max(nr // lanes, 1)
     for v in range(vecs, 0, -1):
@@ -59,7 +62,7 @@ def unpadded_tile(m_ext: int, j_ext: int, nr: int, lanes: int, regs: int, gates:
         # and at most 3/4 of the file in accumulators (AVX-512, 56 rows: 8 x 2 vectors, not
         # 28 x 1)
         most = min(regs - 2 - 2 * per_row, 3 * regs // 4) // per_row
-        most = min(most, stack_rows(gates * width * ACC_ITEMSIZE))
+        most = min(most, stack_rows(gates * width * itemsize))
         mr = dividing_width(m_ext, max(1, most))
         best = max(best, (mr * per_row, width, mr))
     return best[1], best[2]

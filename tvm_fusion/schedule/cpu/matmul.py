@@ -101,6 +101,7 @@ from ._matmul_steps import (
     vector_axis_last,
 )
 from ._tiles import (
+    ACC_ITEMSIZE,
     RUNTIME_PACK_MAX,
     compact_pays,
     dividing_width,
@@ -261,11 +262,15 @@ class Matmul(CPURule):
         j_ext = extent(sch, loop_of[j_var])
         m_ext = extent(sch, loop_of[i_var]) if i_var is not None else 1
 
-        nr, mr = standard_tile(m_ext, j_ext, lanes, regs, n_gates, DataType(dtype).bits // 8)
+        itemsize = DataType(dtype).bits // 8
+        nr, mr = standard_tile(m_ext, j_ext, lanes, regs, n_gates, itemsize)
+        # the window and unpadded tiles count float64 accumulators as 8 bytes (under the stack
+        # limit), narrower ones as float32's 4, as before
+        itemsize = max(itemsize, ACC_ITEMSIZE)
         if window and is_static(m_ext):
             # a window's rows (the output width) are never padded (pad_einsum refuses its
             # reads): a height that divides them, sized on the register file (_conv_tiles.py)
-            nr, mr = window_tile(m_ext, j_ext, nr, lanes, regs, n_gates)
+            nr, mr = window_tile(m_ext, j_ext, nr, lanes, regs, n_gates, itemsize)
         layout_free = {int(i) for i in func.attrs.get("layout_free_buffers", [])}
         b_param = param_index(func, b_load.source)
         is_const_b = b_param is not None and b_param in layout_free
@@ -292,7 +297,11 @@ class Matmul(CPURule):
             if pad_cols:
                 factors[j_var] = nr
             padded = pad_axes(sch, block, iters, factors, epilogue)
-            nr_u, mr_u = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates) if merged else (0, 0)
+            nr_u, mr_u = (
+                unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates, itemsize)
+                if merged
+                else (0, 0)
+            )
             flat_rows = pad_rows and is_static(m_ext) and mr_u * nr_u < mr * nr
             flat_rows = flat_rows and not swapped
             if padded is None and merged and (flat_rows or (pad_cols and wide is not None)):
@@ -330,7 +339,7 @@ class Matmul(CPURule):
             if padded is None and is_static(m_ext):
                 # static rows that pad_einsum refuses (a convolution's output width, 5 or 7):
                 # a height that divides them, sized on the whole register file (below)
-                nr, mr = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates)
+                nr, mr = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates, itemsize)
                 logger.debug("matmul: rows not padded, tiles of %s x %s", mr, nr)
             elif padded is None:
                 mr = 1
@@ -456,8 +465,8 @@ class Matmul(CPURule):
             kc = k_block_for(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores, row_bytes)
         elif io is not None and outer and mr <= 2:
             # the row's tiles under each block of input channels (_conv_tiles.channel_block)
-            itemsize = DataType(dtype).bits // 8
-            blocked = block_channels(sch, io, [loop_of[k] for k in k_vars], nr, itemsize)
+            k_loops = [loop_of[k] for k in k_vars]
+            blocked = block_channels(sch, io, k_loops, nr, DataType(dtype).bits // 8)
             if blocked is not None:
                 loop_of[k_var], tile_loop, io = blocked, outer[-1], None
         if kc:
