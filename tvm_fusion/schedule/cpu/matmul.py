@@ -266,11 +266,11 @@ class Matmul(CPURule):
         nr, mr = standard_tile(m_ext, j_ext, lanes, regs, n_gates, itemsize)
         # the window and unpadded tiles count float64 accumulators as 8 bytes (under the stack
         # limit), narrower ones as float32's 4, as before
-        itemsize = max(itemsize, ACC_ITEMSIZE)
+        acc_bytes = max(itemsize, ACC_ITEMSIZE)
         if window and is_static(m_ext):
             # a window's rows (the output width) are never padded (pad_einsum refuses its
             # reads): a height that divides them, sized on the register file (_conv_tiles.py)
-            nr, mr = window_tile(m_ext, j_ext, nr, lanes, regs, n_gates, itemsize)
+            nr, mr = window_tile(m_ext, j_ext, nr, lanes, regs, n_gates, acc_bytes)
         layout_free = {int(i) for i in func.attrs.get("layout_free_buffers", [])}
         b_param = param_index(func, b_load.source)
         is_const_b = b_param is not None and b_param in layout_free
@@ -298,7 +298,7 @@ class Matmul(CPURule):
                 factors[j_var] = nr
             padded = pad_axes(sch, block, iters, factors, epilogue)
             nr_u, mr_u = (
-                unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates, itemsize)
+                unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates, acc_bytes)
                 if merged
                 else (0, 0)
             )
@@ -339,7 +339,7 @@ class Matmul(CPURule):
             if padded is None and is_static(m_ext):
                 # static rows that pad_einsum refuses (a convolution's output width, 5 or 7):
                 # a height that divides them, sized on the whole register file (below)
-                nr, mr = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates, itemsize)
+                nr, mr = unpadded_tile(m_ext, j_ext, nr, lanes, regs, n_gates, acc_bytes)
                 logger.debug("matmul: rows not padded, tiles of %s x %s", mr, nr)
             elif padded is None:
                 mr = 1
@@ -432,7 +432,7 @@ class Matmul(CPURule):
         # (A static: a symbolic batch counts as 1 in weights_outweigh, and may be large)
         big_b = len(rows) > 1 and is_static(j_ext) and is_static(k_ext)
         big_b = big_b and all(isinstance(d, tirx.IntImm) for d in a_load.source.shape)
-        big_b = big_b and j_ext * k_ext * DataType(dtype).bits // 8 >= PANELS_OUTSIDE_ROWS_BYTES
+        big_b = big_b and j_ext * k_ext * itemsize >= PANELS_OUTSIDE_ROWS_BYTES
         if (window or strided or big_b) and weights_outweigh(a_load.source, j_ext, k_ext):
             # VGG's 512-channel layers (9.4 MB of weights, a 14 x 14 or 28 x 28 image), ResNet's
             # 1024->2048 at 14 x 14 stride 2 (8 MiB): the panel loop outside the output rows,
@@ -465,8 +465,7 @@ class Matmul(CPURule):
             kc = k_block_for(sch, pb, outer, io, loop_of[k_var], tile_bytes, cores, row_bytes)
         elif io is not None and outer and mr <= 2:
             # the row's tiles under each block of input channels (_conv_tiles.channel_block)
-            k_loops = [loop_of[k] for k in k_vars]
-            blocked = block_channels(sch, io, k_loops, nr, DataType(dtype).bits // 8)
+            blocked = block_channels(sch, io, [loop_of[k] for k in k_vars], nr, itemsize)
             if blocked is not None:
                 loop_of[k_var], tile_loop, io = blocked, outer[-1], None
         if kc:

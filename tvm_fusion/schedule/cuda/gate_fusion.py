@@ -206,13 +206,13 @@ def choose_tile(
     if not is_static(rows):
         return next((t for t in candidates if t.ty == 8), candidates[0])
     first = next((t for t in candidates if blocks(t, rows, units) >= SMS), None)
-    if first is not None and elem >= 4:  # the same register tile, in blocks of fewer threads
-        same = [t for t in candidates if (t.tm, t.tx, t.bk) == (first.tm, first.tx, first.bk)]
-        waves = [t for t in same if blocks(t, rows, units) >= FLOAT32_WAVES * SMS]
-        return waves[0] if waves else first
-    if first is not None:
+    if first is None:
+        return max(candidates, key=lambda t: (blocks(t, rows, units), t.tm, t.bn))
+    if elem < 4:
         return first
-    return max(candidates, key=lambda t: (blocks(t, rows, units), t.tm, t.bn))
+    # float32: the same register tile, in blocks of fewer threads
+    same = [t for t in candidates if (t.tm, t.tx, t.bk) == (first.tm, first.tx, first.bk)]
+    return next((t for t in same if blocks(t, rows, units) >= FLOAT32_WAVES * SMS), first)
 
 
 def tunable_tiles(
