@@ -116,6 +116,42 @@ def same_domain(sch: s_tir.Schedule, producer, consumer) -> bool:
     return p_shape == c_shape
 
 
+def covered_by(sch: s_tir.Schedule, producer, consumer) -> bool:
+    """Whether ``consumer`` writes no more than ``producer`` does (an elementwise epilogue, a
+    transpose, a slice, the cut back of padded rows), so that ``reverse_compute_at`` may move it
+    under a loop of the producer. TVM 0.27's ``reverse_compute_at`` derives the consumer's loops
+    from the region the producer writes under that loop: a larger consumer loses the points that
+    read nothing of it. A Pad after a Conv or a pool (ONNX ``auto_pad="SAME_UPPER"``: the
+    importer pads in an op of its own, which FuseOps fuses into the producer's kernel) lost its
+    padded column or row, read uninitialised by the next Conv (errors up to 53 at a scale of 6;
+    found by the fuzzer's ``convnets`` family). Larger: provably more elements, or of the same
+    rank each dim provably at least the producer's and one provably larger (a symbolic pad)."""
+    from tvm import sym
+
+    p_out = sch.get(producer).writes
+    c_out = sch.get(consumer).writes
+    if len(p_out) != 1 or len(c_out) != 1:
+        return False
+    p_shape, c_shape = list(p_out[0].source.shape), list(c_out[0].source.shape)
+    analyzer = sym.Analyzer()
+
+    def numel(shape):
+        size = tirx.IntImm("int64", 1)
+        for dim in shape:
+            size = size * dim
+        return size
+
+    if analyzer.can_prove(numel(c_shape) > numel(p_shape)):
+        return False
+    if len(p_shape) == len(c_shape):
+        pairs = list(zip(c_shape, p_shape, strict=True))
+        if all(analyzer.can_prove(c >= p) for c, p in pairs) and any(
+            analyzer.can_prove(c > p) for c, p in pairs
+        ):
+            return False
+    return True
+
+
 def sole_consumer(sch: s_tir.Schedule, producer) -> bool:
     """``producer`` has one consumer block. TVM 0.27's ``reverse_compute_inline`` does not
     check it: inlining one of two consumers into the producer makes the producer write the

@@ -50,6 +50,7 @@ from .._common import (
     ACC_SCOPE,
     CPURule,
     block_dtype,
+    covered_by,
     extent,
     inline_is_cheap,
     loop_nest_work,
@@ -209,6 +210,8 @@ class GroupedConv(CPURule):
             except Exception:  # noqa: BLE001 - inlined above
                 continue
             try:
+                if not covered_by(sch, acc, info.block_rv):
+                    raise ValueError("it writes more than the convolution (a pad)")
                 sch.reverse_compute_at(info.block_rv, p_o, preserve_unit_loops=True)
             except Exception as err:  # noqa: BLE001 - left at the root
                 logger.debug("grouped: epilogue apart: %s", err)

@@ -66,6 +66,7 @@ from .._common import (
     ACC_SCOPE,
     GATE_ATTR,
     CPURule,
+    covered_by,
     extent,
     inline_is_cheap,
     inline_padding,
@@ -522,10 +523,15 @@ class Matmul(CPURule):
                     raise _WideRefused("the write-back's rows not merged")  # retried unmerged
         sch.reverse_compute_at(acc, tile_loop, preserve_unit_loops=True)
         vectorize_innermost(sch, acc, lanes)
+        apart = False  # an epilogue block that writes more than the GEMM (a pad), and after it
         for info in epilogue:
             try:
                 sch.get(info.block_rv)
             except Exception:  # noqa: BLE001 - inlined above
+                continue
+            apart = apart or not covered_by(sch, block, info.block_rv)
+            if apart:  # at the root, after the GEMM (_common.covered_by)
+                schedule_copy(sch, info.block_rv, lanes, cores)
                 continue
             sch.reverse_compute_at(info.block_rv, tile_loop, preserve_unit_loops=True)
             vectorize_innermost(sch, info.block_rv, lanes)

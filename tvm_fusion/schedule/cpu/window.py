@@ -62,6 +62,7 @@ from .._common import (
     CPURule,
     block_dtype,
     block_realize,
+    covered_by,
     extent,
     is_static,
     loop_nest_work,
@@ -276,6 +277,8 @@ class WindowReduction(CPURule):
             try:
                 if not rows:
                     raise ValueError("no row loop")
+                if not covered_by(sch, block, epi):
+                    raise ValueError("it writes more than the reduction (a pad)")
                 sch.reverse_compute_at(epi, rows[-1], preserve_unit_loops=True)
             except Exception as err:  # noqa: BLE001 - the block keeps its own loops
                 logger.debug("window: epilogue block apart: %s", err)
