@@ -1,6 +1,6 @@
 """Window convolutions with few output channels (a segmentation, depth or image head: 64 -> 1
 or 3 channels at 128 x 128): the CPU Matmul rule takes their output width as the vector axis,
-the weight broadcast (``matmul.narrow_channels``). With one output channel the weight had no
+the weight broadcast (``_conv.narrow_channels``). With one output channel the weight had no
 spatial axis left, the rule refused, and the fallback rule took 3.4x ONNX Runtime's time; 2-4
 channels were vectors of 2-4 lanes. A 1x1 convolution to one channel takes the
 channels-as-rows GEMM (``_conv.channels_as_rows``: one row). More channels, a stride (but for
@@ -16,7 +16,7 @@ from tvm.relax import op as R
 
 from tvm_fusion import analysis, tir_util
 from tvm_fusion.schedule import cpu
-from tvm_fusion.schedule.cpu import matmul
+from tvm_fusion.schedule.cpu import _conv
 
 RNG = np.random.default_rng(57)
 
@@ -110,7 +110,7 @@ def test_other_convolutions_keep_the_channels_as_vectors(n, c, o, hw, k, stride,
 def test_no_flip_without_the_rule(cpu_target, monkeypatch):
     """The flip is the only thing that schedules one output channel: without it, the refusal."""
     mod, _, _ = _module(1, 64, 1, (128, 128), 3)
-    monkeypatch.setattr(matmul, "FLIP_MAX_CHANNELS", 0)
+    monkeypatch.setattr(_conv, "FLIP_MAX_CHANNELS", 0)
     assert _vector_extent(mod, cpu_target) is None
 
 
