@@ -2,6 +2,7 @@
 
     python scripts/fuzz.py --minutes 60 --seed 0 --out fuzz_failures
     python scripts/fuzz.py --frontend torch --minutes 15 --seed 0   # torch.export vs eager
+    python scripts/fuzz.py --families convnets --mcpu znver3 --minutes 10   # AVX2 code
 
 Cases run round-robin over the families (``tvm_fusion.testing.fuzz.FAMILIES``) in one worker
 subprocess (a segfault or a hang costs one case); each failure is minimised and saved under
@@ -41,6 +42,7 @@ def _parse_args(argv=None):
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
     p.add_argument("--minimise", type=float, default=120.0, help="seconds per failure")
+    p.add_argument("--mcpu", default=None, help="build for this CPU (znver3: AVX2 code)")
     args = p.parse_args(argv)
     families = frontend_module(args.frontend).FAMILIES
     args.families = tuple(f for f in args.families.split(",") if f) or families
@@ -107,6 +109,15 @@ def main(argv=None) -> int:
     os.environ.setdefault("TVM_NUM_THREADS", "1")
     args = _parse_args(argv)
     from tvm_fusion.testing.fuzz import fuzz
+    from tvm_fusion.testing.fuzz.common import MCPU_ENV, fuzz_target
+
+    if args.mcpu:
+        os.environ[MCPU_ENV] = args.mcpu  # the worker subprocesses inherit it
+    try:
+        target = fuzz_target()
+    except Exception as err:  # an unknown or foreign CPU: one line, exit 2
+        print(f"fuzz.py: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
 
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     start = time.time()
@@ -123,7 +134,8 @@ def main(argv=None) -> int:
             "frontend": args.frontend,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(start)),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')}",
+            f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')}, "
+            f"mcpu {target.attrs.get('mcpu', '')}",
             "load_before": load_before,
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "seconds": time.time() - start,

@@ -224,3 +224,38 @@ def test_torch_cross_entropy_loss_not_decomposed():
     assert fuzz_torch.run_case("cross_entropy", 0) == ("ok", "")  # (B, C, S), summed
     assert fuzz_torch.run_case("cross_entropy", 101) == ("ok", "")  # smoothing 0.25, none
     assert fuzz_torch.run_case("cross_entropy", 109) == ("ok", "")  # 0.1, weights, mean
+
+
+def test_convnets_family_reaches_model_zoo_sizes():
+    """The convnets family (ONNX only): valid CNNs, a share of them at the model zoo's sizes
+    (64-512 channels: the Winograd and NHWC paths), dynamic batches among them."""
+    assert "convnets" in fuzz.FAMILIES
+    notes = [fuzz.generate("convnets", seed).note for seed in range(40)]
+    assert any(n.startswith("zoo-sized") for n in notes)
+    assert any("SAME_" in n for n in notes)
+    assert any("inception" in n for n in notes) and any("residual" in n for n in notes)
+    dynamic = [fuzz.generate("convnets", s) for s in range(40)]
+    assert any(c.feeds[0]["x"].shape[0] != c.feeds[1]["x"].shape[0] for c in dynamic)
+
+
+@pytest.mark.parametrize("seed", [2024])
+def test_convnets_same_upper_after_a_conv(seed):
+    """The case that found the Pad lost by reverse_compute_at (schedule/test_epilogue_pads.py):
+    MaxPool, then Conv 1x3 stride 2 with auto_pad SAME_UPPER, a Conv, a head."""
+    case = fuzz.generate("convnets", seed)
+    assert "SAME_UPPER" in case.note
+    assert fuzz.run_case(case.model, case.feeds) == ("ok", "")
+
+
+def test_fuzz_target_follows_mcpu(monkeypatch):
+    """scripts/fuzz.py --mcpu sets MCPU_ENV for its workers: the cases are built for that CPU;
+    a CPU LLVM does not know is refused in one line."""
+    from tvm_fusion.errors import TvmFusionError
+    from tvm_fusion.target import host_target
+    from tvm_fusion.testing.fuzz.common import MCPU_ENV, fuzz_target
+
+    monkeypatch.delenv(MCPU_ENV, raising=False)
+    assert fuzz_target().attrs["mcpu"] == host_target().attrs["mcpu"]
+    monkeypatch.setenv(MCPU_ENV, "no-such-cpu")
+    with pytest.raises(TvmFusionError, match="no-such-cpu"):
+        fuzz_target()

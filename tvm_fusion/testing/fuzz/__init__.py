@@ -41,7 +41,6 @@ This package's names are the ONNX side's and the session's, as scripts and tests
 from .common import (
     ATOL,
     FAILING,
-    FAMILIES,
     OUTCOMES,
     RTOL,
     SIZES,
@@ -50,7 +49,7 @@ from .common import (
     draw,
     family_builders,
 )
-from .onnx_frontend import LOADER, RUNNER, Case, generate, save_failure
+from .onnx_frontend import FAMILIES, LOADER, RUNNER, Case, generate, save_failure
 from .onnx_minimise import minimise
 from .onnx_run import load_case, ort_outputs, run_case, save_case
 from .session import FRONTENDS, Totals, frontend_module, fuzz

@@ -20,6 +20,7 @@ RTOL = 1e-4
 ATOL = 1e-4  # times the largest magnitude of the reference output (at least 1)
 # sizes: odd ones, primes and 1
 SIZES = (1, 2, 3, 5, 6, 7, 8, 11, 13, 16, 17, 31)
+MCPU_ENV = "TVM_FUSION_FUZZ_MCPU"  # the CPU the cases are built for (default: this host's)
 
 
 class InvalidCase(Exception):
@@ -75,13 +76,25 @@ def compare(outputs, reference, ref_name: str = "ORT") -> str | None:
     return None
 
 
+def fuzz_target():
+    """The target the fuzzers build for: :func:`~tvm_fusion.target.host_target`, or that
+    built for the CPU named by ``MCPU_ENV`` (``scripts/fuzz.py --mcpu znver3``: AVX2 code,
+    which runs on an AVX-512 host), refused in one line where it cannot run here."""
+    import os
+
+    from ...target import check_runs_here, host_target, with_mcpu
+
+    target = with_mcpu(host_target(), os.environ.get(MCPU_ENV) or None)
+    check_runs_here(target)
+    return target
+
+
 def _run_tvm(mod, pipeline: str, feeds) -> list[list[np.ndarray]]:
     import tvm
 
     from ...build import engine
-    from ...target import host_target
 
-    compiled = engine.compile_module(mod, host_target(), pipeline)
+    compiled = engine.compile_module(mod, fuzz_target(), pipeline)
     vm = compiled.vm()
     results = []
     for feed in feeds:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import onnx_families
-from .common import FAMILIES as FAMILIES  # the ONNX families: the six kinds both sides share
+from . import onnx_convnets, onnx_families
+from .common import FAMILIES as SHARED
 from .common import draw, family_builders
 from .onnx_minimise import minimise
 from .onnx_run import save_case
@@ -41,7 +41,9 @@ class Case:
         return (self.model, self.feeds)
 
 
-_BUILDERS = family_builders(vars(onnx_families))
+# the six kinds both sides share, and random CNNs (ONNX only)
+FAMILIES = (*SHARED, "convnets")
+_BUILDERS = family_builders({**vars(onnx_families), **vars(onnx_convnets)}, FAMILIES)
 
 
 def generate(family: str, seed: int) -> Case:
