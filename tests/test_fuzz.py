@@ -230,7 +230,7 @@ def test_convnets_family_reaches_model_zoo_sizes():
     """The convnets family (ONNX only): valid CNNs, a share of them at the model zoo's sizes
     (64-512 channels: the Winograd and NHWC paths), dynamic batches among them."""
     assert "convnets" in fuzz.FAMILIES
-    notes = [fuzz.generate("convnets", seed).note for seed in range(40)]
+    notes = [fuzz.generate("convnets", seed).note for seed in range(120)]
     assert any(n.startswith("zoo-sized") for n in notes)
     assert any("SAME_" in n for n in notes)
     assert any("inception" in n for n in notes) and any("residual" in n for n in notes)
