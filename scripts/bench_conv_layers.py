@@ -12,6 +12,7 @@ times the layer occurs in the models, to rank the layers by what they cost a who
 
     python scripts/bench_conv_layers.py --models vgg19,resnet50
     python scripts/bench_conv_layers.py --models resnet50 --only 3x3 --output /tmp/layers.json
+    python scripts/bench_conv_layers.py --heads   # 1-8 output channels: HEADS, not the models
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+# narrow-output heads (segmentation masks, depth, RGB images): (x, w, strides, pads, group, dil)
+HEADS = (
+    [
+        ((1, 64, 128, 128), (o, 64, 3, 3), (s, s), (1, 1, 1, 1), 1, (1, 1))
+        for o in (1, 2, 3, 4, 8)
+        for s in (1, 2)
+    ]
+    + [((2, 64, 30, 30), (o, 64, 3, 3), (1, 1), (1, 1, 1, 1), 1, (1, 1)) for o in (1, 3, 8)]
+    + [((1, 32, 97, 97), (o, 32, 5, 5), (1, 1), (2, 2, 2, 2), 1, (1, 1)) for o in (1, 3)]
+    + [((1, 64, 128, 128), (1, 64, 1, 1), (1, 1), (0, 0, 0, 0), 1, (1, 1))]
+)
 
 
 def conv_layers(name: str) -> list[tuple]:
@@ -89,6 +103,8 @@ def describe(layer) -> str:
     x, w, s, p, g, _d = layer
     kh = "x".join(str(v) for v in w[2:])
     text = f"{kh} {x[1]}->{w[0]} on {x[2]}x{x[3]}"
+    if x[0] > 1:
+        text += f" b{x[0]}"
     if max(s) > 1:
         text += f" s{s[0]}"
     if g > 1:
@@ -143,13 +159,14 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=2.0, help="timed seconds per engine")
     parser.add_argument("--mcpu", default=None)
     parser.add_argument("--output", default=None, help="a JSON file for the rows")
+    parser.add_argument("--heads", action="store_true", help="the HEADS layers, not the models'")
     args = parser.parse_args(argv)
     from tvm_fusion.target import host_target
     from tvm_fusion.tools.bench import bench_target
 
     target = bench_target(host_target(), args.mcpu)
-    counts: Counter = Counter()
-    for name in args.models.split(","):
+    counts: Counter = Counter(HEADS if args.heads else [])
+    for name in [] if args.heads else args.models.split(","):
         counts.update(conv_layers(name.strip()))
     rows = []
     for layer, count in counts.items():
