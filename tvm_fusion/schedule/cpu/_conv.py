@@ -121,8 +121,6 @@ def channels_as_rows(stmt, merged: tuple, lanes: int, regs: int) -> bool:
     (AVX-512, ``emeraldrapids``): ResNet-50's 64->256 at 56 x 56 1.00 -> 0.53 ms (ORT 0.73),
     256->64 at 56 x 56 0.93 -> 0.58 (ORT 0.66), 128->512 at 28 x 28 0.63 -> 0.53 (ORT 0.54);
     built for AVX2 (``znver3``) on the same host: 1.18 -> 0.96, 1.63 -> 1.13, 1.01 -> 0.86."""
-    from ._tiles import standard_tile
-
     hw = 1
     for size in merged:
         hw *= size
@@ -131,20 +129,16 @@ def channels_as_rows(stmt, merged: tuple, lanes: int, regs: int) -> bool:
         return False
     x_vars = set().union(*(vars_in(i) for i in mac[0].indices))
     w_vars = set().union(*(vars_in(i) for i in mac[1].indices))
-    channels = [
-        iv.dom.extent
-        for iv in stmt.iter_vars
-        if iv.iter_type == tirx.IterVar.DataPar and iv.var in w_vars and iv.var not in x_vars
-    ]
-    if len(channels) > 1 or (channels and not isinstance(channels[0], tirx.IntImm)):
-        return False
-    shared = [
+    w_spatial = [
         iv for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.DataPar and iv.var in w_vars
     ]
-    if not channels and shared:
+    channels = [iv.dom.extent for iv in w_spatial if iv.var not in x_vars]
+    if len(channels) > 1 or (channels and not isinstance(channels[0], tirx.IntImm)):
+        return False
+    if not channels and w_spatial:
         return False  # a grouped convolution's group axis, not its channels
     f = int(channels[0]) if channels else 1  # one output channel: no iterator left
-    nr, mr = standard_tile(f, hw, lanes, regs, 1)
+    nr, mr = _tiles.standard_tile(f, hw, lanes, regs, 1)
     return hw % nr == 0 and f % mr == 0
 
 
