@@ -251,3 +251,46 @@ def test_shape_expressions_bound_on_both_paths():
         y = tvm.runtime.tensor(np.zeros_like(x))
         lib["main"](tvm.runtime.tensor(x), y, n)
         np.testing.assert_array_equal(y.numpy(), x + 1)
+
+
+@T.prim_func(private=True, s_tir=True)
+def launch_region(X: T.Buffer((4, 8), "float32"), Y: T.Buffer((4, 8), "float32")):
+    # lower/rnn_loop.py's form: one launch for every step, a join after each step's blocks
+    with T.attr(0, "pragma_parallel_launch_point", 1):
+        for s in range(4):
+            with T.attr(0, "pragma_parallel_barrier_when_finish", 1):
+                for j in T.parallel(8):
+                    Y[s, j] = X[s, j] + T.float32(1)
+
+
+@T.prim_func(private=True, s_tir=True)
+def launch_region_expected(X: T.Buffer((4, 8), "float32"), Y: T.Buffer((4, 8), "float32")):
+    for s, j in T.grid(4, 8):
+        Y[s, j] = X[s, j] + T.float32(1)
+
+
+def test_serial_copy_drops_the_launch_pragmas():
+    """Left over a serial loop, the pragmas fail codegen ("Cannot find parallel loop within
+    parallel launch"): an LSTM with 19 units on AVX2 did (issue #37)."""
+    tvm.ir.assert_structural_equal(serialize_small(launch_region), launch_region_expected)
+    tvm.compile(serialize_small(launch_region).with_attr("global_symbol", "f"), "llvm")
+
+
+@pytest.mark.parametrize("hidden", [19, 40])
+def test_small_recurrent_loops_build_on_every_target(cpu_target, hidden, monkeypatch):
+    """The dynamic-sequence LSTM loop, its unit blocks forced parallel, through the pass and
+    codegen for every target: where a step has little work the pass makes it serial."""
+    from tvm_fusion.lower import rnn_loop
+
+    monkeypatch.setattr(rnn_loop, "PARALLEL_MIN_MACS", 0)
+    func = rnn_loop.loop_kernel("LSTM", hidden, False, None, target=cpu_target)
+    out = serialize_small(func)
+    pragmas = [
+        s
+        for s in tir_util.iter_stmts(out.body)
+        if isinstance(s, tirx.AttrStmt) and "parallel_launch" in str(s.attr_key)
+    ]
+    assert bool(pragmas) == bool(_parallel_loops(out))
+    mod = tvm.IRModule({"lstm": out.with_attr("global_symbol", "lstm")})
+    with cpu_target:
+        tvm.compile(mod, cpu_target)

@@ -80,9 +80,18 @@ _KNOWN = (
 )
 
 
+# Pragmas of a hand-written parallel region (lower/rnn_loop.py: one launch for a whole
+# sequence, a join per step); with no parallel loop left under them, codegen fails ("Cannot
+# find parallel loop within parallel launch"), so the serial copy drops them.
+_LAUNCH_PRAGMAS = ("pragma_parallel_launch_point", "pragma_parallel_barrier_when_finish")
+
+
 def _serial_copy(stmt):
-    """``stmt`` with its parallel loops serial (``tvm_ffi.structural_map``, as
-    :func:`~tvm_fusion.tir_util.replace_buffer` rebuilds TIR)."""
+    """``stmt`` with its parallel loops serial and their launch pragmas dropped
+    (``tvm_ffi.structural_map``, as :func:`~tvm_fusion.tir_util.replace_buffer` rebuilds TIR)."""
+
+    def on_attr(attr):
+        return attr.body if str(attr.attr_key) in _LAUNCH_PRAGMAS else attr
 
     def on_for(loop):
         if loop.kind != tirx.ForKind.PARALLEL:
@@ -98,7 +107,7 @@ def _serial_copy(stmt):
             loop.step,
         )
 
-    return tvm_ffi.structural_map(stmt, [(tirx.For, on_for)])
+    return tvm_ffi.structural_map(stmt, [(tirx.For, on_for), (tirx.AttrStmt, on_attr)])
 
 
 def _work(stmt):
