@@ -220,9 +220,10 @@ def test_cpu_only_and_flag():
     from tvm_fusion.build import pipeline
 
     assert pipeline.serial_passes(tvm.target.Target("cuda")) == []
-    assert pipeline.serial_passes(tvm_fusion.host_target(), serial_small_kernels=False) == []
-    (cpu,) = pipeline.serial_passes(tvm_fusion.host_target())
-    assert "SerialSmallKernels" in str(cpu.info.name)
+    names = [str(p.info.name) for p in pipeline.serial_passes(tvm_fusion.host_target())]
+    assert names == ["PrefetchPanels", "SerialSmallKernels"]  # the Matmul rule's prefetches first
+    off = pipeline.serial_passes(tvm_fusion.host_target(), serial_small_kernels=False)
+    assert [str(p.info.name) for p in off] == ["PrefetchPanels"]
     with tvm_fusion.host_target():
         off = tvm_fusion.build_pipeline(serial_small_kernels=False)(MatmulSoftmax)
     assert not [f for f in off.functions.values() if ATTR in (getattr(f, "attrs", None) or {})]

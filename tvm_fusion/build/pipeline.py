@@ -285,14 +285,17 @@ def schedule_passes(target: Target, tuning_db: str | None = None) -> list[tvm.tr
 
 def serial_passes(target: Target, serial_small_kernels: bool = True) -> list:
     """On CPU, after the stock dataflow lowering (whose RewriteDataflowReshape must still see
-    the reshape kernels as scheduled, to make them views): ``SerialSmallKernels``, kernels
+    the reshape kernels as scheduled, to make them views): ``PrefetchPanels`` (the Matmul
+    rule's prefetches of B's next panel), then ``SerialSmallKernels``, kernels
     with little work per parallel launch run serially, chosen at run time where extents are
     symbolic."""
-    if not (serial_small_kernels and _target.is_cpu(target)):
+    if not _target.is_cpu(target):
         return []
+    from ..schedule.cpu.prefetch import PrefetchPanels
     from ..schedule.serial_small_kernels import SerialSmallKernels
 
-    return [SerialSmallKernels()]
+    # the Matmul rule's marks become prefetches (and leave the loops) in every CPU build
+    return [PrefetchPanels(), *([SerialSmallKernels()] if serial_small_kernels else [])]
 
 
 def _serial_flags(flags: dict) -> dict:

@@ -84,6 +84,7 @@ from .._common import (
     try_inline_safe,
     vectorize_innermost,
 )
+from . import prefetch
 from ._conv import (
     channels_as_rows,
     compact_strided,
@@ -504,6 +505,12 @@ class Matmul(CPURule):
                 sch.reorder(ic, *panel_loops)
                 tile_loop = io
             outer += [io] if io is not None else []
+        if not kc and const_pack and io is not None and n_gates == 1 and len(k_vars) == 1:
+            if static_cols and is_static(k_ext) and not (window or merged or flat):
+                # a large prepacked B: its next panel fetched ahead (prefetch.py)
+                b_size, n_panels = DataType(str(b_load.source.dtype)).bits // 8, -(-j_ext // nr)
+                k_loop = prefetch.mark(sch, loop_of[k_var], io, n_panels, k_ext, nr, b_size)
+                loop_of[k_var] = k_loop
         acc = sch.cache_write(block, 0, ACC_SCOPE)
         if swapped:
             if not flat:  # (flat copies write (h, w) flat already)
