@@ -16,8 +16,12 @@ Times, engines alternating in rounds (``engine.time_interleaved``), medians:
   ``(256, 512) @ (512, 2 * 1376)``: torch, ours.
 
 Prints GFLOP/s per row (2 flops per multiply-add) and writes them to ``--output`` as JSON.
+With ``--gemms MxKxN,...`` it times instead the FMA peak and each GEMM (a constant B, as a
+model's weight): ours against ONNX Runtime's ``MatMul`` (its MLAS), each row's fraction of the
+peak printed beside it (issue #37's figure: AVX2 GEMMs at 85% of the FMA peak).
 
     python scripts/bench_roofline.py --repeat 10 --output /tmp/roofline.json
+    python scripts/bench_roofline.py --gemms 64x768x768,64x768x3072 --output /tmp/gemms.json
     python scripts/bench_roofline.py --mcpu znver3   # AVX2 code (and AVX2 peak) on this host
 """
 
@@ -93,6 +97,52 @@ def _ours_matmul(m: int, k: int, n: int, target):
     return runner, error
 
 
+def _ort_matmul(m: int, k: int, n: int, threads: int):
+    """ONNX Runtime's MatMul of an (m, k) input by a constant (k, n) weight, and its input."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tvm_fusion.build import engine
+
+    rng = np.random.default_rng(0)  # the same operands as _ours_matmul's
+    w = rng.standard_normal((k, n)).astype("float32")
+    x = rng.standard_normal((m, k)).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "gemm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return engine.onnxruntime_runner(model, {"x": x}, threads)
+
+
+def _gemm_shapes(spec: str) -> list[tuple[int, int, int]]:
+    """``--gemms``'s shapes; ValueError where one is not MxKxN."""
+    shapes = [tuple(int(d) for d in one.lower().split("x")) for one in spec.split(",")]
+    if any(len(s) != 3 or min(s) < 1 for s in shapes):
+        raise ValueError(spec)
+    return shapes
+
+
+def _gemm_rows(shapes: list, target, threads: int, record, peak_row) -> None:
+    """The ``--gemms`` rows: ours and ONNX Runtime per shape, fraction of the peak printed."""
+    for m, k, n in shapes:
+        ours, err = _ours_matmul(m, k, n, target)
+        flops = 2.0 * m * k * n
+        rows = record(
+            f"GEMM {m}x{k}x{n}",
+            {"ours": ours, "onnxruntime": _ort_matmul(m, k, n, threads)},
+            flops,
+            {"ours_max_err": err},
+        )
+        for row in rows:
+            row["peak_fraction"] = row["gflops"] / peak_row["gflops"]
+            print(f"  {row['case']} {row['engine']}: {100 * row['peak_fraction']:.1f}% of peak")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--square", type=int, default=2048)
@@ -100,9 +150,17 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=3.0)
     parser.add_argument("--output", default="bench/roofline.json")
     parser.add_argument(
+        "--gemms", default=None, help="MxKxN,...: only the FMA peak and these GEMMs, ours vs ORT"
+    )
+    parser.add_argument(
         "--mcpu", default=None, help="build for this CPU (LLVM's name, e.g. znver3, x86-64-v3)"
     )
     args = parser.parse_args(argv)
+    try:
+        shapes = _gemm_shapes(args.gemms) if args.gemms else []
+    except ValueError:
+        print(f"bench_roofline: error: --gemms {args.gemms!r}: not MxKxN,...", file=sys.stderr)
+        return 2
     try:
         import torch
     except ImportError:
@@ -112,7 +170,7 @@ def main(argv=None) -> int:
 
     import tvm_fusion
     from tvm_fusion.build import engine
-    from tvm_fusion.tools.bench import bench_target, machine_info
+    from tvm_fusion.tools.bench import bench_target
 
     warnings.simplefilter("ignore")
     try:
@@ -125,8 +183,9 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     rows = []
 
-    def record(group: str, runners: dict, flops: float, note: dict | None = None) -> None:
+    def record(group: str, runners: dict, flops: float, note: dict | None = None) -> list:
         times = engine.time_interleaved(runners, repeat=args.repeat, budget_s=args.budget)
+        added = []
         for name, t in times.items():
             row = {
                 "case": group,
@@ -137,10 +196,15 @@ def main(argv=None) -> int:
                 **(note or {}),
             }
             rows.append(row)
+            added.append(row)
             print(json.dumps(row), flush=True)
+        return added
 
     peak, flops = _fma_peak(threads, target)
-    record(f"FMA peak, {threads} threads", {"registers only": peak}, flops)
+    (peak_row,) = record(f"FMA peak, {threads} threads", {"registers only": peak}, flops)
+    if shapes:
+        _gemm_rows(shapes, target, threads, record, peak_row)
+        return _write(args, argv, target, threads, rows, None)
 
     n = args.square
     a = rng.standard_normal((n, n)).astype("float32")
@@ -201,9 +265,16 @@ def main(argv=None) -> int:
         {"ours_max_err": err},
     )
 
+    return _write(args, argv, target, threads, rows, total / 1e9)
+
+
+def _write(args, argv, target, threads: int, rows: list, lstm_gflop) -> int:
+    from tvm_fusion.tools.bench import machine_info
+
     result = {"machine": machine_info(target), "threads": threads, "rows": rows}
     result["command"] = " ".join(["python", "scripts/bench_roofline.py", *(argv or sys.argv[1:])])
-    result["lstm_gflop"] = total / 1e9
+    if lstm_gflop is not None:
+        result["lstm_gflop"] = lstm_gflop
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

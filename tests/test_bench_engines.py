@@ -180,6 +180,22 @@ def test_bench_roofline_bad_mcpu(capsys):
     assert "unknown --mcpu 'pentium99'" in _error_line(capsys)
 
 
+def test_bench_roofline_gemms(tmp_path, capsys):
+    """``--gemms``: the FMA peak and each GEMM, ours and ONNX Runtime, each with its fraction
+    of the peak (no timing asserted); a shape that is not MxKxN refused in one line."""
+    pytest.importorskip("torch")
+    out = tmp_path / "g.json"
+    script = _script("bench_roofline")
+    args = ["--gemms", "16x32x24", "--repeat", "1", "--budget", "0.05", "--output", str(out)]
+    assert script.main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["engine"] for r in rows] == ["registers only", "ours", "onnxruntime"]
+    assert all(r["peak_fraction"] > 0 for r in rows[1:])
+    assert rows[1]["ours_max_err"] < 1e-4
+    assert script.main(["--gemms", "16x32", "--output", ""]) == 2
+    assert "not MxKxN" in _error_line(capsys)
+
+
 @pytest.mark.parametrize(
     "mcpu,accumulators,lanes", [("haswell", 12, 8), ("skylake-avx512", 16, 16)]
 )
