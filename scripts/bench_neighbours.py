@@ -40,22 +40,13 @@ GEMM = (64, 768, 3072)
 
 def _gemm_model():
     import numpy as np
-    import onnx
-    from onnx import TensorProto, helper
+
+    from tvm_fusion.tools.bench import matmul_onnx
 
     m, k, n = GEMM
     w = np.random.default_rng(0).standard_normal((k, n)).astype("float32")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])],
-        "gemm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
-        [onnx.numpy_helper.from_array(w, "w")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
     x = np.random.default_rng(1).standard_normal((m, k)).astype("float32")
-    return model, {"x": x}
+    return matmul_onnx(w, m), {"x": x}
 
 
 def prepare(name: str, target, work: Path) -> dict:

@@ -98,25 +98,16 @@ def _ours_matmul(m: int, k: int, n: int, target):
 
 
 def _ort_matmul(m: int, k: int, n: int, threads: int):
-    """ONNX Runtime's MatMul of an (m, k) input by a constant (k, n) weight, and its input."""
+    """ONNX Runtime's MatMul of an (m, k) input by a constant (k, n) weight."""
     import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
 
     from tvm_fusion.build import engine
+    from tvm_fusion.tools.bench import matmul_onnx
 
     rng = np.random.default_rng(0)  # the same operands as _ours_matmul's
     w = rng.standard_normal((k, n)).astype("float32")
     x = rng.standard_normal((m, k)).astype("float32")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])],
-        "gemm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
-        [numpy_helper.from_array(w, "w")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return engine.onnxruntime_runner(model, {"x": x}, threads)
+    return engine.onnxruntime_runner(matmul_onnx(w, m), {"x": x}, threads)
 
 
 def _gemm_shapes(spec: str) -> list[tuple[int, int, int]]:

@@ -183,6 +183,20 @@ def loads_of(expr, buffer) -> list:
     return [load for load in loads_in(expr) if load.source.same_as(buffer)]
 
 
+def rebuilt_for(loop: tirx.For, *, kind=None, body=None, annotations=None) -> tirx.For:
+    """``loop`` with its kind, body or annotations replaced (the rest kept, its step too)."""
+    return tirx.For(
+        loop.loop_var,
+        loop.min,
+        loop.extent,
+        loop.kind if kind is None else kind,
+        loop.body if body is None else body,
+        loop.thread_binding,
+        loop.annotations if annotations is None else annotations,
+        loop.step,
+    )
+
+
 def replace_buffer(func: tirx.PrimFunc, old, new) -> tirx.PrimFunc:
     """``func`` with every access of the allocated buffer ``old`` made to ``new`` instead
     (a buffer of the same shape and dtype defined elsewhere, e.g. a parameter), and ``old``'s

@@ -42,7 +42,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, sym, tirx
 
-from ..tir_util import expr_children, iter_stmts, vars_in
+from ..tir_util import expr_children, iter_stmts, rebuilt_for, vars_in
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +96,7 @@ def _serial_copy(stmt):
     def on_for(loop):
         if loop.kind != tirx.ForKind.PARALLEL:
             return loop
-        return tirx.For(
-            loop.loop_var,
-            loop.min,
-            loop.extent,
-            tirx.ForKind.SERIAL,
-            loop.body,
-            loop.thread_binding,
-            loop.annotations,
-            loop.step,
-        )
+        return rebuilt_for(loop, kind=tirx.ForKind.SERIAL)
 
     return tvm_ffi.structural_map(stmt, [(tirx.For, on_for), (tirx.AttrStmt, on_attr)])
 

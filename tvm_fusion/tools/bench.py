@@ -44,6 +44,25 @@ def bench_target(target: Target, mcpu: str | None = None) -> Target:
     return target
 
 
+def matmul_onnx(w: np.ndarray, rows: int):
+    """An ONNX model ``y = x @ w`` (``MatMul``) of an (rows, k) float32 input ``x`` by the
+    constant ``w`` (k, n): a model's weight, as the GEMM benchmarks give ONNX Runtime."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    k, n = w.shape
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "gemm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])],
+        [onnx.numpy_helper.from_array(np.asarray(w, "float32"), "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model
+
+
 def _have(module: str) -> bool:
     import importlib.util
 

@@ -25,7 +25,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, sym, tirx
 
-from ...tir_util import iter_stmts, loads_in
+from ...tir_util import iter_stmts, loads_in, rebuilt_for
 from .._common import extent, is_static
 
 logger = logging.getLogger(__name__)
@@ -69,17 +69,7 @@ def mark(sch, k_loop, io, panels: int, k_ext: int, nr: int, itemsize: int) -> ob
 
 def _without(loop: tirx.For, key: str, body=None) -> tirx.For:
     annotations = {k: v for k, v in loop.annotations.items() if k != key}
-    body = loop.body if body is None else body
-    return tirx.For(
-        loop.loop_var,
-        loop.min,
-        loop.extent,
-        loop.kind,
-        body,
-        loop.thread_binding,
-        annotations,
-        loop.step,
-    )
+    return rebuilt_for(loop, body=body, annotations=annotations)
 
 
 def _substitute(expr, mapping: dict):
