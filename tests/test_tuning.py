@@ -358,3 +358,45 @@ def test_1x1_default_split_from_its_packing():
         for b in tir_util.blocks(mod["main"])
     )
     tvm.compile(mod, target=target)
+
+
+def test_pooled_builder_keeps_its_processes_across_batches():
+    """One pool for every batch of a run (LocalBuilder starts one per batch, ~5 s each):
+    the same worker builds two batches, is replaced after ``uses`` candidates, reports a
+    failing build per candidate, and :meth:`close` ends it."""
+    import os
+
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_fusion.build.tuning.measure import PooledBuilder, build_candidate
+
+    mod, _, _ = _tiny()
+    fused = tuning.fused_module(mod, tvm_fusion.host_target())
+    (task,) = ms.relax_integration.extract_tasks(fused, tvm_fusion.host_target())
+    one = [ms.builder.BuilderInput(task.dispatched[0], tvm_fusion.host_target())]
+    builder = PooledBuilder(timeout_sec=60, f_build=build_candidate, max_workers=1, uses=2)
+
+    def worker():
+        (one_worker,) = builder._pool._worker_map.values()  # one thread, one worker
+        return one_worker._proc
+
+    def failing_build(mod, target, _params=None):  # local: pickled by value for the worker
+        raise ValueError("no build here")
+
+    try:
+        assert all(os.path.exists(r.artifact_path) for r in builder.build(one))
+        first = worker()
+        assert not builder.build(one)[0].error_msg
+        assert worker() is first  # kept
+        assert not builder.build(one)[0].error_msg
+        assert worker() is not first and first.poll() is not None  # two uses: replaced
+        last = worker()
+    finally:
+        builder.close()
+    assert builder._pool is None and last.poll() is not None
+    failing = PooledBuilder(timeout_sec=60, f_build=failing_build, max_workers=1)
+    try:
+        (result,) = failing.build(one)
+    finally:
+        failing.close()
+    assert result.artifact_path is None and "no build here" in result.error_msg

@@ -4,12 +4,18 @@ RPC tracker that a remote runner measures through.
 :func:`build_candidate` is MetaSchedule's ``default_build`` without its 32 s import of every
 tensor intrinsic (and, on GPUs, with global symbols and ``cp.async`` as the pipeline builds);
 :func:`parse_tracker` and :func:`check_tracker` refuse a bad ``HOST:PORT`` or a tracker that
-does not answer in one line, before MetaSchedule's runner would retry it for minutes.
+does not answer in one line, before MetaSchedule's runner would retry it for minutes;
+:class:`PooledBuilder` builds every batch of a tuning run on one pool of processes.
 """
 
 from __future__ import annotations
 
 import tvm
+from tvm.ir.utils import derived_object
+from tvm.s_tir.meta_schedule.builder import BuilderResult, PyBuilder
+from tvm.s_tir.meta_schedule.builder.local_builder import _serialize_params, _worker_func
+from tvm.s_tir.meta_schedule.utils import cpu_count
+from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from ...errors import UsageError
 from ...target import async_copy, is_cpu
@@ -75,3 +81,55 @@ def build_candidate(mod: tvm.IRModule, target, _params=None):
     config = {"tirx.use_async_copy": True} if async_copy(target) else {}
     with tvm.transform.PassContext(opt_level=3, config=config), target:
         return tvm_build(mod, target=target)
+
+
+@derived_object
+class PooledBuilder(PyBuilder):
+    """MetaSchedule's ``LocalBuilder`` on one pool of build processes kept across batches.
+
+    ``LocalBuilder`` starts a fresh pool for each batch (and one more in its constructor, for
+    a check that a worker finds the build function): each start imports TVM in every worker,
+    about 5 s on a 2-core machine, paid by every batch of a search, by the seeded defaults and
+    by the finalists. Here the pool starts at the first batch and stays until :meth:`close`;
+    each worker is replaced after ``uses`` candidates (TVM's reason for its fresh pools is a
+    memory leak of long-used workers) and after a timeout (the pool kills it and starts
+    another at its next candidate). A worker that cannot find the build function reports it
+    per candidate, as the constructor's check would have.
+    """
+
+    def __init__(self, *, timeout_sec: float, f_build, max_workers: int | None = None,
+                 uses: int = 256) -> None:  # fmt: skip
+        super().__init__()
+        self.timeout_sec = timeout_sec
+        self.f_build = f_build
+        self.max_workers = max_workers or cpu_count(logical=True)
+        self.uses = uses
+        self._pool = None
+
+    def build(self, build_inputs):
+        if self._pool is None:
+            self._pool = PopenPoolExecutor(
+                max_workers=self.max_workers,
+                timeout=self.timeout_sec,
+                maximum_process_uses=self.uses,
+            )
+        args = [
+            (self.f_build, None, b.mod, b.target, _serialize_params(b.params)) for b in build_inputs
+        ]
+        results = []
+        for done in self._pool.map_with_error_catching(lambda x: _worker_func(*x), args):
+            if done.status == StatusKind.COMPLETE:
+                results.append(BuilderResult(done.value, None))
+            elif done.status == StatusKind.TIMEOUT:
+                why = f"PooledBuilder: Timeout, killed after {self.timeout_sec} seconds"
+                results.append(BuilderResult(None, why))
+            else:
+                why = "PooledBuilder: An exception occurred\n" + str(done.value)
+                results.append(BuilderResult(None, why))
+        return results
+
+    def close(self) -> None:
+        """End the build processes (a later :meth:`build` starts new ones)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None

@@ -24,7 +24,7 @@ from ...target import is_cpu, num_cores, parse_target
 from ..database import mean_secs, open_database, top_records, trials_spent
 from ..pipeline import fused_passes, stock_fused_passes
 from .finalists import record_is_correct, verify_finalists
-from .measure import build_candidate, check_tracker, parse_tracker
+from .measure import PooledBuilder, build_candidate, check_tracker, parse_tracker
 from .spaces import drop_unnamed_handlers, sample_candidates, seed_default_schedules, tune_contexts
 
 logger = logging.getLogger(__name__)
@@ -142,8 +142,11 @@ def dry_run(
     inputs = [
         ms.builder.BuilderInput(sch.mod, target) for schs in candidates.values() for sch in schs
     ]
-    builder = ms.builder.LocalBuilder(timeout_sec=build_timeout, f_build=build_candidate)
-    results = builder.build(inputs) if inputs else []
+    builder = PooledBuilder(timeout_sec=build_timeout, f_build=build_candidate)
+    try:
+        results = builder.build(inputs) if inputs else []
+    finally:
+        builder.close()
     for result in results:
         if result.artifact_path:
             shutil.rmtree(Path(result.artifact_path).parent, ignore_errors=True)
@@ -227,34 +230,41 @@ def tune(
                 session_timeout_sec=120,
             )
         )
-    builder = ms.builder.LocalBuilder(timeout_sec=build_timeout, f_build=build_candidate)
-    if remaining > 0:
-        say(f"tuning {len(tasks)} task(s), {remaining} trial(s) ({before} already recorded)")
-        drop_unnamed_handlers()
-        strategy = _search_strategy(trials)
-        contexts, weights = tune_contexts(
-            tasks, tgt, work_dir, strategy, num_threads=num_cores(tgt), seed=seed
+    builder = PooledBuilder(timeout_sec=build_timeout, f_build=build_candidate)
+    try:
+        if remaining > 0:
+            say(f"tuning {len(tasks)} task(s), {remaining} trial(s) ({before} already recorded)")
+            drop_unnamed_handlers()
+            strategy = _search_strategy(trials)
+            contexts, weights = tune_contexts(
+                tasks, tgt, work_dir, strategy, num_threads=num_cores(tgt), seed=seed
+            )
+            if before == 0 and pipeline == "tvm_fusion":  # stock's groups get no rules of ours
+                seed_default_schedules(tasks, tgt, database, builder, runner, say)
+            callbacks = [
+                *ms.measure_callback.MeasureCallback.create("default"),
+                _Progress(names, say),
+            ]
+            ms.tune.tune_tasks(
+                tasks=contexts,
+                task_weights=weights,
+                work_dir=str(work_dir),
+                max_trials_global=remaining,
+                num_trials_per_iter=min(trials_per_iter, remaining),
+                builder=builder,
+                runner=runner,
+                database=database,
+                cost_model="xgb",
+                measure_callbacks=callbacks,
+            )
+        else:
+            say(f"nothing left to tune: {before} record(s) for a budget of {trials}")
+        verified = verify_finalists(
+            tasks, tgt, database, builder, runner, say, top=verify, ours=pipeline == "tvm_fusion"
         )
-        if before == 0 and pipeline == "tvm_fusion":  # stock's groups get no rules of ours
-            seed_default_schedules(tasks, tgt, database, builder, runner, say)
-        callbacks = [*ms.measure_callback.MeasureCallback.create("default"), _Progress(names, say)]
-        ms.tune.tune_tasks(
-            tasks=contexts,
-            task_weights=weights,
-            work_dir=str(work_dir),
-            max_trials_global=remaining,
-            num_trials_per_iter=min(trials_per_iter, remaining),
-            builder=builder,
-            runner=runner,
-            database=database,
-            cost_model="xgb",
-            measure_callbacks=callbacks,
-        )
-    else:
-        say(f"nothing left to tune: {before} record(s) for a budget of {trials}")
-    verified = verify_finalists(
-        tasks, tgt, database, builder, runner, say, top=verify, ours=pipeline == "tvm_fusion"
-    )
+    finally:  # the build processes and the local runner's worker end with the run
+        builder.close()
+        runner.pool.shutdown()  # LocalRunner's and RPCRunner's
     if verified:
         database = ms.database.JSONDatabase(work_dir=str(work_dir))
     after = trials_spent(work_dir)
