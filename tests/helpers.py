@@ -193,3 +193,24 @@ def attention_module(s: int, dtype: str = "float16", causal: bool = False) -> tv
             out = bb.emit_output(R.matmul(bb.emit(R.nn.softmax(x, axis=-1)), v))
         bb.emit_func_output(out)
     return bb.get()
+
+
+class ChildProcess:
+    """Python code run in one child process kept across calls (TVM's ``PopenWorker``), so that
+    a crash of compiled code (a segfault, SIGFPE) fails the test that ran it instead of ending
+    pytest, without each test paying a fresh interpreter's import of TVM (~6 s). An exception
+    in the child is raised here; a child that died raises ``ChildProcessError`` here and is
+    started afresh at the next call."""
+
+    def __init__(self):
+        from tvm.support.popen_pool import PopenWorker
+
+        self._worker = PopenWorker()
+
+    def run(self, code: str, argv: list[str], timeout: float = 600):
+        """Execute ``code`` with ``ARGV`` bound to ``argv`` (strings) in the child."""
+        self._worker.send(exec, (code, {"__name__": "__child__", "ARGV": argv}), timeout=timeout)
+        return self._worker.recv()
+
+    def close(self) -> None:
+        self._worker.kill()

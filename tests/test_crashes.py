@@ -1,5 +1,5 @@
-"""Graphs that killed the process (issue #40), each compiled and run in a subprocess, so that a
-crash fails its test instead of ending pytest:
+"""Graphs that killed the process (issue #40), each compiled and run in a child process, so
+that a crash fails its test instead of ending pytest:
 
 - the two halves of a static axis inside a dynamic shape (``x`` of (batch, 4, 2), bounds
   ``Shape(x)[1] / 2`` and an end "to the end" of 2**62, INT64_MAX or 2**31): segfault in
@@ -8,28 +8,26 @@ crash fails its test instead of ending pytest:
   SIGFPE, the -1 dim's division by the product of the others computed even without a -1.
 """
 
-import subprocess
-import sys
-
 import numpy as np
 import onnx
+import pytest
+from helpers import ChildProcess
 from onnx import TensorProto, helper
 
 from tvm_fusion.models._build import onnx_input, onnx_model
 
 INT64_MAX = 2**63 - 1
 
-# compiles each model of argv[1:] (model path, feeds path, reference path) with our pipeline
-# on llvm and checks every feed's outputs against the saved ones
+# compiles each model of ARGV (model path, feeds path, reference path) with our pipeline on
+# llvm and checks every feed's outputs against the saved ones
 _RUN = """
-import sys
 import numpy as np
 import onnx
 
 from tvm_fusion import host_target, load_onnx
 from tvm_fusion.build import engine
 
-for model_path, feeds_path, want_path in zip(*[iter(sys.argv[1:])] * 3):
+for model_path, feeds_path, want_path in zip(*[iter(ARGV)] * 3):
     model = onnx.load(model_path)
     feeds, wants = np.load(feeds_path), np.load(want_path)
     compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
@@ -40,13 +38,19 @@ for model_path, feeds_path, want_path in zip(*[iter(sys.argv[1:])] * 3):
         assert [w.shape for w in want] == [g.shape for g in got], (model_path, i, want, got)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w)
-print("OK")
 """
 
 
-def _check(tmp_path, cases: list[tuple[onnx.ModelProto, list[dict], list[list[np.ndarray]]]]):
-    """Each (model, feeds, expected outputs per feed), compiled by our pipeline and run in one
-    subprocess: its exit status, not pytest's, takes a crash."""
+@pytest.fixture(scope="module")
+def child():
+    proc = ChildProcess()
+    yield proc
+    proc.close()
+
+
+def _check(child, tmp_path, cases: list[tuple[onnx.ModelProto, list, list]]):
+    """Each (model, feeds, expected outputs per feed), compiled by our pipeline and run in
+    ``child`` (a :class:`helpers.ChildProcess`): it, not pytest, takes a crash."""
     args = []
     for k, (model, feeds, wants) in enumerate(cases):
         paths = [tmp_path / f"{k}.onnx", tmp_path / f"{k}_in.npz", tmp_path / f"{k}_out.npz"]
@@ -58,10 +62,7 @@ def _check(tmp_path, cases: list[tuple[onnx.ModelProto, list[dict], list[list[np
             paths[2], **{f"{i}/{j}": w for i, ws in enumerate(wants) for j, w in enumerate(ws)}
         )
         args += map(str, paths)
-    proc = subprocess.run(
-        [sys.executable, "-c", _RUN, *args], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and "OK" in proc.stdout, (proc.returncode, proc.stderr[-3000:])
+    child.run(_RUN, args)
 
 
 def _halves(end: int, vector_index: bool):
@@ -89,7 +90,7 @@ def _halves(end: int, vector_index: bool):
     return onnx_model(nodes, [x], [y], inits, opset=17)
 
 
-def test_halves_of_a_static_axis_in_a_dynamic_shape(tmp_path):
+def test_halves_of_a_static_axis_in_a_dynamic_shape(tmp_path, child):
     """The graph of issue #40 (segfault in compile; stock refuses it) with the ends 2**62,
     INT64_MAX and 2**31, the split index a 1-element vector (the form that crashed; a scalar
     index is unsqueezed and did not), the dynamic batch fed at two sizes; numpy's halves are
@@ -103,7 +104,7 @@ def test_halves_of_a_static_axis_in_a_dynamic_shape(tmp_path):
             feeds.append({"x": x})
             wants.append([x[:, :2] - x[:, 2:]])
         cases.append((_halves(end, vector_index=True), feeds, wants))
-    _check(tmp_path, cases)
+    _check(child, tmp_path, cases)
 
 
 def _reshape(in_shape, target_len: int, allowzero: int):
@@ -119,7 +120,7 @@ def _reshape(in_shape, target_len: int, allowzero: int):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
 
 
-def test_reshape_to_a_zero_dim(tmp_path):
+def test_reshape_to_a_zero_dim(tmp_path, child):
     """Reshape to a run-time target holding a 0 (kept with ``allowzero=1``, or copied from a 0
     dim of the input): the product of the target's other dims is 0, and dividing by it killed
     the process with SIGFPE. ONNX's reference evaluator gives the expected outputs."""
@@ -138,7 +139,7 @@ def test_reshape_to_a_zero_dim(tmp_path):
             "shape": np.array(target, "int64"),
         }
         cases.append((model, [feed], [ReferenceEvaluator(model).run(None, feed)]))
-    _check(tmp_path, cases)
+    _check(child, tmp_path, cases)
 
 
 def _reshape_to_signed_input(form: str):
@@ -158,7 +159,7 @@ def _reshape_to_signed_input(form: str):
     return onnx_model(nodes, inputs, out, {"zero": np.array(0, "int64")}, opset=17)
 
 
-def test_reshape_to_a_sign_test_of_an_input(tmp_path):
+def test_reshape_to_a_sign_test_of_an_input(tmp_path, child):
     """A Reshape target computed from a graph input by a sign test (issue #40): PlaceShapeOnHost
     read ``s`` into dims and wrote ``T.Select(s_0 < 0, s_0 * -1, s_0)``, on which
     CanonicalizeBindings recursed until the stack overflowed (segfault); TVM also takes dims
@@ -173,4 +174,4 @@ def test_reshape_to_a_sign_test_of_an_input(tmp_path):
         session = ort.InferenceSession(model.SerializeToString())
         feeds = [{"x": x, "s": np.array(s, "int64")} for s in ([-3, 4], [3, 4], [0, 6], [4, -3])]
         cases.append((model, feeds, [session.run(None, feed) for feed in feeds]))
-    _check(tmp_path, cases)
+    _check(child, tmp_path, cases)

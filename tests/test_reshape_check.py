@@ -2,11 +2,9 @@
 checked at run time (``check_reshape``, :mod:`tvm_fusion.frontend.onnx_reshape_check`).
 Before, ``x`` of 12 elements reshaped to ``[1, 6]`` gave a (1, 6) tensor and to ``[3, 6]`` a
 view reading past ``x``'s buffer, where onnxruntime refuses both. Every compiled case runs in
-a subprocess, so that an out-of-bounds read that crashes fails its test instead of pytest."""
+a child process, so that an out-of-bounds read that crashes fails its test instead of pytest."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +12,7 @@ import onnx
 import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as _ortc
 import pytest
+from helpers import ChildProcess
 from onnx import TensorProto, helper
 
 from tvm_fusion import load_onnx
@@ -21,28 +20,38 @@ from tvm_fusion import load_onnx
 CORPUS = Path(__file__).parent / "corpus"
 _ORT_ERRORS = (_ortc.Fail, _ortc.InvalidArgument, _ortc.RuntimeException)
 
-# compiles argv[1] with our pipeline on llvm, runs each feed of argv[2] (an npz of
-# "<i>/<name>"), prints one JSON line per feed: the outputs, or the error's first line
+# compiles ARGV[0] with our pipeline on llvm, runs each feed of ARGV[1] (an npz of
+# "<i>/<name>"), writes one JSON line per feed to ARGV[2]: the outputs, or the error's first line
 _RUN = """
-import json, sys
+import json
 import numpy as np
 import onnx
 
 from tvm_fusion import host_target, load_onnx
 from tvm_fusion.build import engine
 
-model = onnx.load(sys.argv[1])
-feeds = np.load(sys.argv[2])
+model = onnx.load(ARGV[0])
+feeds = np.load(ARGV[1])
+out = open(ARGV[2], "w")
 compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
 names = [v.name for v in model.graph.input]
 for i in range(len(feeds.files) // len(names)):
     try:
         got = engine.TvmRunner(compiled, [feeds[f"{i}/{n}"] for n in names]).outputs()
-        print(json.dumps({"out": [[list(g.shape), g.reshape(-1).tolist()] for g in got]}))
+        line = {"out": [[list(g.shape), g.reshape(-1).tolist()] for g in got]}
     except Exception as e:  # noqa: BLE001
-        print(json.dumps({"error": type(e).__name__ + ": " + str(e)}))
-    sys.stdout.flush()
+        line = {"error": type(e).__name__ + ": " + str(e)}
+    out.write(json.dumps(line) + "\\n")
+    out.flush()
+out.close()
 """
+
+
+@pytest.fixture(scope="module")
+def child():
+    proc = ChildProcess()
+    yield proc
+    proc.close()
 
 
 def _model(through_abs: bool, x_dims=(2, 6)):
@@ -61,19 +70,13 @@ def _model(through_abs: bool, x_dims=(2, 6)):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
 
 
-def _run(tmp_path, model, feeds: list[dict]) -> list[dict]:
-    path, data = tmp_path / "m.onnx", tmp_path / "feeds.npz"
+def _run(child, tmp_path, model, feeds: list[dict]) -> list[dict]:
+    path, data, out = tmp_path / "m.onnx", tmp_path / "feeds.npz", tmp_path / "out.jsonl"
     path.write_bytes(model.SerializeToString())
     np.savez(data, **{f"{i}/{n}": a for i, feed in enumerate(feeds) for n, a in feed.items()})
-    proc = subprocess.run(
-        [sys.executable, "-c", _RUN, str(path), str(data)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == len(feeds), proc.stdout
+    child.run(_RUN, [str(path), str(data), str(out)])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == len(feeds), lines
     return lines
 
 
@@ -87,7 +90,7 @@ def _x():
 
 
 @pytest.mark.parametrize("through_abs", [True, False])
-def test_valid_and_invalid_targets(tmp_path, through_abs):
+def test_valid_and_invalid_targets(tmp_path, through_abs, child):
     """Valid targets give onnxruntime's numbers; invalid ones (too few / too many elements,
     two -1, a -1 that does not divide) raise one ValueError naming the node, as onnxruntime
     refuses them."""
@@ -96,7 +99,7 @@ def test_valid_and_invalid_targets(tmp_path, through_abs):
     invalid = [[1, 6], [3, 6], [0, 5]]
     invalid += [] if through_abs else [[-1, -1], [5, -1], [-2, -6], [0, -5]]
     feeds = [{"x": _x(), "t": np.array(t, "int64")} for t in valid + invalid]
-    got = _run(tmp_path, model, feeds)
+    got = _run(child, tmp_path, model, feeds)
     ort_run = _ort(model)
     for feed, result in zip(feeds[: len(valid)], got, strict=False):
         (want,) = ort_run(feed)

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+from helpers import ChildProcess
 from onnx import TensorProto, helper
 from place_shape_on_host_common import CUDA
 
@@ -99,10 +100,9 @@ def test_constant_of_shape_empty_is_a_scalar():
     np.testing.assert_array_equal(out.outputs()[0], x - 3.5)
 
 
-# Issue #27 cases built here, compiled and run against ONNX Runtime in a subprocess: a crash in
-# compiled code (a shape that overflows int64) must fail the test, not kill pytest.
+# Issue #27 cases built here, compiled and run against ONNX Runtime in a child process: a crash
+# in compiled code (a shape that overflows int64) must fail the test, not kill pytest.
 _CHECK_WITH_ORT = """
-import sys
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -110,38 +110,35 @@ import onnxruntime as ort
 from tvm_fusion import host_target, load_onnx
 from tvm_fusion.build import engine
 
-model = onnx.load(sys.argv[1])
-saved = np.load(sys.argv[2])
+model = onnx.load(ARGV[0])
+saved = np.load(ARGV[1])
 compiled = engine.compile_module(load_onnx(model), host_target(), "tvm_fusion")
 session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-for i in range(int(sys.argv[3])):
+for i in range(int(ARGV[2])):
     feed = {v.name: saved[f"{i}/{v.name}"] for v in model.graph.input}
     want = session.run(None, feed)
     got = engine.TvmRunner(compiled, list(feed.values())).outputs()
     assert [w.shape for w in want] == [g.shape for g in got], (i, want, got)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
-print("OK")
 """
 
 
-def _check_with_ort(tmp_path, model, feeds: list[dict]) -> None:
-    """``model`` built by our pipeline on llvm gives ONNX Runtime's outputs, each of ``feeds``
-    (checked in a subprocess)."""
-    import subprocess
-    import sys
+@pytest.fixture(scope="module")
+def child():
+    proc = ChildProcess()
+    yield proc
+    proc.close()
 
+
+def _check_with_ort(child, tmp_path, model, feeds: list[dict]) -> None:
+    """``model`` built by our pipeline on llvm gives ONNX Runtime's outputs, each of ``feeds``
+    (checked in ``child``, a :class:`helpers.ChildProcess`)."""
     pytest.importorskip("onnxruntime")
     path, saved = tmp_path / "model.onnx", tmp_path / "feeds.npz"
     onnx.save(model, path)
     np.savez(saved, **{f"{i}/{k}": a for i, feed in enumerate(feeds) for k, a in feed.items()})
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHECK_WITH_ORT, str(path), str(saved), str(len(feeds))],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    child.run(_CHECK_WITH_ORT, [str(path), str(saved), str(len(feeds))])
 
 
 def _halves_model(dim, scalar: bool, add: bool):
@@ -175,7 +172,7 @@ def _halves_model(dim, scalar: bool, add: bool):
     [(8, True, [8]), (8, False, [8]), (7, False, [7]), ("n", False, [8, 7, 1])],
 )
 @pytest.mark.parametrize("scalar", [True, False], ids=["scalar_index", "vector_index"])
-def test_halves_of_an_axis_match_onnxruntime(dim, scalar, add, sizes, tmp_path):
+def test_halves_of_an_axis_match_onnxruntime(dim, scalar, add, sizes, tmp_path, child):
     """``x[:, :n // 2]`` and ``x[:, n // 2:INT64_MAX]`` with ``n = Shape(x)[1]``: the importer
     declared the second slice ``INT64_MAX - n // 2`` long (assume_inbound with the INT64_MAX
     end), which overflowed; the end is now cut to the axis. Static and symbolic axes, odd
@@ -184,10 +181,10 @@ def test_halves_of_an_axis_match_onnxruntime(dim, scalar, add, sizes, tmp_path):
         {"x": np.random.default_rng(size).standard_normal((3, size)).astype("float32")}
         for size in sizes
     ]
-    _check_with_ort(tmp_path, _halves_model(dim, scalar, add), feeds)
+    _check_with_ort(child, tmp_path, _halves_model(dim, scalar, add), feeds)
 
 
-def test_slice_start_of_unknown_range_matches_onnxruntime(tmp_path):
+def test_slice_start_of_unknown_range_matches_onnxruntime(tmp_path, child):
     """``x[:, len(y):]``: a start that may pass the end of the axis cannot be assumed in
     bounds; the slice clamps it (an empty result where ``len(y) >= n``), as ONNX Runtime."""
     nodes = [
@@ -211,7 +208,7 @@ def test_slice_start_of_unknown_range_matches_onnxruntime(tmp_path):
         }
         for n, m in [(8, 3), (5, 5), (4, 6)]
     ]
-    _check_with_ort(tmp_path, model, feeds)
+    _check_with_ort(child, tmp_path, model, feeds)
 
 
 def _range_gather(start, limit, delta: int, reshape: bool, vector_index: bool = False):
