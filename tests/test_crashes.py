@@ -10,8 +10,6 @@ that a crash fails its test instead of ending pytest:
 
 import numpy as np
 import onnx
-import pytest
-from helpers import ChildProcess
 from onnx import TensorProto, helper
 
 from tvm_fusion.models._build import onnx_input, onnx_model
@@ -39,13 +37,6 @@ for model_path, feeds_path, want_path in zip(*[iter(ARGV)] * 3):
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w)
 """
-
-
-@pytest.fixture(scope="module")
-def child():
-    proc = ChildProcess()
-    yield proc
-    proc.close()
 
 
 def _check(child, tmp_path, cases: list[tuple[onnx.ModelProto, list, list]]):

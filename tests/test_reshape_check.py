@@ -12,7 +12,6 @@ import onnx
 import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as _ortc
 import pytest
-from helpers import ChildProcess
 from onnx import TensorProto, helper
 
 from tvm_fusion import load_onnx
@@ -45,13 +44,6 @@ for i in range(len(feeds.files) // len(names)):
     out.flush()
 out.close()
 """
-
-
-@pytest.fixture(scope="module")
-def child():
-    proc = ChildProcess()
-    yield proc
-    proc.close()
 
 
 def _model(through_abs: bool, x_dims=(2, 6)):

@@ -11,7 +11,6 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from helpers import ChildProcess
 from onnx import TensorProto, helper
 from place_shape_on_host_common import CUDA
 
@@ -122,13 +121,6 @@ for i in range(int(ARGV[2])):
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
 """
-
-
-@pytest.fixture(scope="module")
-def child():
-    proc = ChildProcess()
-    yield proc
-    proc.close()
 
 
 def _check_with_ort(child, tmp_path, model, feeds: list[dict]) -> None:
