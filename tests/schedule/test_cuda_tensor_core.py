@@ -36,7 +36,6 @@ import tvm
 from tvm import relax
 from tvm.relax import op as R
 from tvm.s_tir import TensorIntrin
-from tvm.s_tir.tensor_intrin import cuda as tc
 
 from tvm_fusion import analysis, tir_util
 from tvm_fusion import target as _target
@@ -170,6 +169,9 @@ def test_swiglu_gate_takes_the_measured_tile():
 def test_retyped_intrinsics_are_tvms_for_float16():
     """The bfloat16 intrinsics are made by retyping TVM's float16 ones; retyped to float16 they
     are TVM's (the ldmatrix implementation differs only in its pointer's printed type)."""
+    # imported here, not at collection: it parses ~250 TVMScript intrinsics (~5 s per process)
+    from tvm.s_tir.tensor_intrin import cuda as tc
+
     for name in (tc.LDMATRIX_f16_A_INTRIN, tc.LDMATRIX_f16_B_INTRIN, tc.MMA_f16f16f32_INTRIN):
         desc, impl = gtc.retyped(name, "float16")
         tvm.ir.assert_structural_equal(desc, TensorIntrin.get(name).desc)
