@@ -35,14 +35,28 @@ def _expect(x, w):
     return np.maximum(x @ w, 0)
 
 
-def test_tune_resume_and_apply(tmp_path):
+@pytest.fixture(scope="module")
+def shared():
+    """One builder and one local runner for this module's tuning runs (``tune``'s
+    ``builder`` / ``runner``): their processes start once, not ~5 s per run each. The runs
+    with their own (the default, closed at their end) are the stock-pipeline and RPC ones."""
+    from tvm.s_tir import meta_schedule as ms
+
+    builder = tuning.measure.PooledBuilder(timeout_sec=30.0, f_build=tuning.measure.build_candidate)
+    runner = ms.runner.LocalRunner()
+    yield {"builder": builder, "runner": runner}
+    builder.close()
+    runner.pool.shutdown()
+
+
+def test_tune_resume_and_apply(tmp_path, shared):
     from tvm_fusion import models
 
     inst = models.build("gate_2890", "small")
     mod, inputs = inst.mod, inst.input_list()
     target = tvm_fusion.host_target()
     lines = []
-    report = tuning.tune(mod, target, tmp_path, trials=4, progress=lines.append)
+    report = tuning.tune(mod, target, tmp_path, trials=4, progress=lines.append, **shared)
     assert report.trials_before == 0 and report.trials_after == 4
     assert report.wrong == []  # the best record computes what the unscheduled function does
     assert report.tasks and any(line.startswith("task 1/") for line in lines)
@@ -60,7 +74,7 @@ def test_tune_resume_and_apply(tmp_path):
     )  # fmt: skip
     db.commit_tuning_record(lucky)
     # resumable: the budget is spent, a second run measures nothing more
-    again = tuning.tune(mod, target, tmp_path, trials=4, progress=lines.append)
+    again = tuning.tune(mod, target, tmp_path, trials=4, progress=lines.append, **shared)
     assert again.trials_before == 4 and again.trials_after == 4
     name = again.tasks[0]
     assert again.verified[name][0] == pytest.approx(1e-6)  # ms, as the lucky record claimed
@@ -90,6 +104,8 @@ def test_bad_arguments():
         tuning.parse_tracker("nohost")
     with pytest.raises(UsageError, match="unknown pipeline"):
         tuning.fused_module(mod, None, pipeline="nope")
+    with pytest.raises(UsageError, match="either an RPC tracker or a runner"):
+        tuning.tune(mod, None, "/tmp/unused", trials=1, rpc="h:1", rpc_key="k", runner=object())
 
 
 def _free_port() -> int:
@@ -124,8 +140,9 @@ def _registered(tracker_port: int, key: str) -> bool:
     return key in summary.get("queue_info", {})
 
 
-def test_tune_through_rpc_tracker(tmp_path):
-    """A tracker and one server on loopback; the candidates are measured on the server."""
+def test_tune_through_rpc_tracker(tmp_path, shared):
+    """A tracker and one server on loopback; the candidates are measured on the server (built
+    by the module's shared builder)."""
     tracker_port, server_port = _free_port(), _free_port()
     tracker = subprocess.Popen(
         [sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
@@ -150,6 +167,7 @@ def test_tune_through_rpc_tracker(tmp_path):
             trials=2,
             rpc=f"127.0.0.1:{tracker_port}",
             rpc_key="tvm-fusion-test",
+            builder=shared["builder"],
         )
         assert report.trials_after == 2
         assert report.best_ms, "no candidate was measured through the tracker"
@@ -189,7 +207,7 @@ def _default_timed_fastest(monkeypatch) -> list[int]:
     return calls
 
 
-def test_packed_default_that_beats_every_record_keeps_the_task(tmp_path, monkeypatch):
+def test_packed_default_that_beats_every_record_keeps_the_task(tmp_path, monkeypatch, shared):
     """Our GEMM schedule packs the constant weight, so it cannot be a record. When the records
     are measured again, it is timed beside them (last candidate); where it wins, the task's
     records are left out and the pipeline schedules the task itself (packed, right numbers).
@@ -198,8 +216,9 @@ def test_packed_default_that_beats_every_record_keeps_the_task(tmp_path, monkeyp
     calls = _default_timed_fastest(monkeypatch)
     lines = []
     report = tuning.tune(
-        mod, tvm_fusion.host_target(), tmp_path, trials=2, verify=1, progress=lines.append
-    )
+        mod, tvm_fusion.host_target(), tmp_path, trials=2, verify=1, progress=lines.append,
+        **shared,
+    )  # fmt: skip
     assert calls and calls[0] >= 2  # a record and the packed default
     assert any("beats every record" in line for line in lines), lines
     (name,) = report.tasks
@@ -244,7 +263,9 @@ def test_record_is_correct_tells_a_wrong_schedule():
     assert tuning.record_is_correct(record(sch), target) is False
 
 
-def test_packed_default_of_a_1x1_conv_is_timed_as_the_pipeline_runs_it(tmp_path, monkeypatch):
+def test_packed_default_of_a_1x1_conv_is_timed_as_the_pipeline_runs_it(
+    tmp_path, monkeypatch, shared
+):
     """A 1 x 1 convolution's default schedule packs ``W[o, i, 0, 0]``, which TVM's
     RemoveWeightLayoutRewriteBlock refuses (its check wants plain variables). It is split the
     way the pipeline splits it (``SplitLayoutRewritePreproc``) and timed on the packed weight,
@@ -270,6 +291,7 @@ def test_packed_default_of_a_1x1_conv_is_timed_as_the_pipeline_runs_it(tmp_path,
         verify=1,
         progress=lines.append,
         channels_last=False,
+        **shared,
     )
     assert any("beats every record" in line for line in lines), lines
     assert not any("packing in each call" in line for line in lines), lines
@@ -315,14 +337,17 @@ def test_default_whose_trace_does_not_replay_is_still_ours():
     tvm.compile(kernel, target=target)
 
 
-def test_unreplayed_default_that_beats_every_record_keeps_the_task(tmp_path, monkeypatch):
+def test_unreplayed_default_that_beats_every_record_keeps_the_task(tmp_path, monkeypatch, shared):
     """The finalists time that default beside the records; where it wins, the records are left
     out and the pipeline schedules the task itself (right numbers). Timings faked: the default
     is the fastest."""
     mod, w = _padded_rows_gemm()
     calls = _default_timed_fastest(monkeypatch)
     lines = []
-    tuning.tune(mod, tvm_fusion.host_target(), tmp_path, trials=2, verify=1, progress=lines.append)
+    tuning.tune(
+        mod, tvm_fusion.host_target(), tmp_path, trials=2, verify=1, progress=lines.append,
+        **shared,
+    )  # fmt: skip
     assert calls and calls[0] >= 2, calls  # a record and our default
     assert any("beats every record" in line for line in lines), lines
     xs = np.random.default_rng(1).standard_normal((29, 64)).astype("float32")

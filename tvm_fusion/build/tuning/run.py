@@ -174,12 +174,19 @@ def tune(
     progress: Callable[[str], None] | None = None,
     seed: int | None = None,
     verify: int = 8,
+    builder: ms.builder.Builder | None = None,
+    runner: ms.runner.Runner | None = None,
     **flags,
 ) -> TuneReport:
     """Tune the fused groups of ``mod`` for ``target`` with at most ``trials`` measurements in
     all (counting those already in ``work_dir``), then measure the ``verify`` best records of
     each task again (:func:`verify_finalists`; 0: keep MetaSchedule's single measurements).
-    See :mod:`tvm_fusion.build.tuning`."""
+    See :mod:`tvm_fusion.build.tuning`.
+
+    ``builder`` / ``runner``: MetaSchedule's, kept by the caller across runs (their processes
+    start once: ~5 s each) and left open; by default the run makes its own (a
+    :class:`~.measure.PooledBuilder`; a ``LocalRunner``, or an ``RPCRunner`` with ``rpc``) and
+    ends their processes when it ends."""
     if trials < 1:
         raise UsageError(f"trials must be positive, got {trials}")
     if trials_per_iter < 1:
@@ -189,6 +196,8 @@ def tune(
     tracker = parse_tracker(rpc) if rpc else None
     if tracker and not rpc_key:
         raise UsageError("--rpc-tracker needs --rpc-key")
+    if tracker and runner is not None:
+        raise UsageError("give either an RPC tracker or a runner, not both")
     tgt = parse_target(target)
     say = progress or (lambda line: logger.info("%s", line))
     if not tracker and not is_cpu(tgt) and not tvm.device(tgt.kind.name, 0).exist:
@@ -219,7 +228,7 @@ def tune(
     before = trials_spent(work_dir)
     start = time.perf_counter()
     remaining = trials - before
-    runner = ms.runner.LocalRunner()
+    own_runner, own_builder = runner is None, builder is None
     if tracker:
         host, port = tracker
         runner = ms.runner.RPCRunner(
@@ -230,7 +239,10 @@ def tune(
                 session_timeout_sec=120,
             )
         )
-    builder = PooledBuilder(timeout_sec=build_timeout, f_build=build_candidate)
+    elif own_runner:
+        runner = ms.runner.LocalRunner()
+    if own_builder:
+        builder = PooledBuilder(timeout_sec=build_timeout, f_build=build_candidate)
     try:
         if remaining > 0:
             say(f"tuning {len(tasks)} task(s), {remaining} trial(s) ({before} already recorded)")
@@ -262,9 +274,11 @@ def tune(
         verified = verify_finalists(
             tasks, tgt, database, builder, runner, say, top=verify, ours=pipeline == "tvm_fusion"
         )
-    finally:  # the build processes and the local runner's worker end with the run
-        builder.close()
-        runner.pool.shutdown()  # LocalRunner's and RPCRunner's
+    finally:  # the build processes and the runner's worker end with the run (ours only)
+        if own_builder:
+            builder.close()
+        if own_runner:
+            runner.pool.shutdown()  # LocalRunner's and RPCRunner's
     if verified:
         database = ms.database.JSONDatabase(work_dir=str(work_dir))
     after = trials_spent(work_dir)
