@@ -224,20 +224,24 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
-    import tvm_fusion
-    from tvm_fusion.tools.bench import bench_target, machine_info
-
     conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
     unknown = [c for c in conditions if c not in CONDITIONS]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    # refused before importing TVM (~6 s)
+    refusal = None
+    if unknown or not conditions:
+        refusal = (
+            f"unknown condition(s) {', '.join(unknown) or '(none)'}; known: {', '.join(CONDITIONS)}"
+        )
+    elif args.processes < 1 or args.calls < 1:
+        refusal = "--processes and --calls expect integers >= 1"
+    if refusal:
+        print(f"bench_neighbours: error: {refusal}", file=sys.stderr)
+        return 2
+    import tvm_fusion
+    from tvm_fusion.tools.bench import bench_target, machine_info
+
     try:
-        if unknown or not conditions:
-            raise tvm_fusion.UsageError(
-                f"unknown condition(s) {', '.join(unknown) or '(none)'}; known: "
-                f"{', '.join(CONDITIONS)}"
-            )
-        if args.processes < 1 or args.calls < 1:
-            raise tvm_fusion.UsageError("--processes and --calls expect integers >= 1")
         target = bench_target(tvm_fusion.host_target(), args.mcpu)
         result = {"machine": machine_info(target), "workloads": {}}
         with tempfile.TemporaryDirectory(prefix="neighbours-") as work:
