@@ -1,6 +1,8 @@
 """Tuning runs: MetaSchedule over the fused groups, resumable, applied by --tuning-db, and
 measured through TVM's RPC tracker. Small module, a handful of trials."""
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -147,7 +149,7 @@ def test_tune_through_rpc_tracker(tmp_path, shared):
     tracker = subprocess.Popen(
         [sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
          "--port", str(tracker_port), "--port-end", str(tracker_port + 1)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     server = None
     try:
@@ -156,7 +158,7 @@ def test_tune_through_rpc_tracker(tmp_path, shared):
             [sys.executable, "-m", "tvm.exec.rpc_server", "--host", "127.0.0.1",
              "--port", str(server_port), "--port-end", str(server_port + 1),
              "--tracker", f"127.0.0.1:{tracker_port}", "--key", "tvm-fusion-test"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         _wait_until(lambda: _registered(tracker_port, "tvm-fusion-test"), "the RPC server")
         mod, _, _ = _tiny()
@@ -171,10 +173,10 @@ def test_tune_through_rpc_tracker(tmp_path, shared):
         )
         assert report.trials_after == 2
         assert report.best_ms, "no candidate was measured through the tracker"
-    finally:
+    finally:  # each in its own process group: the server's session workers end with it
         for proc in (server, tracker):
             if proc is not None:
-                proc.terminate()
+                os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=10)
 
 
