@@ -21,12 +21,11 @@ inputs that already work.
   themselves (``resolve_closure_vars``). Under pytest (stacks of 60-80 frames) collecting our
   tests spent ~10 s per process there, most of it in ``findsource``. The entries (and the
   macro lookup's ``getouterframes``) get a list of the same frames whose ``FrameInfo`` fields
-  are read on first use (``_FrameStack``); same values, each computed only when asked for.
+  are read on first use (``_LazyFrameInfo``); same values, each computed only when asked for.
 """
 
 from __future__ import annotations
 
-import collections.abc
 import functools
 import importlib
 import inspect
@@ -97,33 +96,19 @@ class _LazyFrameInfo:
         return getattr(self._traceback(), name)
 
     def __getitem__(self, index):  # the tuple view: (frame, filename, lineno, ...)
-        return ((self.frame,) + tuple(self._traceback()))[index]
+        return tuple(self)[index]
 
     def __iter__(self):
         return iter((self.frame,) + tuple(self._traceback()))
 
 
-class _FrameStack(collections.abc.Sequence):
+def _frames_outwards(frame) -> list[_LazyFrameInfo]:
     """What ``inspect.getouterframes(frame)`` returns, each entry a :class:`_LazyFrameInfo`."""
-
-    def __init__(self, frames):
-        self._frames = frames
-
-    @classmethod
-    def outwards(cls, frame):
-        frames = []
-        while frame is not None:
-            frames.append(_LazyFrameInfo(frame))
-            frame = frame.f_back
-        return cls(frames)
-
-    def __len__(self):
-        return len(self._frames)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return _FrameStack(self._frames[index])
-        return self._frames[index]
+    frames = []
+    while frame is not None:
+        frames.append(_LazyFrameInfo(frame))
+        frame = frame.f_back
+    return frames
 
 
 class _InspectWithLazyStacks:
@@ -137,17 +122,17 @@ class _InspectWithLazyStacks:
     def stack(context=1):
         if context != 1:
             return inspect.getouterframes(sys._getframe(1), context)
-        return _FrameStack.outwards(sys._getframe(1))
+        return _frames_outwards(sys._getframe(1))
 
     @staticmethod
     def getouterframes(frame, context=1):
         if context != 1:
             return inspect.getouterframes(frame, context)
-        return _FrameStack.outwards(frame)
+        return _frames_outwards(frame)
 
 
-# the modules whose ``inspect.stack()`` / ``getouterframes`` are replaced (module -> checked
-# name): TVMScript's @I.ir_module, @T.prim_func, @R.function entries and T.macro's lookup
+# the modules whose ``inspect.stack()`` / ``getouterframes`` are replaced: TVMScript's
+# @I.ir_module, @T.prim_func, @R.function entries and T.macro's lookup
 _STACK_USERS = (
     "tvm.script.parser.ir.entry",
     "tvm.tirx.script.parser.entry",
