@@ -10,12 +10,12 @@ or one loop kernel of ``tvm_fusion.lower.rnn_loop`` per direction). Errors are o
 """
 
 from .load import (
-    fold_constants,
     import_exported_program,
     load_exported_program,
     load_model,
     load_onnx,
 )
+from .onnx_fold import fold_constants
 
 __all__ = [
     "fold_constants",

@@ -129,13 +129,42 @@ def _check_shapes(model, shapes: Shapes | None, where: str) -> dict[str, list] |
     return result
 
 
-def _unsupported_ops(model) -> list[str]:
+def _with_input_shapes(model, shapes: Shapes | None):
+    """A copy of ``model`` whose graph inputs have the dims ``shapes`` gives (checked by
+    :func:`_check_shapes`), so that shape inference and constant folding see the user's
+    symbolic dims instead of the model's static ones; ``model`` itself without ``shapes``."""
+    if not shapes:
+        return model
+    import onnx
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.value_info[:]  # the exporter's shapes of the old dims: inferred again
+    for graph_input in out.graph.input:
+        if graph_input.name not in shapes:
+            continue
+        tensor = graph_input.type.tensor_type
+        tensor.shape.Clear()
+        for dim in shapes[graph_input.name]:
+            if isinstance(dim, str):
+                tensor.shape.dim.add().dim_param = dim
+            else:
+                tensor.shape.dim.add().dim_value = dim
+    return out
+
+
+def _known_ops() -> set[str]:
+    """The ONNX operators the importer (with our converters installed) converts."""
     from tvm.relax.frontend.onnx import onnx_frontend
 
     from .onnx_ops import install
 
     install()
-    known = set(onnx_frontend._get_convert_map()) | {"If", "Constant"}
+    return set(onnx_frontend._get_convert_map()) | {"If", "Constant"}
+
+
+def _unsupported_ops(model) -> list[str]:
+    known = _known_ops()
     ops: set[str] = set()
 
     def walk(graph):
@@ -180,166 +209,6 @@ def _fresh_import_state(model) -> None:
     onnx_known_shapes._SHAPES.update(onnx_known_shapes.onnx_input_shapes(model))
 
 
-# Operators that fold_constants evaluates when every input is a constant: the index and shape
-# arithmetic exporters write out node by node (TorchScript's F.pad builds its pads from
-# ConstantOfShape / Concat / Slice / Transpose), which TVM's importer keeps as Relax ops and
-# then cannot use where it needs a constant ("Dynamic pads are not supported yet").
-FOLDABLE = frozenset(
-    "Abs Add Cast Concat ConstantOfShape Div Equal Expand Flatten Gather Greater Identity Less "
-    "Mul Neg Not OneHot Range ReduceProd ReduceSum Reshape Shape Size Slice Squeeze Sub Tile "
-    "Transpose Unsqueeze Where".split()
-)
-FOLD_MAX_ELEMENTS = 4096  # shapes, pads, indices: never a weight
-# Operators that only select or move the elements of their first input (every input for
-# Concat): a ``Shape`` whose static dims ONNX shape inference knows flows through them with -1
-# for each dynamic dim, and folds once no -1 is left (the TorchScript export of transformers'
-# ``repeat_interleave(top_k)``: ``Shape(topk indices)[-1]`` is k, static, behind a dynamic
-# token dim; the ``OneHot`` / ``Tile`` repeats it computes then fold, and ``Tile`` keeps its
-# static dims instead of stock's ``dyn_tile`` to fresh ``tile_dim`` vars).
-_SELECTING = frozenset("Concat Gather Identity Slice Squeeze Unsqueeze".split())
-
-
-def _static_dims(model) -> dict:
-    """Value name -> its dims (an int, or -1 where dynamic) from ONNX shape inference."""
-    import onnx
-
-    try:
-        graph = onnx.shape_inference.infer_shapes(model).graph
-    except Exception as err:  # noqa: BLE001 - no partial shapes, nothing else changes
-        logger.debug("fold_constants: no shape inference: %s", first_line(err))
-        return {}
-    dims = {}
-    for info in [*graph.input, *graph.value_info, *graph.output]:
-        tensor = info.type.tensor_type
-        if tensor.HasField("shape"):
-            dims[info.name] = [
-                d.dim_value if d.HasField("dim_value") else -1 for d in tensor.shape.dim
-            ]
-    return dims
-
-
-def _partial_shape(node, dims: dict):
-    """The output of a ``Shape`` node with -1 for each dynamic dim, or None."""
-    import numpy as np
-
-    shape = dims.get(node.input[0])
-    if shape is None or -1 not in shape:
-        return None
-    attrs = {a.name: a.i for a in node.attribute}
-    start, end = attrs.get("start", 0), attrs.get("end", len(shape))
-    return np.asarray(shape[start:end], dtype=np.int64)
-
-
-def _evaluate(node, inputs: list, feeds: dict, opset: int) -> list:
-    """``node`` alone evaluated by ONNX's reference implementation on ``feeds``."""
-    import onnx
-    from onnx.reference import ReferenceEvaluator
-
-    single = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            [node],
-            "fold",
-            [onnx.helper.make_tensor_value_info(i, 0, None) for i in inputs],
-            [onnx.helper.make_tensor_value_info(o, 0, None) for o in node.output],
-        ),
-        opset_imports=[onnx.helper.make_opsetid("", opset)],
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return ReferenceEvaluator(single).run(None, feeds)
-
-
-def fold_constants(model, max_elements: int = FOLD_MAX_ELEMENTS):
-    """``model`` with every :data:`FOLDABLE` node whose inputs are all constants (initializers,
-    ``Constant`` nodes or folded outputs) and whose outputs are small replaced by initializers,
-    and the number of nodes folded. Evaluated by ONNX's reference implementation; a node it
-    cannot evaluate stays. The top graph only (subgraphs keep their nodes). A ``Shape`` of a
-    tensor with some static dims (ONNX shape inference) folds where only those are selected
-    (:data:`_SELECTING`)."""
-    import numpy as np
-    import onnx
-    from onnx import numpy_helper
-
-    graph = model.graph
-    values: dict[str, np.ndarray] = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            with contextlib.suppress(Exception):
-                values[node.output[0]] = numpy_helper.to_array(
-                    onnx.helper.get_attribute_value(node.attribute[0])
-                )
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
-    graph_outputs = {o.name for o in graph.output}
-    keep, folded = [], {}
-    dims = None  # ONNX shape inference, run once a Shape of a non-constant is met
-    partial: dict[str, np.ndarray] = {}  # Shape outputs and their selections, -1 if dynamic
-    for node in graph.node:
-        inputs = [i for i in node.input if i]
-        if node.op_type == "Shape" and inputs and inputs[0] not in values:
-            dims = _static_dims(model) if dims is None else dims
-            shape = _partial_shape(node, dims)
-            if shape is not None:
-                partial[node.output[0]] = shape
-            keep.append(node)
-            continue
-        selected = inputs if node.op_type == "Concat" else inputs[:1]
-        if (
-            node.op_type in _SELECTING
-            and node.domain in ("", "ai.onnx")
-            and any(i in partial for i in selected)
-            and all(i in values or (i in partial and i in selected) for i in inputs)
-        ):
-            feeds = {i: values[i] if i in values else partial[i] for i in inputs}
-            try:
-                result = np.asarray(_evaluate(node, inputs, feeds, opset)[0])
-            except Exception as err:  # noqa: BLE001 - the importer gets the node as it is
-                logger.debug("fold_constants: left %s: %s", node.op_type, first_line(err))
-                keep.append(node)
-                continue
-            if (result == -1).any():
-                partial[node.output[0]] = result
-                keep.append(node)
-            else:
-                values[node.output[0]] = folded[node.output[0]] = result
-            continue
-        if (
-            node.op_type not in FOLDABLE
-            or node.domain not in ("", "ai.onnx")
-            or not inputs
-            or not all(i in values for i in inputs)
-            or any(o in graph_outputs for o in node.output)
-            or any(values[i].size > max_elements for i in inputs)
-        ):
-            keep.append(node)
-            continue
-        try:
-            results = _evaluate(node, inputs, {i: values[i] for i in inputs}, opset)
-        except Exception as err:  # the importer gets the node as it is
-            logger.debug("fold_constants: left %s: %s", node.op_type, first_line(err))
-            keep.append(node)
-            continue
-        if any(np.asarray(r).size > max_elements for r in results):
-            keep.append(node)
-            continue
-        for name, result in zip(node.output, results, strict=True):
-            values[name] = folded[name] = np.asarray(result)
-    if not folded:
-        return model, 0
-    used = {i for n in keep for i in n.input} | graph_outputs
-    for n in keep:
-        for attr in n.attribute:
-            if attr.g is not None:
-                used |= {i for sub in attr.g.node for i in sub.input}
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(keep)
-    out.graph.initializer.extend(
-        numpy_helper.from_array(array, name) for name, array in folded.items() if name in used
-    )
-    return out, len(graph.node) - len(keep)
-
-
 # the importer's refusal of a shape value where a tensor is expected; load_onnx casts that
 # node's shape operands to int64 tensors and imports again, at most this many times
 _SHAPE_REFUSED = re.compile(r"Node (.+) cannot handle ShapeExpr inputs\.")
@@ -371,11 +240,17 @@ def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
     """Validate an ONNX model and import it as a Relax IRModule (see module docstring)."""
     from tvm.relax.frontend.onnx import from_onnx
 
-    from . import onnx_shape_operands
+    from . import onnx_functions, onnx_shape_operands
+    from .onnx_fold import fold_constants
 
     model, where = _read_model(path_or_model)
     _check_model(model, where)
     shape_dict = _check_shapes(model, shapes, where)
+    model = _with_input_shapes(model, shapes)
+    model, _ = onnx_functions.normalize_constants(model)
+    model, expanded = onnx_functions.expand_functions(model, _known_ops())
+    if expanded:
+        logger.debug("%s: %d nodes replaced by their ONNX function bodies", where, expanded)
     model, folded = fold_constants(model)
     if folded:
         logger.debug("%s: %d constant nodes folded before import", where, folded)
@@ -432,6 +307,10 @@ def tensor_outputs(mod: tvm.IRModule, model) -> tvm.IRModule:
         if isinstance(field, relax.ShapeType) and i < len(declared):
             if not declared[i].type.HasField("tensor_type"):
                 continue
+            if isinstance(value, relax.TupleGetItem):  # a leaf to normalize the call on
+                item = relax.Var(f"{declared[i].name or 'shape'}_shape", field)
+                bindings.append(relax.VarBinding(item, value))
+                value = item
             call = bb.normalize(relax.op.shape_to_tensor(value))
             var = relax.Var(f"{declared[i].name or 'shape'}_tensor", call.ty)
             bindings.append(relax.VarBinding(var, call))

@@ -20,6 +20,10 @@ stock one (``onnx_ops.OVERRIDES``) and hands every other form back to it:
   (stock's converter, ``exclusive`` / ``reverse`` honoured) and a ``where`` on the axis picks
   one; an axis outside ``[-r, r)`` is a run-time ``ValueError`` naming the node. This costs
   ``r`` sums instead of one.
+- ``Elu`` / ``Selu`` of float16, bfloat16 or float64 (stock: "Binary operators must have the
+  same datatype": its constants are float32): the same formula with constants of the input's
+  dtype. ``Celu`` (no stock converter; ONNX defines it by a function from opset 28 only):
+  ``alpha * Elu(x / alpha)`` in the input's dtype.
 
 The integer ``Pow`` is one TIR kernel over the flattened, broadcast operands that asserts
 after its loop; CumSum's axis check is a small TIR kernel called in place on the axis (which
@@ -281,4 +285,50 @@ class CumSum(_frontend.CumSum):
         return out
 
 
-CONVERTERS = {"MaxPool": MaxPool, "Pow": Pow, "CumSum": CumSum}
+def _elu(x, alpha: float, dtype: str):
+    """``alpha * (exp(x) - 1)`` below 0, ``x`` above, in ``dtype`` (stock's formula)."""
+    return relax.const(-alpha, dtype) * relax.op.nn.relu(
+        relax.const(1.0, dtype) - relax.op.exp(x)
+    ) + relax.op.nn.relu(x)
+
+
+class Elu(_frontend.Elu):
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        x = bb.normalize(inputs[0])
+        if _dtype_of(x) == "float32":
+            return super()._impl_v1(bb, inputs, attr, params)
+        return _elu(x, float(attr.get("alpha", 1.0)), _dtype_of(x))
+
+
+class Selu(_frontend.Selu):
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        x = bb.normalize(inputs[0])
+        if _dtype_of(x) == "float32":
+            return super()._impl_v1(bb, inputs, attr, params)
+        alpha = float(attr.get("alpha", 1.67326319217681884765625))
+        gamma = float(attr.get("gamma", 1.05070102214813232421875))
+        return relax.const(gamma, _dtype_of(x)) * _elu(x, alpha, _dtype_of(x))
+
+
+class Celu(_frontend.OnnxOpConverter):
+    @classmethod
+    def _impl_v12(cls, bb, inputs, attr, params):
+        x, alpha = bb.normalize(inputs[0]), float(attr.get("alpha", 1.0))
+        dtype = _dtype_of(x)
+        return relax.const(alpha, dtype) * _elu(x / relax.const(alpha, dtype), 1.0, dtype)
+
+
+def _dtype_of(expr) -> str:
+    return str(getattr(getattr(expr, "ty", None), "dtype", ""))
+
+
+CONVERTERS = {
+    "MaxPool": MaxPool,
+    "Pow": Pow,
+    "CumSum": CumSum,
+    "Elu": Elu,
+    "Selu": Selu,
+    "Celu": Celu,
+}

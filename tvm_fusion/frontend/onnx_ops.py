@@ -77,6 +77,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 from ..transform._common import as_i64 as _i64
 from ..transform._common import op_name
 from . import onnx_known_shapes
+from .onnx_attention import Attention as _Attention
 from .onnx_dynamic import DYNAMIC as _DYNAMIC
 from .onnx_dynamic import fresh_shape as _fresh_shape
 from .onnx_fixes import FIXES as _FIXES
@@ -531,6 +532,7 @@ OVERRIDES = {
     **_DYNAMIC,  # Size, Pad, Split with operands known at run time (onnx_dynamic.py)
     **_SUITE_FIXES,  # the same, found by the whole node suite (onnx_refusals.py)
     **_VARIADIC,  # Sum / Mean as elementwise adds, not stack + reduce (onnx_variadic.py)
+    "Attention": _Attention,  # opset 23's, not com.microsoft's (onnx_attention.py)
 }
 
 CONVERTERS = {
