@@ -318,3 +318,15 @@ def test_profile_kernels_smoke(tmp_path, capsys):
     (tmp_path / "bad.onnx").write_bytes(b"not a model")
     assert script.main([str(tmp_path / "bad.onnx")]) == 2
     assert "bad.onnx" in _error_line(capsys)
+
+
+def test_bench_onnx_attention_smoke(capsys):
+    """scripts/bench_onnx_attention.py on a tiny GQA shape: the three engines agree and a row
+    is printed; a bad shape is refused by argparse."""
+    bench = _script("bench_onnx_attention")
+    assert bench.main(["--shapes", "1,4,2,16,8", "--reps", "1"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.startswith("| 1,4,2,16,8 |"), row
+    assert float(row.split("|")[-2]) < 1e-4
+    with pytest.raises(SystemExit):
+        bench.main(["--shapes", "1,3,2,16,8"])
