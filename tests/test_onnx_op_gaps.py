@@ -115,26 +115,30 @@ def test_pow_negative_integer_exponent_is_a_runtime_error():
         _run(compiled, {"a": a, "b": np.array([1, -1, 2], "int32")})
 
 
-def _cumsum_model(exclusive: int, reverse: int, axis_shape=()):
+def _cumsum_model(exclusive: int, reverse: int, axis_shape=(), op="CumSum"):
     node = helper.make_node(
-        "CumSum", ["x", "axis"], ["y"], exclusive=exclusive, reverse=reverse, name="cs"
+        op, ["x", "axis"], ["y"], exclusive=exclusive, reverse=reverse, name="cs"
     )
     return onnx_model(
         [node],
         [onnx_input("x", "float32", ["n", 3, 4]), onnx_input("axis", "int32", list(axis_shape))],
         [onnx_input("y", "float32", ["n", 3, 4])],
         {},
-        opset=14,
+        opset=14 if op == "CumSum" else 26,
     )
 
 
-@pytest.mark.parametrize("exclusive,reverse,axis_shape", [(0, 0, ()), (1, 1, (1,))])
-def test_cumsum_runtime_axis_matches_onnx_reference(exclusive, reverse, axis_shape):
-    model = _cumsum_model(exclusive, reverse, axis_shape)
+@pytest.mark.parametrize(
+    "exclusive,reverse,axis_shape,op",
+    [(0, 0, (), "CumSum"), (1, 1, (1,), "CumSum"), (0, 1, (), "CumProd"), (1, 0, (1,), "CumProd")],
+)
+def test_cumsum_runtime_axis_matches_onnx_reference(exclusive, reverse, axis_shape, op):
+    """CumSum and CumProd (opset 26, no stock converter) with the axis given at run time."""
+    model = _cumsum_model(exclusive, reverse, axis_shape, op)
     compiled = _compile(model)
     # ONNX's axis is 0-d (the reference refuses others); a one-element axis, as stock and
     # ONNX Runtime take it, means the same
-    reference = ReferenceEvaluator(_cumsum_model(exclusive, reverse))
+    reference = ReferenceEvaluator(_cumsum_model(exclusive, reverse, op=op))
     rng = np.random.default_rng(1)
     for batch, axis in [(2, 0), (2, 1), (3, 2), (3, -1), (2, -3)]:
         feeds = {

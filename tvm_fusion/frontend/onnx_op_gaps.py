@@ -19,7 +19,8 @@ stock one (``onnx_ops.OVERRIDES``) and hands every other form back to it:
   is not supported yet"): the rank ``r`` is known, so the sum along each of the ``r`` axes
   (stock's converter, ``exclusive`` / ``reverse`` honoured) and a ``where`` on the axis picks
   one; an axis outside ``[-r, r)`` is a run-time ``ValueError`` naming the node. This costs
-  ``r`` sums instead of one.
+  ``r`` sums instead of one. ``CumProd`` (opset 26, no stock converter): the same with Relax's
+  ``cumprod``.
 - ``Elu`` / ``Selu`` of float16, bfloat16 or float64 (stock: "Binary operators must have the
   same datatype": its constants are float32): the same formula with constants of the input's
   dtype. ``Celu`` (no stock converter; ONNX defines it by a function from opset 28 only):
@@ -249,12 +250,24 @@ class Pow(_frontend.Pow):
 
 
 class CumSum(_frontend.CumSum):
+    OP = "CumSum"
+
+    @classmethod
+    def _along(cls, bb, data, axis: int, attr, params):
+        """The cumulative op along a constant ``axis``."""
+        return super()._impl_v14(bb, [data, relax.const(axis, "int64")], attr, params)
+
     @classmethod
     def _impl_v14(cls, bb, inputs, attr, params):
         data, axis = inputs[0], _frontend.get_constant(inputs[1], params)
-        if isinstance(axis, GenericConst) or not isinstance(axis, relax.Expr):
+        if isinstance(axis, GenericConst):
+            value = axis.value.numpy()
+            if value.size != 1 or value.ndim > 1:
+                raise ModelError(f"{_node(cls.OP, attr)}: axis must hold one value")
+            return cls._along(bb, data, int(value.reshape(())), attr, params)
+        if not isinstance(axis, relax.Expr):
             return super()._impl_v14(bb, inputs, attr, params)
-        where = _node("CumSum", attr)
+        where = _node(cls.OP, attr)
         rank = data.ty.ndim
         aty = axis.ty
         if rank < 1 or not isinstance(aty, relax.TensorType) or aty.ndim not in (0, 1):
@@ -276,13 +289,35 @@ class CumSum(_frontend.CumSum):
         )
         out = None
         for k in reversed(range(rank)):
-            along = bb.normalize(super()._impl_v14(bb, [data, relax.const(k, adt)], attr, params))
+            along = bb.normalize(cls._along(bb, data, k, attr, params))
             if out is None:
                 out = along
             else:
                 pick = relax.op.equal(axis, relax.const(k, adt))
                 out = bb.normalize(relax.op.where(pick, along, out))
         return out
+
+
+class CumProd(CumSum):
+    """ONNX's CumProd (opset 26; no stock converter): CumSum's forms with Relax's cumprod."""
+
+    OP = "CumProd"
+
+    @classmethod
+    def _along(cls, bb, data, axis: int, attr, params):
+        rank = data.ty.ndim
+        if not -rank <= axis < rank:
+            raise ModelError(f"{_node(cls.OP, attr)}: axis {axis} out of range for rank {rank}")
+        axis %= rank
+        reverse = attr.get("reverse", 0) != 0
+        if reverse:
+            data = bb.normalize(relax.op.flip(data, axis))
+        out = bb.normalize(relax.op.cumprod(data, axis, exclusive=attr.get("exclusive", 0) != 0))
+        return bb.normalize(relax.op.flip(out, axis)) if reverse else out
+
+    @classmethod
+    def _impl_v26(cls, bb, inputs, attr, params):
+        return cls._impl_v14(bb, inputs, attr, params)
 
 
 def _elu(x, alpha: float, dtype: str):
@@ -328,6 +363,7 @@ CONVERTERS = {
     "MaxPool": MaxPool,
     "Pow": Pow,
     "CumSum": CumSum,
+    "CumProd": CumProd,
     "Elu": Elu,
     "Selu": Selu,
     "Celu": Celu,
