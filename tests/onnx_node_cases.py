@@ -57,6 +57,12 @@ _MODULES = {
     "test_wrap_pad": "pad",
     "test_training_dropout": "dropout",
     "test_range": "rangeop",
+    "test_rotary_embedding": "rotaryembedding",
+    "test_center_crop_pad": "center_crop_pad",
+    "test_l1normalization": "lpnormalization",
+    "test_l2normalization": "lpnormalization",
+    "test_lpnormalization": "lpnormalization",
+    "test_rms_normalization": "rmsnormalization",
 }
 
 

@@ -102,6 +102,31 @@ CASES = [
     # ReduceMax of a row of -inf (stock: -3.4e38), which the expanded Attention compares to
     # -inf to find a row masked in full
     "test_attention_23_boolmask_fullymasked_row_nan_robustness_expanded",
+    # opset 23's Attention (stock: com.microsoft's converter, "'num_heads'"): our converter
+    # (onnx_attention.py: 4-D / 3-D, GQA, masks, causal, a fully masked row) and the function
+    # body for the rest (past and present, softcap, qk output, padded keys, fp16)
+    *(f"test_attention_4d_{t}" for t in ("attn_mask_bool_4d", "attn_mask_4d_causal")),
+    "test_attention_3d_gqa_attn_mask",
+    "test_attention_23_boolmask_fullymasked_row_nan_robustness",
+    "test_attention_3d_diff_heads_with_past_and_present",
+    "test_attention_3d_diff_heads_sizes_softcap",
+    "test_attention_24_fullymasked_qk_matmul_output_mode3_zero",
+    "test_attention_4d_causal_fp16",
+    # ops imported through ONNX's function bodies (onnx_functions.py), Constant's value_*
+    # forms (the expanded cases), and onnx_op_gaps' Celu, EyeLike's dtype, LpNormalization,
+    # RMSNormalization over every axis, CumProd
+    "test_rotary_embedding_interleaved",
+    "test_rotary_embedding_no_position_ids_rotary_dim",
+    "test_center_crop_pad_crop_and_pad",
+    "test_swish",
+    "test_elu_expanded_ver18",
+    "test_celu_float16",
+    "test_eyelike_with_dtype",
+    "test_l1normalization_axis_0",
+    "test_l2normalization_axis_1",
+    "test_rms_normalization_4d_axis0",
+    "test_cumprod_2d_negative_axis",
+    "test_cumprod_1d_reverse_exclusive",
 ]
 
 # cases refused in one line (a converter we cannot trust, or a form the importer lacks)

@@ -154,3 +154,40 @@ def test_cumsum_axis_out_of_range_is_a_runtime_error():
     x = np.ones((2, 3, 4), "float32")
     with pytest.raises(ValueError, match="axis out of range"):
         _run(compiled, {"x": x, "axis": np.array(3, "int32")})
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_lp_normalization_symbolic_rows(p):
+    """LpNormalization (no stock converter) over a symbolic number of rows: ``x / ||x||_p``
+    along the last axis, with |x| for p = 1 (negative entries), a zero row stays zero."""
+    node = helper.make_node("LpNormalization", ["x"], ["y"], p=p, axis=-1, name="lp")
+    model = onnx_model(
+        [node], [onnx_input("x", "float32", ["n", 5])], [onnx_input("y", "float32", ["n", 5])], {}
+    )
+    compiled = _compile(model)
+    for rows in (1, 4):
+        x = np.random.default_rng(rows).standard_normal((rows, 5)).astype("float32")
+        x[0] = 0.0
+        norm = np.linalg.norm(x, ord=p, axis=-1, keepdims=True)
+        want = np.where(norm == 0, 0, x / np.where(norm == 0, 1, norm))
+        (got,) = _run(compiled, {"x": x})
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rms_normalization_over_every_axis_symbolic():
+    """RMSNormalization with axis 0 (stock's rms_norm failed in LegalizeOps), symbolic rows."""
+    node = helper.make_node("RMSNormalization", ["x", "scale"], ["y"], axis=0, epsilon=1e-3)
+    scale = np.linspace(0.5, 2.0, 6).astype("float32").reshape(1, 6)
+    model = onnx_model(
+        [node],
+        [onnx_input("x", "float32", ["n", 6])],
+        [onnx_input("y", "float32", ["n", 6])],
+        {"scale": scale},
+        opset=23,
+    )
+    compiled = _compile(model)
+    for rows in (1, 3):
+        x = np.random.default_rng(rows).standard_normal((rows, 6)).astype("float32")
+        want = x / np.sqrt(np.mean(x * x) + 1e-3) * scale
+        (got,) = _run(compiled, {"x": x})
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -25,6 +25,8 @@ stock one (``onnx_ops.OVERRIDES``) and hands every other form back to it:
   same datatype": its constants are float32): the same formula with constants of the input's
   dtype. ``Celu`` (no stock converter; ONNX defines it by a function from opset 28 only):
   ``alpha * Elu(x / alpha)`` in the input's dtype.
+- ``EyeLike`` with a ``dtype`` other than the input's, ``LpNormalization`` (no stock
+  converter), ``RMSNormalization`` over every axis (stock failed in LegalizeOps).
 
 The integer ``Pow`` is one TIR kernel over the flattened, broadcast operands that asserts
 after its loop; CumSum's axis check is a small TIR kernel called in place on the axis (which
@@ -355,6 +357,63 @@ class Celu(_frontend.OnnxOpConverter):
         return relax.const(alpha, dtype) * _elu(x / relax.const(alpha, dtype), 1.0, dtype)
 
 
+class EyeLike(_frontend.EyeLike):
+    """A ``dtype`` attribute other than the input's is the output's dtype (stock refused it:
+    "dtype mismatch between input and attribute"; and 0.27's ``eye_like`` kernel is of the
+    input's dtype whatever its attribute)."""
+
+    @classmethod
+    def _impl_v9(cls, bb, inputs, attr, params):
+        x = bb.normalize(inputs[0])
+        dtype = _frontend.get_type(attr["dtype"]) if "dtype" in attr else _dtype_of(x)
+        if x.ty.ndim != 2:
+            raise ModelError(f"{_node('EyeLike', attr)}: a {x.ty.ndim}-D input (2-D only)")
+        rows, cols = x.ty.shape.values
+        # R.eye, not R.eye_like: 0.27's legalization of eye_like ignores its dtype
+        return relax.op.eye(rows, cols, int(attr.get("k", 0)), dtype)
+
+
+class LpNormalization(_frontend.OnnxOpConverter):
+    """``x / ||x||_p`` along ``axis`` (p 1 or 2), 0 where the norm is 0 (ONNX's reference);
+    no stock converter."""
+
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        x = bb.normalize(inputs[0])
+        p, axis = int(attr.get("p", 2)), int(attr.get("axis", -1))
+        dtype = _dtype_of(x)
+        if p not in (1, 2) or not dtype.startswith(("float", "bfloat")):
+            raise ModelError(f"{_node('LpNormalization', attr)}: p={p} of {dtype}")
+        if p == 1:
+            norm = relax.op.sum(relax.op.abs(x), axis=[axis], keepdims=True)
+        else:
+            norm = relax.op.sqrt(relax.op.sum(relax.op.multiply(x, x), axis=[axis], keepdims=True))
+        norm = bb.normalize(norm)
+        zero = relax.const(0.0, dtype)
+        return relax.op.where(relax.op.equal(norm, zero), zero, relax.op.divide(x, norm))
+
+
+class RMSNormalization(_frontend.RMSNormalization):
+    """Normalized over every axis (``axis`` 0): computed from its formula (stock's ``rms_norm``
+    failed in LegalizeOps: "Tensor dimension mismatch"); other axes: stock."""
+
+    @classmethod
+    def _impl_v23(cls, bb, inputs, attr, params):
+        x = bb.normalize(inputs[0])
+        rank = x.ty.ndim
+        if rank < 1 or int(attr.get("axis", -1)) not in (0, -rank):
+            return super()._impl_v23(bb, inputs, attr, params)
+        dtype, scale = _dtype_of(x), bb.normalize(inputs[1])
+        stash = int(attr.get("stash_type", 1)) == 1 and dtype != "float32"
+        if stash:
+            x, scale = relax.op.astype(x, "float32"), relax.op.astype(scale, "float32")
+        cdt = "float32" if stash else dtype
+        mean = relax.op.mean(relax.op.multiply(x, x), axis=list(range(rank)), keepdims=True)
+        eps = relax.const(float(attr.get("epsilon", 1e-5)), cdt)
+        out = relax.op.multiply(relax.op.multiply(x, relax.op.rsqrt(mean + eps)), scale)
+        return relax.op.astype(out, dtype) if stash else out
+
+
 def _dtype_of(expr) -> str:
     return str(getattr(getattr(expr, "ty", None), "dtype", ""))
 
@@ -364,6 +423,9 @@ CONVERTERS = {
     "Pow": Pow,
     "CumSum": CumSum,
     "CumProd": CumProd,
+    "EyeLike": EyeLike,
+    "LpNormalization": LpNormalization,
+    "RMSNormalization": RMSNormalization,
     "Elu": Elu,
     "Selu": Selu,
     "Celu": Celu,
