@@ -127,6 +127,7 @@ CASES = [
     "test_rms_normalization_4d_axis0",
     "test_cumprod_2d_negative_axis",
     "test_cumprod_1d_reverse_exclusive",
+    "test_reversesequence_batch",
 ]
 
 # cases refused in one line (a converter we cannot trust, or a form the importer lacks)

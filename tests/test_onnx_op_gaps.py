@@ -191,3 +191,25 @@ def test_rms_normalization_over_every_axis_symbolic():
         want = x / np.sqrt(np.mean(x * x) + 1e-3) * scale
         (got,) = _run(compiled, {"x": x})
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_reverse_sequence_symbolic_steps_and_lengths_out_of_range():
+    """ReverseSequence (no stock converter) with a symbolic number of steps: each batch
+    entry's first ``len`` steps reversed; lengths above the steps (or negative) clipped, never
+    an index outside the tensor."""
+    node = helper.make_node("ReverseSequence", ["x", "lens"], ["y"], time_axis=0, batch_axis=1)
+    model = onnx_model(
+        [node],
+        [onnx_input("x", "float32", ["t", 3, 2]), onnx_input("lens", "int64", [3])],
+        [onnx_input("y", "float32", ["t", 3, 2])],
+        {},
+        opset=10,
+    )
+    compiled = _compile(model)
+    for steps, lens in ((4, [1, 3, 4]), (2, [0, 5, -1])):
+        x = np.arange(steps * 6, dtype="float32").reshape(steps, 3, 2)
+        want = x.copy()
+        for b, n in enumerate(np.clip(lens, 0, steps)):
+            want[:n, b] = x[:n, b][::-1]
+        (got,) = _run(compiled, {"x": x, "lens": np.array(lens, "int64")})
+        np.testing.assert_array_equal(got, want)

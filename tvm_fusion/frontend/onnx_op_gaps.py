@@ -26,7 +26,8 @@ stock one (``onnx_ops.OVERRIDES``) and hands every other form back to it:
   dtype. ``Celu`` (no stock converter; ONNX defines it by a function from opset 28 only):
   ``alpha * Elu(x / alpha)`` in the input's dtype.
 - ``EyeLike`` with a ``dtype`` other than the input's, ``LpNormalization`` (no stock
-  converter), ``RMSNormalization`` over every axis (stock failed in LegalizeOps).
+  converter), ``RMSNormalization`` over every axis (stock failed in LegalizeOps),
+  ``ReverseSequence`` (no stock converter; lengths clipped to ``[0, T]``).
 
 The integer ``Pow`` is one TIR kernel over the flattened, broadcast operands that asserts
 after its loop; CumSum's axis check is a small TIR kernel called in place on the axis (which
@@ -414,6 +415,35 @@ class RMSNormalization(_frontend.RMSNormalization):
         return relax.op.astype(out, dtype) if stash else out
 
 
+class ReverseSequence(_frontend.OnnxOpConverter):
+    """Each batch entry's first ``sequence_lens[b]`` steps reversed along ``time_axis`` (no
+    stock converter): one ``gather_elements`` with indices ``len - 1 - t`` below the length,
+    ``t`` above; a length outside ``[0, T]`` is clipped to it (no index leaves the tensor)."""
+
+    @classmethod
+    def _impl_v10(cls, bb, inputs, attr, params):
+        x, lens = bb.normalize(inputs[0]), bb.normalize(inputs[1])
+        time_axis, batch_axis = int(attr.get("time_axis", 0)), int(attr.get("batch_axis", 1))
+        rank = x.ty.ndim
+        if rank < 2 or {time_axis, batch_axis} != {0, 1} or lens.ty.ndim != 1:
+            raise ModelError(f"{_node('ReverseSequence', attr)}: axes {time_axis}, {batch_axis}")
+        steps = x.ty.shape.values[time_axis]
+        norm = bb.normalize
+        lens = norm(relax.op.astype(lens, "int64"))
+        count = norm(relax.op.reshape(relax.op.shape_to_tensor(relax.ShapeExpr([steps])), ()))
+        lens = norm(relax.op.minimum(norm(relax.op.maximum(lens, relax.const(0, "int64"))), count))
+        t_shape = [1] * rank
+        t_shape[time_axis] = -1
+        b_shape = [1] * rank
+        b_shape[batch_axis] = -1
+        t = norm(relax.op.reshape(norm(relax.op.arange(0, steps, 1, "int64")), t_shape))
+        n = norm(relax.op.reshape(lens, b_shape))
+        back = norm(relax.op.subtract(norm(relax.op.subtract(n, relax.const(1, "int64"))), t))
+        index = norm(relax.op.where(norm(relax.op.less(t, n)), back, t))
+        index = norm(relax.op.broadcast_to(index, x.ty.shape))
+        return relax.op.gather_elements(x, index, time_axis)
+
+
 def _dtype_of(expr) -> str:
     return str(getattr(getattr(expr, "ty", None), "dtype", ""))
 
@@ -426,6 +456,7 @@ CONVERTERS = {
     "EyeLike": EyeLike,
     "LpNormalization": LpNormalization,
     "RMSNormalization": RMSNormalization,
+    "ReverseSequence": ReverseSequence,
     "Elu": Elu,
     "Selu": Selu,
     "Celu": Celu,
