@@ -63,6 +63,11 @@ _MODULES = {
     "test_l2normalization": "lpnormalization",
     "test_lpnormalization": "lpnormalization",
     "test_rms_normalization": "rmsnormalization",
+    "test_reduce_log_sum_exp": "reduce_log_sum_exp",
+    "test_reduce_max": "reducemax",
+    "test_reduce_sum": "reducesum",
+    "test_reduce_mean": "reducemean",
+    "test_reduce_l2": "reducel2",
 }
 
 

@@ -84,6 +84,7 @@ from .onnx_fixes import FIXES as _FIXES
 from .onnx_fixes import expand_to_runtime_shape
 from .onnx_known_shapes import KnownShapes
 from .onnx_op_gaps import CONVERTERS as _GAPS
+from .onnx_reduce_axes import RUNTIME_AXES as _RUNTIME_AXES
 from .onnx_refusals import FIXES as _SUITE_FIXES
 from .onnx_reshape_check import checked_input, computed_from_data, resolved_shape
 from .onnx_rnn import CONVERTERS as _RNN_CONVERTERS
@@ -531,6 +532,7 @@ OVERRIDES = {
     **_GAPS,  # forms stock refuses: MaxPool Indices, integer Pow, run-time CumSum axis
     **_DYNAMIC,  # Size, Pad, Split with operands known at run time (onnx_dynamic.py)
     **_SUITE_FIXES,  # the same, found by the whole node suite (onnx_refusals.py)
+    **_RUNTIME_AXES,  # Reduce* with axes given at run time (onnx_reduce_axes.py)
     **_VARIADIC,  # Sum / Mean as elementwise adds, not stack + reduce (onnx_variadic.py)
     "Attention": _Attention,  # opset 23's, not com.microsoft's (onnx_attention.py)
 }
