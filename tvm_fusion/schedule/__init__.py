@@ -27,6 +27,7 @@ from tvm.target import Target
 
 from .. import target as _target
 from . import cpu, cuda
+from .empty_reductions import init_outside_empty_loops
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class ApplyRules:
                 if space is None:
                     continue
                 sch = space if not isinstance(space, list) else space[0]
+                init_outside_empty_loops(sch)
                 updated[gv] = (
                     sch.mod["main"]
                     .with_attr("tirx.is_scheduled", True)
