@@ -37,3 +37,62 @@ def test_float16_softmax_sums_in_float32():
     got = _run(model, x)
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype("float64"), want, rtol=2.0**-9, atol=1e-7)
+
+
+def _resize_model(scales=None, sizes=None, mode="linear", antialias=0, dims=("n", 3, "h", "w")):
+    from onnx import numpy_helper
+
+    inits = [numpy_helper.from_array(np.zeros(0, np.float32), "roi")]
+    names = ["x", "roi"]
+    if scales is not None:
+        inits.append(numpy_helper.from_array(np.array(scales, np.float32), "scales"))
+        names.append("scales")
+    else:
+        names.append("")
+        inits.append(numpy_helper.from_array(np.array(sizes, np.int64), "sizes"))
+        names.append("sizes")
+    node = helper.make_node("Resize", names, ["y"], mode=mode, antialias=antialias, name="rs")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(dims))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b", "c", "d"])],
+        initializer=inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_resize_refuses_what_stock_gets_wrong():
+    """Constant scales whose product is not whole (stock: the ratio of the sizes instead of the
+    scale, errors up to 1.2 on ONNX's downsample cases) and antialias when shrinking (stock
+    ignores it) are refused in one line naming the node."""
+    import pytest
+
+    from tvm_fusion.errors import ModelError
+
+    cases = [
+        (_resize_model(scales=[1, 1, 0.6, 0.6], dims=(1, 3, 4, 4)), "scale 0.6 on axis 2"),
+        (_resize_model(scales=[1, 1, 0.5, 0.5]), "scale 0.5 on axis 2"),  # symbolic h
+        (_resize_model(sizes=[1, 3, 2, 2], antialias=1, dims=(1, 3, 4, 4)), "antialias"),
+    ]
+    for model, message in cases:
+        with pytest.raises(ModelError, match=f"Resize node 'rs': {message}"):
+            tvm_fusion.load_onnx(model)
+
+
+def test_resize_whole_scales_symbolic_and_antialias_growing_match_onnx():
+    """Must not fire: integer scales on symbolic extents, a shrink to whole extents, and
+    antialias when growing (no effect) keep stock's converter and ONNX's numbers."""
+    from onnx.reference import ReferenceEvaluator
+
+    models = [
+        (_resize_model(scales=[1, 1, 2, 3]), (2, 3, 5, 4)),
+        (_resize_model(scales=[1, 1, 0.5, 0.25], dims=(1, 3, 6, 8)), (1, 3, 6, 8)),
+        (_resize_model(sizes=[1, 3, 7, 9], antialias=1, dims=(1, 3, 4, 4)), (1, 3, 4, 4)),
+    ]
+    for model, shape in models:
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        (want,) = ReferenceEvaluator(model).run(None, {"x": x})
+        got = _run(model, x)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

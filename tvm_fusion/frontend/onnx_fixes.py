@@ -17,6 +17,8 @@ fixed here or refuses the model in one line naming the node and the value:
   statistics, ONNX's that of the running ones (stock passed it unchanged);
 - ``Cast`` / ``CastLike`` from or to float8 / float4 (TVM's conversions are wrong outside the
   type's range and for inf / NaN: no saturation) or int4 / int2 (no kernel takes them): refused;
+- ``Resize`` with ``antialias=1`` when shrinking (ignored by stock), or constant ``scales``
+  whose product with an extent is not whole (stock maps by the ratio of the sizes): refused;
 - ``RoiAlign`` with ``mode="max"`` (error 0.4 against ONNX's reference) and
   ``NonMaxSuppression`` (no box selected, ever) are refused.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 from tvm import relax, tirx
+from tvm.ir.expr import GenericConst
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 
 from ..errors import ModelError
@@ -254,7 +257,48 @@ class CastLike(_frontend.CastLike):
         return super()._impl_v15(bb, inputs, attr, params)
 
 
+class Resize(_frontend.Resize):
+    """Refused where stock's numbers are wrong (ONNX's node cases with constant scales / sizes,
+    as real models have them): ``antialias=1`` when shrinking (stock ignores it: errors up to
+    2.6), and ``scales`` whose product with an extent is not a whole number (stock resizes to
+    the floor and maps coordinates by the ratio of the sizes, ONNX by the scale: 4 -> 0.6 x
+    gave errors up to 1.2)."""
+
+    @classmethod
+    def _impl_v18(cls, bb, inputs, attr, params):
+        where = _node("Resize", attr)
+        x = inputs[0]
+        dims = list(x.ty.shape.values) if getattr(x.ty, "shape", None) is not None else []
+        scales = _frontend.get_constant(inputs[2], params) if len(inputs) > 2 else None
+        sizes = _frontend.get_constant(inputs[3], params) if len(inputs) > 3 else None
+        shrink = False
+        if isinstance(scales, GenericConst):
+            values = scales.value.numpy().astype("float64").reshape(-1)
+            for axis, (scale, dim) in enumerate(zip(values, dims, strict=False)):
+                static = isinstance(dim, tirx.IntImm)
+                whole = float(scale).is_integer() or (
+                    static and float(int(dim.value) * scale).is_integer()
+                )
+                if not whole:
+                    extent = int(dim.value) if static else dim
+                    raise ModelError(
+                        f"{where}: scale {scale:g} on axis {axis} (extent {extent}) does not "
+                        "give a whole output extent (TVM's resize maps by the ratio of the sizes)"
+                    )
+                shrink |= scale < 1
+        elif isinstance(sizes, GenericConst):
+            values = sizes.value.numpy().reshape(-1)
+            for size, dim in zip(values, dims, strict=False):
+                shrink |= not isinstance(dim, tirx.IntImm) or int(size) < int(dim.value)
+        else:
+            shrink = True
+        if int(attr.get("antialias", 0)) and shrink:
+            raise ModelError(f"{where}: antialias=1 when shrinking is not supported")
+        return super()._impl_v18(bb, inputs, attr, params)
+
+
 FIXES = {
+    "Resize": Resize,
     "Cast": Cast,
     "CastLike": CastLike,
     "SpaceToDepth": SpaceToDepth,
