@@ -96,3 +96,51 @@ def test_resize_whole_scales_symbolic_and_antialias_growing_match_onnx():
         got = _run(model, x)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _topk_model(opset: int, dtype: str):
+    from onnx import numpy_helper
+
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    node = helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=1, name="tk")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", elem, ["n", 5])],
+        [
+            helper.make_tensor_value_info("v", elem, ["n", 2]),
+            helper.make_tensor_value_info("i", TensorProto.INT64, ["n", 2]),
+        ],
+        initializer=[numpy_helper.from_array(np.array([2], np.int64), "k")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_topk_opset10_and_narrow_integers_match_onnx():
+    """Opset 10's TopK took stock's opset-1 converter (the top 1, not K); int16 / uint16 /
+    uint32 inputs raised in the sort kernel at run time (now widened, exactly)."""
+    from onnx.reference import ReferenceEvaluator
+
+    from tvm_fusion.build import engine
+
+    for opset, dtype in ((10, "float32"), (11, "int16"), (18, "uint16"), (18, "uint32")):
+        model = _topk_model(opset, dtype)
+        compiled = engine.compile_module(
+            tvm_fusion.load_onnx(model), tvm_fusion.host_target(), "tvm_fusion"
+        )
+        for rows in (1, 3):
+            x = np.random.default_rng(rows).permutation(rows * 5).reshape(rows, 5).astype(dtype)
+            want = ReferenceEvaluator(model).run(None, {"x": x})
+            got = engine.TvmRunner(compiled, [x]).outputs()
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == w.dtype and g.shape == w.shape, (opset, dtype)
+                np.testing.assert_array_equal(g, w)
+
+
+def test_topk_uint64_is_refused():
+    import pytest
+
+    from tvm_fusion.errors import ModelError
+
+    with pytest.raises(ModelError, match="TopK node 'tk': uint64"):
+        tvm_fusion.load_onnx(_topk_model(18, "uint64"))

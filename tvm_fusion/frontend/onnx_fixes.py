@@ -17,6 +17,8 @@ fixed here or refuses the model in one line naming the node and the value:
   statistics, ONNX's that of the running ones (stock passed it unchanged);
 - ``Cast`` / ``CastLike`` from or to float8 / float4 (TVM's conversions are wrong outside the
   type's range and for inf / NaN: no saturation) or int4 / int2 (no kernel takes them): refused;
+- ``TopK`` at opset 10 (stock's opset-1 converter: the top 1 whatever ``K``), and of int16 /
+  uint16 / uint32 (widened for the sort kernel; uint64 refused);
 - ``Resize`` with ``antialias=1`` when shrinking (ignored by stock), or constant ``scales``
   whose product with an extent is not whole (stock maps by the ratio of the sizes): refused;
 - ``RoiAlign`` with ``mode="max"`` (error 0.4 against ONNX's reference) and
@@ -297,7 +299,38 @@ class Resize(_frontend.Resize):
         return super()._impl_v18(bb, inputs, attr, params)
 
 
+# TopK's CPU kernel (the runtime's sort) takes these dtypes only ("Unsupported input dtype" at
+# run time otherwise); the others are widened exactly, uint64 has no wider type and is refused
+_TOPK_WIDEN = {"int16": "int32", "uint16": "int32", "uint32": "int64"}
+
+
+class TopK(_frontend.TopK):
+    """Opset 10 (``K`` an input, as from 11 on) used stock's opset-1 converter, which reads
+    ``k`` from an attribute it does not have and returned the top 1; int16 / uint16 / uint32
+    inputs are widened for the sort kernel (it raised at run time), uint64 is refused."""
+
+    @classmethod
+    def _impl_v10(cls, bb, inputs, attr, params):
+        return cls._impl_v11(bb, inputs, {**attr, "largest": 1, "sorted": 1}, params)
+
+    @classmethod
+    def _impl_v11(cls, bb, inputs, attr, params):
+        x = bb.normalize(inputs[0])
+        dtype = _dtype(x)
+        if dtype == "uint64":
+            raise ModelError(f"{_node('TopK', attr)}: uint64 input (no sort kernel takes it)")
+        wide = _TOPK_WIDEN.get(dtype)
+        if wide is None:
+            return super()._impl_v11(bb, [x, *inputs[1:]], attr, params)
+        both = bb.normalize(
+            super()._impl_v11(bb, [relax.op.astype(x, wide), *inputs[1:]], attr, params)
+        )
+        values = relax.op.astype(relax.TupleGetItem(both, 0), dtype)
+        return relax.Tuple([values, relax.TupleGetItem(both, 1)])
+
+
 FIXES = {
+    "TopK": TopK,
     "Resize": Resize,
     "Cast": Cast,
     "CastLike": CastLike,
