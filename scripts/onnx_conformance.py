@@ -241,6 +241,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-expanded", action="store_true", help="skip *_expanded cases")
     parser.add_argument("--output", default="bench/conformance", help="path stem: .json, .md")
     parser.add_argument(
+        "--operands-as-initializers",
+        action="store_true",
+        help="each case's inputs after the first as initializers (as real models hold axes, "
+        "pads, scales...); cases with one input are skipped",
+    )
+    parser.add_argument(
         "--merge",
         default="",
         help="a previous run's .json: its results, with this run's replacing those of the same "
@@ -253,6 +259,8 @@ def main(argv=None) -> int:
         parser.error(f"--engines: choose from {', '.join(nc.ENGINES)}")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.operands_as_initializers:
+        os.environ[nc.CONSTANTS_ENV] = "1"  # the worker processes inherit it
     ops = None
     if args.ops == "corpus":
         ops = set(CORPUS_OPS)

@@ -171,3 +171,18 @@ def test_onnx_node_case(name):
         assert "\n" not in result
     else:
         assert result == "pass"
+
+
+def test_operands_as_initializers(monkeypatch):
+    """``--operands-as-initializers`` (the cases' inputs after the first held as initializers,
+    as real models hold them): constant-operand paths the suite's run-time inputs hide (a
+    Resize by 0.6 of 4 pixels: stock's numbers were wrong, now refused; opset 10's TopK); a case
+    with one input is skipped."""
+    import onnx_node_cases as nc
+
+    monkeypatch.setenv(nc.CONSTANTS_ENV, "1")
+    assert run_case("test_top_k") == "pass"
+    assert run_case("test_reduce_sum_keepdims_example") == "pass"
+    resize = run_case("test_resize_downsample_scales_linear")
+    assert resize.startswith("refused: load:") and "Resize node" in resize, resize
+    assert run_case("test_abs").startswith("skipped: no input after the first")
