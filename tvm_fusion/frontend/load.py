@@ -238,15 +238,63 @@ def _named_nodes(model):
 
 def load_onnx(path_or_model, shapes: Shapes | None = None) -> tvm.IRModule:
     """Validate an ONNX model and import it as a Relax IRModule (see module docstring)."""
+    model, where = _read_model(path_or_model)
+    _check_model(model, where)
+    shape_dict = _check_shapes(model, shapes, where)
+    model = _with_input_shapes(model, shapes)
+    try:
+        return _import(model, where, shape_dict)
+    except ModelError:
+        newer = _newer_opset(model)
+        if newer is None:
+            raise
+        logger.debug("%s: imported again at opset %d", where, _UPGRADE_OPSET)
+        return _import(newer, where, shape_dict)  # its refusal names what is left
+
+
+# a model below this opset that the importer refuses is tried again after ONNX's version
+# converter (stock's converters take the old forms of Resize, Upsample, Slice as the new ones)
+_UPGRADE_BELOW, _UPGRADE_OPSET = 11, 13
+
+
+def _newer_opset(model):
+    """``model`` converted to :data:`_UPGRADE_OPSET` by ONNX's version converter when its opset
+    is below :data:`_UPGRADE_BELOW`, else (or when the converter fails) None."""
+    import onnx
+    from onnx import version_converter
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if not 0 < opset < _UPGRADE_BELOW:
+        return None
+    try:
+        converted = version_converter.convert_version(model, _UPGRADE_OPSET)
+        for node in converted.graph.node:
+            # Resize 10 and Upsample map coordinates as "asymmetric" and take the floor for
+            # nearest; the converter leaves opset 11's defaults (half_pixel,
+            # round_prefer_floor): linear resizes, and nearest ones by 3, came out wrong
+            given = {a.name for a in node.attribute}
+            if node.op_type != "Resize":
+                continue
+            for name, value in (
+                ("coordinate_transformation_mode", "asymmetric"),
+                ("nearest_mode", "floor"),  # opset 10's nearest pixel (ONNX Runtime's)
+            ):
+                if name not in given:
+                    node.attribute.append(onnx.helper.make_attribute(name, value))
+        onnx.checker.check_model(converted)
+    except Exception as err:  # noqa: BLE001 - the first refusal stands
+        logger.debug("version converter: %s", first_line(err))
+        return None
+    return converted
+
+
+def _import(model, where: str, shape_dict):
+    """The checked ``model`` through our ONNX rewrites and TVM's importer."""
     from tvm.relax.frontend.onnx import from_onnx
 
     from . import onnx_functions, onnx_shape_operands
     from .onnx_fold import fold_constants
 
-    model, where = _read_model(path_or_model)
-    _check_model(model, where)
-    shape_dict = _check_shapes(model, shapes, where)
-    model = _with_input_shapes(model, shapes)
     model, _ = onnx_functions.normalize_constants(model)
     model, expanded = onnx_functions.expand_functions(model, _known_ops())
     if expanded:
