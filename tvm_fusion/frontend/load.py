@@ -263,7 +263,9 @@ def _newer_opset(model):
     import onnx
     from onnx import version_converter
 
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    from .onnx_functions import _opset
+
+    opset = _opset(model)
     if not 0 < opset < _UPGRADE_BELOW:
         return None
     try:

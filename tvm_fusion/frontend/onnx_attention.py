@@ -32,6 +32,8 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 
 from ..errors import ModelError
+from .onnx_fixes import _node
+from .onnx_known_shapes import tensor_dims
 
 _KNOWN_ATTRS = {
     "is_causal",
@@ -45,16 +47,6 @@ _KNOWN_ATTRS = {
     "right_window_size",
 }
 _FLOAT, _BOOL = 1, 9
-
-
-def _dims(type_proto):
-    """The dims of a tensor type (int, name, or None), or None without a shape."""
-    tensor = type_proto.tensor_type if type_proto is not None else None
-    if tensor is None or not tensor.HasField("shape"):
-        return None
-    return [
-        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim
-    ]
 
 
 def native(node, types: dict, opset: int) -> bool:
@@ -78,7 +70,7 @@ def native(node, types: dict, opset: int) -> bool:
     typed = [types.get(n) for n in names[:3]]
     if any(t is None or t.tensor_type.elem_type != _FLOAT for t in typed):
         return False
-    q, k, v = (_dims(t) for t in typed)
+    q, k, v = (tensor_dims(t) for t in typed)
     if q is None or k is None or v is None or not len(q) == len(k) == len(v) in (3, 4):
         return False
     if len(q) == 3:
@@ -99,7 +91,7 @@ def native(node, types: dict, opset: int) -> bool:
         return False
     if names[3]:
         mask = types.get(names[3])
-        dims = _dims(mask)
+        dims = tensor_dims(mask)
         if dims is None or mask.tensor_type.elem_type not in (_FLOAT, _BOOL) or len(dims) > 4:
             return False
         if not dims or (dims[-1] != 1 and (dims[-1] is None or dims[-1] != kv_len)):
@@ -121,10 +113,10 @@ class Attention(_frontend.OnnxOpConverter):
 
     @classmethod
     def _impl_v23(cls, bb, inputs, attr, params):
-        name = attr.get("tvm_custom", {}).get("name") or ""
         inputs = list(inputs) + [None] * (7 - len(inputs))
         if any(x is not None for x in inputs[4:]):
-            raise ModelError(f"Attention node {name!r}: past key / value or nonpad_kv_seqlen")
+            where = _node("Attention", attr)
+            raise ModelError(f"{where}: past key / value or nonpad_kv_seqlen")
         q, k, v = (bb.normalize(x) for x in inputs[:3])
         three_d = q.ty.ndim == 3
         hq = int(attr.get("q_num_heads", 0)) if three_d else int(q.ty.shape.values[1])

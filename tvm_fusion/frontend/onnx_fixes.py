@@ -311,7 +311,7 @@ class TopK(_frontend.TopK):
 
     @classmethod
     def _impl_v10(cls, bb, inputs, attr, params):
-        return cls._impl_v11(bb, inputs, {**attr, "largest": 1, "sorted": 1}, params)
+        return cls._impl_v11(bb, inputs, attr, params)  # no largest / sorted: stock's defaults
 
     @classmethod
     def _impl_v11(cls, bb, inputs, attr, params):

@@ -58,17 +58,24 @@ def _infer(model):
         return model
 
 
+def tensor_dims(type_proto) -> list[int | str | None] | None:
+    """The dims of an ONNX tensor type (an int, a name, or None), or None without a shape."""
+    tensor = type_proto.tensor_type if type_proto is not None else None
+    if tensor is None or not tensor.HasField("shape"):
+        return None
+    return [
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim
+    ]
+
+
 def onnx_input_shapes(model) -> dict[str, list[list[int | str | None] | None]]:
     """Per node, the shape of each of its inputs as shape inference finds it."""
     graph = _infer(model).graph
     shapes: dict[str, list[int | str | None]] = {}
     for info in [*graph.input, *graph.value_info, *graph.output]:
-        tensor = info.type.tensor_type
-        if tensor.HasField("shape"):
-            shapes[info.name] = [
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                for d in tensor.shape.dim
-            ]
+        dims = tensor_dims(info.type)
+        if dims is not None:
+            shapes[info.name] = dims
     for init in graph.initializer:
         shapes[init.name] = list(init.dims)
     return {node.name: [shapes.get(i) for i in node.input] for node in graph.node if node.name}

@@ -44,11 +44,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as _frontend
 
 from ..check_kernels import Buf, flag_kernel, indices, parse_kernel, shape_vars
 from ..errors import ModelError
-
-
-def _node(op: str, attr: dict) -> str:
-    name = attr.get("tvm_custom", {}).get("name") or ""
-    return f"{op} node {name!r}" if name else f"{op} node"
+from .onnx_fixes import _dtype, _node
 
 
 def _i64(value) -> tirx.PrimExpr:
@@ -334,27 +330,23 @@ class Elu(_frontend.Elu):
     @classmethod
     def _impl_v1(cls, bb, inputs, attr, params):
         x = bb.normalize(inputs[0])
-        if _dtype_of(x) == "float32":
-            return super()._impl_v1(bb, inputs, attr, params)
-        return _elu(x, float(attr.get("alpha", 1.0)), _dtype_of(x))
+        return _elu(x, float(attr.get("alpha", 1.0)), _dtype(x))
 
 
 class Selu(_frontend.Selu):
     @classmethod
     def _impl_v1(cls, bb, inputs, attr, params):
         x = bb.normalize(inputs[0])
-        if _dtype_of(x) == "float32":
-            return super()._impl_v1(bb, inputs, attr, params)
         alpha = float(attr.get("alpha", 1.67326319217681884765625))
         gamma = float(attr.get("gamma", 1.05070102214813232421875))
-        return relax.const(gamma, _dtype_of(x)) * _elu(x, alpha, _dtype_of(x))
+        return relax.const(gamma, _dtype(x)) * _elu(x, alpha, _dtype(x))
 
 
 class Celu(_frontend.OnnxOpConverter):
     @classmethod
     def _impl_v12(cls, bb, inputs, attr, params):
         x, alpha = bb.normalize(inputs[0]), float(attr.get("alpha", 1.0))
-        dtype = _dtype_of(x)
+        dtype = _dtype(x)
         return relax.const(alpha, dtype) * _elu(x / relax.const(alpha, dtype), 1.0, dtype)
 
 
@@ -366,7 +358,7 @@ class EyeLike(_frontend.EyeLike):
     @classmethod
     def _impl_v9(cls, bb, inputs, attr, params):
         x = bb.normalize(inputs[0])
-        dtype = _frontend.get_type(attr["dtype"]) if "dtype" in attr else _dtype_of(x)
+        dtype = _frontend.get_type(attr["dtype"]) if "dtype" in attr else _dtype(x)
         if x.ty.ndim != 2:
             raise ModelError(f"{_node('EyeLike', attr)}: a {x.ty.ndim}-D input (2-D only)")
         rows, cols = x.ty.shape.values
@@ -382,7 +374,7 @@ class LpNormalization(_frontend.OnnxOpConverter):
     def _impl_v1(cls, bb, inputs, attr, params):
         x = bb.normalize(inputs[0])
         p, axis = int(attr.get("p", 2)), int(attr.get("axis", -1))
-        dtype = _dtype_of(x)
+        dtype = _dtype(x)
         if p not in (1, 2) or not dtype.startswith(("float", "bfloat")):
             raise ModelError(f"{_node('LpNormalization', attr)}: p={p} of {dtype}")
         if p == 1:
@@ -404,7 +396,7 @@ class RMSNormalization(_frontend.RMSNormalization):
         rank = x.ty.ndim
         if rank < 1 or int(attr.get("axis", -1)) not in (0, -rank):
             return super()._impl_v23(bb, inputs, attr, params)
-        dtype, scale = _dtype_of(x), bb.normalize(inputs[1])
+        dtype, scale = _dtype(x), bb.normalize(inputs[1])
         stash = int(attr.get("stash_type", 1)) == 1 and dtype != "float32"
         if stash:
             x, scale = relax.op.astype(x, "float32"), relax.op.astype(scale, "float32")
@@ -442,10 +434,6 @@ class ReverseSequence(_frontend.OnnxOpConverter):
         index = norm(relax.op.where(norm(relax.op.less(t, n)), back, t))
         index = norm(relax.op.broadcast_to(index, x.ty.shape))
         return relax.op.gather_elements(x, index, time_axis)
-
-
-def _dtype_of(expr) -> str:
-    return str(getattr(getattr(expr, "ty", None), "dtype", ""))
 
 
 CONVERTERS = {
